@@ -1,0 +1,110 @@
+"""Loop-index and budget conditioning, eq. (4)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from elr_lightning.layers import Modulator
+from elr_lightning.roles import set_module_role
+
+
+class Conditioner(nn.Module):
+    """Seam contract for loop conditioning.
+
+    A conditioner owns the context network and builds the per-sublayer :class:`Modulator` s that the
+    model places in every recurrent and output layer. Per loop ``i`` of ``k`` (budget ``K``) the
+    model asks for a context ``c_i = conditioner(i, k, K, like)``; it passes ``c_k`` to the output
+    layers. ``like`` is any tensor of the forward pass, for device and dtype.
+
+    The persistent ``active`` flag (saved with the weights) switches conditioning into and out of
+    the forward pass: while it is off, ``forward`` returns ``None`` and the model runs the plain
+    layers. :class:`~elr_lightning.callbacks.ZeroInitConditioning` turns it on at the switch.
+    Modulators must be zero-initialised so that turning it on changes no output (eq. 4).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("active", torch.ones((), dtype=torch.bool))
+
+    def make_modulator(self, d_model: int) -> Modulator:
+        """A fresh modulator for one sublayer of width ``d_model``."""
+        raise NotImplementedError
+
+    def context(self, loop: int, loops: int, max_loops: int, like: Tensor) -> Tensor:
+        """The context vector c_i for loop ``loop`` of ``loops`` under budget ``max_loops``."""
+        raise NotImplementedError
+
+    def forward(self, loop: int, loops: int, max_loops: int, like: Tensor) -> Optional[Tensor]:
+        """``context(...)`` while active, else ``None``."""
+        if not bool(self.active):
+            return None
+        return self.context(loop, loops, max_loops, like)
+
+
+def sinusoid(x: float, n_freqs: int, like: Tensor) -> Tensor:
+    """phi(x): ``[sin(2^j pi x), cos(2^j pi x)]`` for j < ``n_freqs``, for a scalar ``x`` in [0, 1]."""
+    freqs = math.pi * 2.0 ** torch.arange(n_freqs, device=like.device, dtype=torch.float32)
+    angles = freqs * x
+    return torch.cat((angles.sin(), angles.cos()))
+
+
+class FiLMAdapterModulator(Modulator):
+    """Eq. (4) for one sublayer, with every head zero-initialised.
+
+    ``x~ = (1 + lambda(c)) * RMSNorm(x) + mu(c)``; ``x^ = x~ + A (g(c) * B x~)``;
+    ``y = x + (1 + omega(c)) * f(x^)``.
+
+    Args:
+        d_model: Width of the sublayer.
+        d_cond: Width of the context c.
+        rank: Rank r of the adapter A B.
+    """
+
+    def __init__(self, d_model: int, d_cond: int, rank: int) -> None:
+        super().__init__()
+        self.film = nn.Linear(d_cond, 2 * d_model)
+        self.g = nn.Linear(d_cond, rank)
+        self.omega = nn.Linear(d_cond, d_model)
+        self.down = nn.Linear(d_model, rank, bias=False)
+        self.up = nn.Linear(rank, d_model, bias=False)
+        set_module_role(self, group="conditioning")
+        for head in (self.film, self.g, self.omega):
+            set_module_role(head, init="zeros")
+
+    def pre(self, h: Tensor, c: Tensor) -> Tensor:
+        scale, shift = self.film(c).chunk(2, dim=-1)
+        h = (1 + scale) * h + shift
+        return h + self.up(self.g(c) * self.down(h))
+
+    def post(self, y: Tensor, c: Tensor) -> Tensor:
+        return (1 + self.omega(c)) * y
+
+
+class LoopConditioner(Conditioner):
+    """c_i = MLP([phi(tau_i); phi(kappa)]) with tau_i = i / k and kappa = k / K (eq. 4).
+
+    Args:
+        d_cond: Width of the context vector c.
+        rank: Rank of each sublayer's low-rank adapter.
+        n_freqs: Sinusoid frequencies in phi.
+    """
+
+    def __init__(self, d_cond: int = 64, rank: int = 8, n_freqs: int = 8) -> None:
+        super().__init__()
+        for name, value in (("d_cond", d_cond), ("rank", rank), ("n_freqs", n_freqs)):
+            if value < 1:
+                raise ValueError(f"LoopConditioner.{name}={value} must be >= 1")
+        self.d_cond, self.rank, self.n_freqs = d_cond, rank, n_freqs
+        self.mlp = nn.Sequential(nn.Linear(4 * n_freqs, d_cond), nn.SiLU(), nn.Linear(d_cond, d_cond))
+        set_module_role(self.mlp, group="conditioning")
+
+    def make_modulator(self, d_model: int) -> Modulator:
+        return FiLMAdapterModulator(d_model, self.d_cond, self.rank)
+
+    def context(self, loop: int, loops: int, max_loops: int, like: Tensor) -> Tensor:
+        phi = torch.cat((sinusoid(loop / loops, self.n_freqs, like), sinusoid(loops / max_loops, self.n_freqs, like)))
+        return self.mlp(phi.to(self.mlp[0].weight.dtype))

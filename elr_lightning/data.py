@@ -1,0 +1,672 @@
+"""Token data for language-model training: a cached token shard cut into fixed windows.
+
+:class:`TextDataModule` reads text files (by default the Python standard library of the running
+interpreter, which is on every machine), tokenises them once into a ``numpy.memmap`` shard under
+``cache_dir`` and serves windows of ``seq_len + 1`` tokens. Training batches come from a
+:class:`StepIndexedLoader`, which resumes exactly from a checkpoint; validation batches come in a
+fixed order.
+"""
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+import tempfile
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from elr_lightning.tokenizers import Tokenizer, load_tokenizer
+
+CACHE_FORMAT = 1
+"""Version of the shard layout; part of the cache key, bumped when the layout changes."""
+
+TEXT_SUFFIXES: tuple[str, ...] = (".py", ".txt", ".md", ".jsonl")
+"""Files a directory in ``data.sources`` contributes (searched recursively, hidden entries skipped)."""
+
+STDLIB_EXCLUDED_DIRS: frozenset[str] = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages"})
+"""Folders of the standard library left out of the default corpus."""
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+def default_corpus_files() -> list[str]:
+    """The default corpus: ``*.py`` sources of the running interpreter's standard library.
+
+    Test folders (``test``, ``tests``, ``idle_test``) and installed packages (anything under
+    ``site-packages``/``dist-packages``) are left out.
+
+    Returns:
+        Absolute paths, sorted by their path relative to the standard library folder.
+
+    Raises:
+        ValueError: No source file was found (an interpreter installed without its sources).
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDED_DIRS and d != "__pycache__"]
+        found.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+    if not found:
+        raise ValueError(f"data.sources: no standard-library sources under {root!r}; set data.sources to text files")
+    return sorted((os.path.abspath(p) for p in found), key=lambda p: os.path.relpath(p, root).split(os.sep))
+
+
+def _files_in_directory(root: str) -> list[str]:
+    """Text-like files under ``root``, recursively, hidden entries skipped, in sorted path order."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+        found.extend(
+            os.path.join(dirpath, f) for f in filenames if f.endswith(TEXT_SUFFIXES) and not f.startswith(".")
+        )
+    return sorted(found, key=lambda p: os.path.relpath(p, root).split(os.sep))
+
+
+def resolve_sources(sources: Optional[Sequence[str]]) -> list[str]:
+    """Expand ``data.sources`` into an ordered list of files.
+
+    Each entry is a file, a directory (its :data:`TEXT_SUFFIXES` files, recursively, sorted) or a
+    glob pattern (``**`` allowed; matches sorted). Order follows the entries; a file reached twice
+    is kept at its first place.
+
+    Args:
+        sources: The entries, or ``None`` for :func:`default_corpus_files`.
+
+    Returns:
+        Absolute file paths.
+
+    Raises:
+        FileNotFoundError: An entry is neither a glob nor an existing path.
+        ValueError: ``sources`` is empty, or an entry or the whole list yields no file.
+    """
+    if sources is None:
+        return default_corpus_files()
+    if isinstance(sources, str):
+        raise ValueError(f"data.sources must be a list of paths, got the string {sources!r}; write [{sources!r}]")
+    if len(sources) == 0:
+        raise ValueError("data.sources is an empty list; give files, directories or globs, or null for the stdlib")
+    files: list[str] = []
+    for entry in sources:
+        if any(c in _GLOB_CHARS for c in entry):
+            matched = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
+            if not matched:
+                raise ValueError(f"data.sources: pattern {entry!r} matches no files")
+        elif os.path.isdir(entry):
+            matched = _files_in_directory(entry)
+            if not matched:
+                raise ValueError(
+                    f"data.sources: directory {entry!r} holds no {'/'.join(TEXT_SUFFIXES)} files; "
+                    "list its files or a glob instead"
+                )
+        elif os.path.isfile(entry):
+            matched = [entry]
+        else:
+            raise FileNotFoundError(f"data.sources: {entry!r} does not exist; fix the path or remove it from the list")
+        files.extend(os.path.abspath(p) for p in matched)
+    return list(dict.fromkeys(files))
+
+
+def iter_documents(files: Sequence[str], text_field: str = "text") -> Iterator[str]:
+    """Yield the documents of the corpus: one per plain file, one per ``.jsonl`` record.
+
+    Plain files are read as UTF-8 with invalid bytes replaced. Each non-blank line of a ``.jsonl``
+    file must be a JSON object whose ``text_field`` is a string.
+
+    Args:
+        files: Files from :func:`resolve_sources`.
+        text_field: Key holding the text in ``.jsonl`` records.
+
+    Yields:
+        Document texts, in file order.
+
+    Raises:
+        ValueError: A ``.jsonl`` line is not JSON, or lacks a string ``text_field``.
+    """
+    for path in files:
+        if not path.endswith(".jsonl"):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield f.read()
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"data.sources: {path}:{lineno} is not valid JSON ({err.msg})") from err
+                if not isinstance(record, dict) or text_field not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise ValueError(
+                        f"data.text_field: record at {path}:{lineno} has no {text_field!r} field "
+                        f"(found {keys}); set data.text_field to the key holding the text"
+                    )
+                text = record[text_field]
+                if not isinstance(text, str):
+                    raise ValueError(
+                        f"data.text_field: {text_field!r} at {path}:{lineno} is a {type(text).__name__}, not a string"
+                    )
+                yield text
+
+
+def _capped(documents: Iterator[str], max_bytes: Optional[int]) -> Iterator[str]:
+    """Pass documents through until their UTF-8 size reaches ``max_bytes``; cut the last one there."""
+    budget = max_bytes
+    for doc in documents:
+        if budget is None:
+            yield doc
+            continue
+        data = doc.encode("utf-8")
+        if len(data) >= budget:
+            yield data[:budget].decode("utf-8", errors="ignore")
+            return
+        budget -= len(data)
+        yield doc
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned-or-int32 dtype holding every id below ``vocab_size``.
+
+    Args:
+        vocab_size: Number of ids.
+
+    Returns:
+        ``uint8``, ``uint16`` or ``int32``.
+
+    Raises:
+        ValueError: ``vocab_size`` is below 1 or its ids do not fit in ``int32``.
+    """
+    for dtype in (np.uint8, np.uint16, np.int32):
+        if 1 <= vocab_size and vocab_size - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    raise ValueError(
+        f"data.tokenizer: vocabulary of {vocab_size} ids does not fit an int32 token shard; use a smaller vocabulary"
+    )
+
+
+def _file_signature(path: str) -> list[Any]:
+    """Path, size and modification time of a file: changes whenever its contents may have."""
+    st = os.stat(path)
+    return [path, st.st_size, st.st_mtime_ns]
+
+
+def _write_atomically(path: str, write: Any) -> None:
+    """Write ``path`` through a temporary file in the same folder and ``os.replace`` it into place."""
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+class TokenWindows(Dataset):
+    """Windows of ``seq_len + 1`` consecutive tokens over a token array.
+
+    Window ``i`` (global index) covers tokens ``[i * seq_len, i * seq_len + seq_len + 1)``: windows
+    overlap by one token, so every token of the stream is a target exactly once. This dataset holds
+    the global windows ``[start, stop)``; its item ``j`` is global window ``start + j``.
+
+    Args:
+        tokens: The token stream, any 1-D array (a ``numpy.memmap`` in practice).
+        seq_len: Model context T; each window holds T + 1 tokens.
+        start: First global window index.
+        stop: One past the last global window index.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, start: int, stop: int) -> None:
+        if start < 0 or stop < start or (stop > 0 and stop * seq_len + 1 > len(tokens)):
+            raise ValueError(f"windows [{start}, {stop}) of {seq_len + 1} tokens exceed a stream of {len(tokens)}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.start = start
+        self.stop = stop
+
+    def __len__(self) -> int:
+        """Number of windows."""
+        return self.stop - self.start
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        """Window ``index`` as an ``int64`` tensor of shape ``[seq_len + 1]``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} out of range for {len(self)} windows")
+        a = (self.start + index) * self.seq_len
+        return torch.from_numpy(np.asarray(self.tokens[a : a + self.seq_len + 1], dtype=np.int64))
+
+    def batch(self, indices: Sequence[int]) -> torch.Tensor:
+        """Stack the given windows.
+
+        Args:
+            indices: Local window indices.
+
+        Returns:
+            An ``int64`` tensor of shape ``[len(indices), seq_len + 1]``.
+        """
+        return torch.stack([self[int(i)] for i in indices])
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """Seed of epoch ``epoch``'s permutation: 63 bits of SHA-256 of ``"seed:epoch"``.
+
+    Args:
+        seed: The data seed.
+        epoch: Epoch number.
+
+    Returns:
+        A non-negative int suitable for ``torch.Generator.manual_seed``.
+    """
+    digest = hashlib.sha256(f"{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class StepIndexedLoader:
+    """Training batches as a pure function of (seed, epoch, position): resumes exactly.
+
+    Epoch ``e`` visits the windows in the order of ``torch.randperm`` seeded with
+    :func:`epoch_seed` ``(seed, e)``. Global batch ``p`` of the epoch is the ``batch_size *
+    world_size`` consecutive windows of that permutation starting at ``p * batch_size *
+    world_size``; rank ``r`` takes its slice ``[r * batch_size, (r + 1) * batch_size)``. The last
+    incomplete global batch is dropped.
+
+    The loader is a cursor over an endless sequence of epochs. Iterating yields the remaining
+    batches of the current epoch; iterating again once the epoch is exhausted starts the next one.
+    :meth:`state_dict` reports the number of batches already yielded, which Lightning saves in the
+    checkpoint (its ``CombinedLoader`` calls ``state_dict`` on any loader that has one). Lightning
+    does not fetch ahead from a loader that has ``__len__``, so at checkpoint time that number is
+    exactly the number of batches trained on (checked in the tests with a real ``Trainer``).
+
+    Args:
+        windows: The training windows.
+        batch_size: Windows per batch on this rank.
+        seed: Data seed.
+        rank: This process' rank.
+        world_size: Number of processes sharing each global batch.
+    """
+
+    def __init__(
+        self, windows: TokenWindows, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.windows = windows
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch: Optional[int] = None
+        self._order = torch.empty(0, dtype=torch.int64)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Windows per optimizer step over all ranks."""
+        return self.batch_size * self.world_size
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return len(self.windows) // self.global_batch_size
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if self._order_epoch != epoch:
+            generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+            self._order = torch.randperm(len(self.windows), generator=generator)
+            self._order_epoch = epoch
+        return self._order
+
+    def batch_at(self, epoch: int, position: int) -> torch.Tensor:
+        """This rank's batch at ``position`` of ``epoch``, without moving the cursor.
+
+        Args:
+            epoch: Epoch number.
+            position: Batch index within the epoch, below ``len(self)``.
+
+        Returns:
+            An ``int64`` tensor of shape ``[batch_size, seq_len + 1]``.
+        """
+        if not 0 <= position < len(self):
+            raise IndexError(f"batch {position} out of range for {len(self)} batches per epoch")
+        first = position * self.global_batch_size + self.rank * self.batch_size
+        return self.windows.batch(self._permutation(epoch)[first : first + self.batch_size].tolist())
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        """Yield the rest of the current epoch, or all of the next one if the current is exhausted."""
+        return self._generate()
+
+    def _generate(self) -> Iterator[torch.Tensor]:
+        if self.position >= len(self):
+            self.epoch += 1
+            self.position = 0
+        while self.position < len(self):
+            batch = self.batch_at(self.epoch, self.position)
+            self.position += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """The cursor and the layout it is valid for.
+
+        Returns:
+            ``epoch`` and ``position`` (batches of that epoch already yielded), plus ``seed``,
+            ``global_batch_size`` and ``num_windows`` to detect a resume under a different setup.
+        """
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "global_batch_size": self.global_batch_size,
+            "num_windows": len(self.windows),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Move the cursor to a saved state; the next batch yielded is the first one not yet trained.
+
+        Args:
+            state_dict: Output of :meth:`state_dict`.
+
+        Raises:
+            ValueError: The state was saved with another seed, global batch size or set of windows,
+                so the saved position would name different data.
+        """
+        for key, mine in (
+            ("seed", self.seed),
+            ("global_batch_size", self.global_batch_size),
+            ("num_windows", len(self.windows)),
+        ):
+            if state_dict[key] != mine:
+                raise ValueError(
+                    f"cannot resume the data order exactly: checkpoint has {key}={state_dict[key]}, this run has "
+                    f"{mine}; use the same data.seed, data.batch_size x devices and corpus, or start a fresh run"
+                )
+        self.epoch = int(state_dict["epoch"])
+        self.position = int(state_dict["position"])
+
+
+class TextDataModule(pl.LightningDataModule):
+    """Text corpus -> cached token shard -> fixed windows of ``seq_len + 1`` tokens.
+
+    Every batch is a ``torch.LongTensor`` of shape ``[batch_size, seq_len + 1]``; the model uses
+    ``batch[:, :-1]`` as inputs and ``batch[:, 1:]`` as targets.
+
+    Corpus: the files of ``sources`` (see :func:`resolve_sources`), or the standard library sources
+    (see :func:`default_corpus_files`). Each plain file, and each ``.jsonl`` record, is one document.
+    Documents are joined with the tokenizer's end-of-sequence id between them when it has one, else
+    with the encoding of a newline (for :class:`~elr_lightning.tokenizers.ByteTokenizer`, the byte
+    ``10``).
+
+    Cache: :meth:`prepare_data` writes ``<cache_dir>/tokens-<key>.bin`` (raw token ids, ``uint8``,
+    ``uint16`` or ``int32`` by vocabulary size) and ``tokens-<key>.json`` (sidecar), where ``key``
+    hashes the tokenizer fingerprint, every source file's path, size and mtime, ``text_field`` and
+    ``max_bytes``. Both files are written through a temporary file and ``os.replace``, the sidecar
+    last, so an interrupted prepare leaves no cache that looks valid.
+
+    Split: windows are ``[i * seq_len, i * seq_len + seq_len + 1)``; the last
+    ``max(1, round(val_fraction * n_windows))`` are validation, the rest training.
+
+    Args:
+        sources: Files, directories or globs; ``None`` for the standard library.
+        tokenizer: ``"byte"`` or the path of a HF ``tokenizer.json``.
+        seq_len: Tokens the model sees per sequence (T).
+        batch_size: Sequences per batch on each device.
+        val_fraction: Share of windows held out for validation, in (0, 1).
+        text_field: Key holding the text in ``.jsonl`` records.
+        cache_dir: Folder for token shards.
+        seed: Seed of the training order.
+        max_bytes: Use only the first ``max_bytes`` UTF-8 bytes of the corpus (quick runs, tests).
+        val_batches: Use at most this many validation batches.
+
+    Raises:
+        ValueError: A number is out of range or the tokenizer spec is invalid.
+        FileNotFoundError: The tokenizer file does not exist.
+    """
+
+    def __init__(
+        self,
+        sources: Optional[list[str]] = None,
+        tokenizer: str = "byte",
+        seq_len: int = 256,
+        batch_size: int = 16,
+        val_fraction: float = 0.01,
+        text_field: str = "text",
+        cache_dir: str = ".cache/elr_lightning",
+        seed: int = 0,
+        max_bytes: Optional[int] = None,
+        val_batches: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if seq_len < 1:
+            raise ValueError(f"data.seq_len must be >= 1, got {seq_len}")
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be strictly between 0 and 1, got {val_fraction}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"data.max_bytes must be >= 1 or null, got {max_bytes}")
+        if val_batches is not None and val_batches < 1:
+            raise ValueError(f"data.val_batches must be >= 1 or null, got {val_batches}")
+        if not text_field:
+            raise ValueError("data.text_field must be a non-empty key")
+        self.sources = sources
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.text_field = text_field
+        self.cache_dir = cache_dir
+        self.seed = seed
+        self.max_bytes = max_bytes
+        self.val_batches = val_batches
+        self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
+        self.dtype = token_dtype(self.tokenizer.vocab_size)
+        self.tokens: Optional[np.ndarray] = None
+        self.train_windows: Optional[TokenWindows] = None
+        self.val_windows: Optional[TokenWindows] = None
+        self._train_loader: Optional[StepIndexedLoader] = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the tokenizer."""
+        return self.tokenizer.vocab_size
+
+    @property
+    def token_bytes(self) -> torch.Tensor:
+        """UTF-8 bytes per token id, ``int64 [vocab_size]`` (for bits per byte)."""
+        return self.tokenizer.token_bytes()
+
+    def separator(self) -> list[int]:
+        """Ids placed between two documents: ``[eos_id]``, or the encoding of ``"\\n"``."""
+        eos = self.tokenizer.eos_id
+        return [eos] if eos is not None else self.tokenizer.encode("\n")
+
+    def cache_key(self, files: Sequence[str]) -> str:
+        """Hash naming the shard of this tokenizer, these files (as they are now) and these options.
+
+        Args:
+            files: Output of :func:`resolve_sources`.
+
+        Returns:
+            A hex digest.
+        """
+        content = {
+            "format": CACHE_FORMAT,
+            "tokenizer": self.tokenizer.fingerprint(),
+            "files": [_file_signature(p) for p in files],
+            "text_field": self.text_field,
+            "max_bytes": self.max_bytes,
+        }
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+    def cache_paths(self, key: Optional[str] = None) -> tuple[str, str]:
+        """Shard and sidecar paths: ``<cache_dir>/tokens-<first 20 hex digits of key>.{bin,json}``.
+
+        Args:
+            key: A :meth:`cache_key`; by default that of the current sources.
+
+        Returns:
+            ``(bin_path, json_path)``.
+        """
+        if key is None:
+            key = self.cache_key(resolve_sources(self.sources))
+        stem = os.path.join(self.cache_dir, f"tokens-{key[:20]}")
+        return stem + ".bin", stem + ".json"
+
+    def _read_sidecar(self, key: str) -> Optional[dict[str, Any]]:
+        """The sidecar if it describes a complete shard of ``key``, else ``None``."""
+        bin_path, json_path = self.cache_paths(key)
+        try:
+            with open(json_path, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            return None
+        try:
+            valid = (
+                meta["key"] == key
+                and meta["tokenizer_fingerprint"] == self.tokenizer.fingerprint()
+                and meta["dtype"] == self.dtype.name
+                and os.path.getsize(bin_path) == meta["num_tokens"] * self.dtype.itemsize
+            )
+        except (KeyError, TypeError, OSError):
+            return None
+        return meta if valid else None
+
+    def prepare_data(self) -> None:
+        """Tokenise the corpus into the cache, unless a matching shard is already there.
+
+        Raises:
+            FileNotFoundError: An entry of ``data.sources`` does not exist.
+            ValueError: The sources yield no files or no tokens, a ``.jsonl`` record lacks
+                ``data.text_field``, or the tokenizer emits ids outside its vocabulary.
+        """
+        files = resolve_sources(self.sources)
+        key = self.cache_key(files)
+        if self._read_sidecar(key) is not None:
+            return
+        bin_path, json_path = self.cache_paths(key)
+        os.makedirs(self.cache_dir, exist_ok=True)
+        separator = np.asarray(self.separator(), dtype=np.int64)
+        vocab_size = self.tokenizer.vocab_size
+        num_tokens = 0
+        text_tokens = 0
+
+        def write_tokens(f: Any) -> None:
+            nonlocal num_tokens, text_tokens
+            for doc_index, doc in enumerate(_capped(iter_documents(files, self.text_field), self.max_bytes)):
+                ids = np.asarray(self.tokenizer.encode(doc), dtype=np.int64)
+                text_tokens += int(ids.size)
+                if doc_index > 0:
+                    ids = np.concatenate([separator, ids])
+                if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                    raise ValueError(
+                        f"data.tokenizer: produced id {int(ids.max())} outside its vocabulary of {vocab_size}; "
+                        "the tokenizer file is inconsistent"
+                    )
+                f.write(ids.astype(self.dtype).tobytes())
+                num_tokens += int(ids.size)
+
+        _write_atomically(bin_path, write_tokens)
+        if text_tokens == 0:
+            os.remove(bin_path)
+            raise ValueError(f"data.sources: the {len(files)} source file(s) contain no text")
+        meta = {
+            "format": CACHE_FORMAT,
+            "key": key,
+            "tokenizer_fingerprint": self.tokenizer.fingerprint(),
+            "vocab_size": vocab_size,
+            "dtype": self.dtype.name,
+            "num_tokens": num_tokens,
+            "separator": separator.tolist(),
+            "sources": files,
+            "text_field": self.text_field,
+            "max_bytes": self.max_bytes,
+        }
+        _write_atomically(json_path, lambda f: f.write(json.dumps(meta, indent=1).encode("utf-8")))
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Open the shard (preparing it if absent) and split its windows into train and validation.
+
+        Args:
+            stage: Lightning stage; the split is the same for all stages.
+
+        Raises:
+            ValueError: The corpus is too short for one training and one validation window.
+        """
+        key = self.cache_key(resolve_sources(self.sources))
+        meta = self._read_sidecar(key)
+        if meta is None:
+            self.prepare_data()
+            meta = self._read_sidecar(key)
+        if meta is None:
+            raise RuntimeError(f"token cache for key {key[:20]} is missing right after prepare_data()")
+        bin_path, _ = self.cache_paths(key)
+        num_tokens = meta["num_tokens"]
+        self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r", shape=(num_tokens,))
+        n_windows = (num_tokens - 1) // self.seq_len
+        n_val = max(1, round(self.val_fraction * n_windows))
+        if n_windows - n_val < 1:
+            raise ValueError(
+                f"data.seq_len: a corpus of {num_tokens} tokens gives {n_windows} window(s) of seq_len + 1 = "
+                f"{self.seq_len + 1} tokens, too few for one training and one validation window at "
+                f"data.val_fraction={self.val_fraction}; lower data.seq_len or add data (data.sources, data.max_bytes)"
+            )
+        self.train_windows = TokenWindows(self.tokens, self.seq_len, 0, n_windows - n_val)
+        self.val_windows = TokenWindows(self.tokens, self.seq_len, n_windows - n_val, n_windows)
+        self._train_loader = None
+
+    def _rank_and_world_size(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        return trainer.global_rank, trainer.world_size
+
+    def _require_setup(self) -> tuple[TokenWindows, TokenWindows]:
+        if self.train_windows is None or self.val_windows is None:
+            raise RuntimeError("TextDataModule.setup() must run before asking for a dataloader")
+        return self.train_windows, self.val_windows
+
+    def train_dataloader(self) -> StepIndexedLoader:
+        """The resumable training loader (one per setup; asking again returns the same cursor).
+
+        Returns:
+            A :class:`StepIndexedLoader` for this rank.
+
+        Raises:
+            ValueError: There are fewer training windows than one global batch.
+        """
+        train, _ = self._require_setup()
+        rank, world_size = self._rank_and_world_size()
+        loader = self._train_loader
+        if loader is None or (loader.rank, loader.world_size) != (rank, world_size):
+            loader = StepIndexedLoader(train, self.batch_size, seed=self.seed, rank=rank, world_size=world_size)
+            if len(loader) == 0:
+                raise ValueError(
+                    f"data.batch_size: {len(train)} training windows cannot fill one global batch of "
+                    f"{self.batch_size} x {world_size} device(s); lower data.batch_size or data.seq_len, or add data"
+                )
+            self._train_loader = loader
+        return loader
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation windows in stream order, at most ``val_batches`` batches.
+
+        Returns:
+            A plain ``DataLoader`` (Lightning adds a distributed sampler under DDP).
+        """
+        _, val = self._require_setup()
+        if self.val_batches is not None:
+            count = min(len(val), self.val_batches * self.batch_size)
+            val = TokenWindows(val.tokens, val.seq_len, val.start, val.start + count)
+        return DataLoader(val, batch_size=self.batch_size, shuffle=False, drop_last=False)

@@ -1,0 +1,205 @@
+"""The looped language model: input block, shared recurrent block applied k times, output block."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from elr_lightning.cache import KVCache
+from elr_lightning.conditioning import Conditioner
+from elr_lightning.config import ModelConfig
+from elr_lightning.layers import AttentionInputs, Block, Rotary
+from elr_lightning.roles import init_of
+from elr_lightning.updates import AdaptiveDelta, NonRecurrent, StateUpdate
+
+
+class RecurrentCore(nn.Module):
+    """The shared block R_theta with its state update and conditioner; ``forward`` runs all k loops.
+
+    Keeping the whole k-loop inside one module's ``forward`` lets a sharding strategy wrap it as a
+    single unit, so ranks running different k issue the same collectives (DESIGN §6).
+    """
+
+    def __init__(
+        self, config: ModelConfig, update: StateUpdate, conditioner: Optional[Conditioner], first_layer: int
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.first_layer = first_layer
+        self.update = update
+        self.conditioner = conditioner
+        self.layers = nn.ModuleList(Block(config, _modulators(conditioner, config)) for _ in range(config.n_rec))
+
+    def forward(
+        self, h_in: Tensor, loops: int, attn: AttentionInputs, cache: Optional[KVCache] = None
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """Run ``loops`` passes (DESIGN §2); return the final state s_k and the last context c_k."""
+        s = self.update.init(h_in)
+        c = None
+        for i in range(1, loops + 1):
+            if self.conditioner is not None:
+                c = self.conditioner(i, loops, self.config.max_loops, h_in)
+            s_tilde = self.update.inject(s, h_in)
+            r = s_tilde
+            for j, layer in enumerate(self.layers):
+                r = layer(r, attn, c, None if cache is None else cache.slot(self.first_layer + j, i))
+            s = self.update(s, r, s_tilde)
+        return s, c
+
+
+def _modulators(conditioner: Optional[Conditioner], config: ModelConfig):
+    if conditioner is None:
+        return None
+    return conditioner.make_modulator(config.d_model), conditioner.make_modulator(config.d_model)
+
+
+class LoopedLM(nn.Module):
+    """A latent-recurrent LM whose compute is chosen per call by the loop count k.
+
+    ``forward(input_ids, loops)`` runs ``D_eff(k) = L_in + k L_rec + L_out`` layers (eq. 1); at
+    k = 1 every unique layer runs once.
+
+    Args:
+        config: Architecture numbers.
+        update: The state-update rule; ``AdaptiveDelta()`` (eq. 2) by default.
+        conditioner: Loop conditioning (eq. 4) or ``None`` for none.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        update: Optional[StateUpdate] = None,
+        conditioner: Optional[Conditioner] = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        update = AdaptiveDelta() if update is None else update
+        update.build(config.d_model)
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.input_layers = nn.ModuleList(Block(config) for _ in range(config.n_in))
+        self.core = RecurrentCore(config, update, conditioner, first_layer=config.n_in)
+        self.output_layers = nn.ModuleList(
+            Block(config, _modulators(conditioner, config)) for _ in range(config.n_out)
+        )
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.rotary = Rotary(config)
+        self.init_weights()
+
+    @classmethod
+    def baseline(cls, config: ModelConfig) -> "LoopedLM":
+        """The non-recurrent baseline: the same layers, no state update or conditioning, run once."""
+        return cls(config, update=NonRecurrent(), conditioner=None)
+
+    @property
+    def update(self) -> StateUpdate:
+        """The state-update rule."""
+        return self.core.update
+
+    @property
+    def conditioner(self) -> Optional[Conditioner]:
+        """The conditioner, or ``None``."""
+        return self.core.conditioner
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Every initialisation decision of the model, in one place.
+
+        1. Embedding and every linear weight: normal(0, ``init_std``); biases: zero.
+        2. Residual-branch output projections (attention ``o``, MLP ``down``; tagged
+           ``scaled_normal``): normal(0, ``init_std / sqrt(2 D_eff(1))``), so the residual stream's
+           variance at init does not grow with depth.
+        3. RMSNorm weights: one.
+        4. Parameters tagged ``zeros`` by their seam: zero. These are the adaptive-delta gate
+           ``W_beta, b_beta, gamma`` (beta starts at 0.5 ln 2, eq. 2) and every conditioning head
+           (lambda, mu, g, omega), so a modulated layer equals the plain one exactly (eq. 4).
+           The adapter matrices A, B stay normal so the zero-init gate g still receives gradient.
+
+        Raises:
+            AssertionError: if some parameter got no decision.
+        """
+        cfg = self.config
+        scaled_std = cfg.init_std / math.sqrt(2 * cfg.effective_depth(1))
+        decided: set[int] = set()
+        for module in self.modules():
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) in decided:
+                    continue
+                tag = init_of(p)
+                if tag == "zeros":
+                    nn.init.zeros_(p)
+                elif tag == "ones" or isinstance(module, nn.RMSNorm):
+                    nn.init.ones_(p)
+                elif tag == "scaled_normal":
+                    nn.init.normal_(p, std=scaled_std)
+                elif name == "bias":
+                    nn.init.zeros_(p)
+                elif tag == "normal" or isinstance(module, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(p, std=cfg.init_std)
+                else:
+                    continue
+                decided.add(id(p))
+        missing = [n for n, p in self.named_parameters() if id(p) not in decided]
+        assert not missing, f"init_weights has no decision for parameters {missing}; tag them with set_role"
+
+    def attention_inputs(
+        self, batch: int, length: int, device: torch.device, attention_mask: Optional[Tensor], offset: int
+    ) -> AttentionInputs:
+        """RoPE tables and the causal/padding mask for ``length`` new tokens after ``offset`` cached ones."""
+        end = offset + length
+        if end > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence of {end} tokens exceeds arch.max_seq_len={self.config.max_seq_len} (the RoPE "
+                "table); raise arch.max_seq_len or use shorter sequences (data.seq_len)"
+            )
+        cos, sin = self.rotary(offset, length)
+        if attention_mask is None and offset == 0:
+            return AttentionInputs(cos, sin, None, True)
+        q_pos = torch.arange(offset, end, device=device)[:, None]
+        k_pos = torch.arange(end, device=device)[None, :]
+        mask = (k_pos <= q_pos)[None, None]
+        if attention_mask is not None:
+            if attention_mask.shape != (batch, end):
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(batch, end)} "
+                    "(cached plus new tokens)"
+                )
+            mask = mask & attention_mask.bool()[:, None, None, :]
+            mask = mask | (k_pos == q_pos)[None, None]
+        return AttentionInputs(cos, sin, mask, False)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        loops: int = 1,
+        attention_mask: Optional[Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ) -> Tensor:
+        """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]`` at loop count ``loops``.
+
+        Args:
+            input_ids: Token ids.
+            loops: The loop count k >= 1 (k above ``arch.max_loops`` extrapolates the budget).
+            attention_mask: ``[B, T_cached + T]`` with 1 for real tokens and 0 for padding.
+            cache: A KV-cache policy for incremental decoding; its offset is advanced here.
+        """
+        if loops < 1:
+            raise ValueError(f"loops={loops} must be >= 1")
+        b, t = input_ids.shape
+        offset = 0 if cache is None else cache.offset
+        attn = self.attention_inputs(b, t, input_ids.device, attention_mask, offset)
+        x = self.embed(input_ids)
+        for j, layer in enumerate(self.input_layers):
+            x = layer(x, attn, None, None if cache is None else cache.slot(j, 0))
+        s, c = self.core(x, loops, attn, cache)
+        first_out = self.config.n_in + self.config.n_rec
+        for j, layer in enumerate(self.output_layers):
+            s = layer(s, attn, c, None if cache is None else cache.slot(first_out + j, 0))
+        if cache is not None:
+            cache.advance(t)
+        return self.head(self.norm(s))

@@ -1,0 +1,261 @@
+"""``ELRModule``: the LightningModule that trains and validates a looped LM with the ELR recipe."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning_utilities.core.rank_zero import rank_zero_only
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from elr_lightning.conditioning import Conditioner
+from elr_lightning.config import ModelConfig
+from elr_lightning.model import LoopedLM
+from elr_lightning.optim import param_groups, warmup_cosine
+from elr_lightning.sampling import LoopSampler, OneLoopOverride
+from elr_lightning.updates import StateUpdate
+
+
+class ELRModule(LightningModule):
+    """Trains a :class:`~elr_lightning.model.LoopedLM` with loop counts mixed within every step.
+
+    Each local batch is split into ``virtual_ranks`` shards; together with the data-parallel ranks
+    they make ``num_shards`` shards per optimizer step. The sampler assigns each shard its k as a pure
+    function of ``(seed, global_step, shard, num_shards)`` (DESIGN §4), and the loss is the token
+    mean over the whole step.
+
+    Args:
+        arch: Architecture numbers; ``ModelConfig()`` by default.
+        update: State-update rule; ``AdaptiveDelta()`` (eq. 2) by default.
+        sampler: Loop sampler; ``OneLoopOverride(arch.max_loops, 0.15)`` (eq. 3) by default.
+        conditioner: Loop conditioning (eq. 4), or ``None`` for none.
+        virtual_ranks: Shards per local batch, each with its own k (>= 1).
+        val_loops: Loop counts to validate at; ``1..arch.max_loops`` by default. Values above
+            ``arch.max_loops`` test extrapolation.
+        lr: Peak learning rate.
+        weight_decay: AdamW weight decay for the ``decay`` group (matrices only).
+        betas: AdamW betas.
+        warmup_steps: Linear warmup steps before the cosine decay.
+        min_lr_ratio: Final LR as a fraction of ``lr``.
+        seed: Seed of the loop schedule; ``None`` takes the run's ``seed_everything`` value.
+        compile_layers: ``torch.compile`` every layer (one graph serves every k).
+    """
+
+    def __init__(
+        self,
+        arch: Optional[ModelConfig] = None,
+        update: Optional[StateUpdate] = None,
+        sampler: Optional[LoopSampler] = None,
+        conditioner: Optional[Conditioner] = None,
+        virtual_ranks: int = 1,
+        val_loops: Optional[list[int]] = None,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+        seed: Optional[int] = None,
+        compile_layers: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        arch = ModelConfig() if arch is None else arch
+        self.sampler = OneLoopOverride(arch.max_loops, 0.15) if sampler is None else sampler
+        if self.sampler.max_loops > arch.max_loops:
+            raise ValueError(
+                f"sampler.max_loops={self.sampler.max_loops} exceeds arch.max_loops={arch.max_loops}; "
+                "raise arch.max_loops (the loop budget K) or lower the sampler's"
+            )
+        if virtual_ranks < 1:
+            raise ValueError(f"virtual_ranks={virtual_ranks} must be >= 1")
+        self.virtual_ranks = virtual_ranks
+        self.val_loops = list(range(1, arch.max_loops + 1)) if val_loops is None else sorted(set(val_loops))
+        if not self.val_loops or min(self.val_loops) < 1:
+            raise ValueError(f"val_loops={val_loops} must be a non-empty list of loop counts >= 1")
+        if lr <= 0 or weight_decay < 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0:
+            raise ValueError(
+                f"need lr > 0 (got {lr}), weight_decay >= 0 (got {weight_decay}), "
+                f"warmup_steps >= 0 (got {warmup_steps}) and min_lr_ratio in [0, 1] (got {min_lr_ratio})"
+            )
+        self.model = LoopedLM(arch, update=update, conditioner=conditioner)
+        self.val_loss = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
+        self.val_bpb = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
+        self.register_buffer("token_bytes", torch.ones(arch.vocab_size), persistent=False)
+        self._seed = seed
+        self._loop_log: list[int] = []
+
+    @property
+    def arch(self) -> ModelConfig:
+        """The architecture numbers."""
+        return self.model.config
+
+    @property
+    def seed(self) -> int:
+        """Seed of the loop schedule: the ``seed`` argument, else the run's global seed, else 0."""
+        return self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+    @override
+    def forward(self, input_ids: Tensor, loops: int = 1, attention_mask: Optional[Tensor] = None) -> Tensor:
+        return self.model(input_ids, loops, attention_mask)
+
+    # ---- shards and loop counts -------------------------------------------------------------
+    def data_parallel_layout(self) -> tuple[int, int]:
+        """``(rank, size)`` of this process among the data-parallel ranks."""
+        if self._trainer is None:
+            return 0, 1
+        return self.trainer.global_rank, self.trainer.world_size
+
+    def num_shards(self) -> int:
+        """Shards per optimizer step: data-parallel ranks times ``virtual_ranks``."""
+        return self.data_parallel_layout()[1] * self.virtual_ranks
+
+    def step_schedule(self, step: Optional[int] = None) -> list[int]:
+        """The k of every shard (all ranks) at optimizer step ``step`` (default: the current one)."""
+        step = self.trainer.global_step if step is None else step
+        return self.sampler.schedule(self.seed, step, self.num_shards())
+
+    def local_loops(self, step: Optional[int] = None) -> list[int]:
+        """The k of this rank's ``virtual_ranks`` shards."""
+        rank, _ = self.data_parallel_layout()
+        first = rank * self.virtual_ranks
+        return self.step_schedule(step)[first : first + self.virtual_ranks]
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    @override
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        if tokenizer is not None and tokenizer.vocab_size > self.arch.vocab_size:
+            raise ValueError(
+                f"the tokenizer's vocabulary ({tokenizer.vocab_size}) is larger than arch.vocab_size="
+                f"{self.arch.vocab_size}; set model.init_args.arch.vocab_size >= {tokenizer.vocab_size}"
+            )
+        seq_len = getattr(datamodule, "seq_len", None)
+        if seq_len is not None and seq_len > self.arch.max_seq_len:
+            raise ValueError(
+                f"data.seq_len={seq_len} exceeds arch.max_seq_len={self.arch.max_seq_len} (the RoPE "
+                "table); raise arch.max_seq_len or lower data.seq_len"
+            )
+        token_bytes = getattr(datamodule, "token_bytes", None)
+        if token_bytes is not None:
+            padded = torch.zeros(self.arch.vocab_size)
+            padded[: len(token_bytes)] = torch.as_tensor(token_bytes, dtype=torch.float32)
+            self.token_bytes = padded.to(self.token_bytes.device)
+
+    @override
+    def configure_model(self) -> None:
+        if self.hparams.compile_layers:
+            for layer in self.all_layers():
+                layer.compile()
+
+    def all_layers(self) -> list[nn.Module]:
+        """Every transformer layer: input, recurrent and output."""
+        m = self.model
+        return [*m.input_layers, *m.core.layers, *m.output_layers]
+
+    # ---- training ----------------------------------------------------------------------------
+    def shard_loss(self, batch: Tensor, loops: list[int]) -> Tensor:
+        """Token-mean cross-entropy of ``batch`` ``[B, T + 1]`` split into ``len(loops)`` shards."""
+        if batch.shape[0] < len(loops):
+            raise ValueError(
+                f"the local batch has {batch.shape[0]} sequences, fewer than virtual_ranks={len(loops)}; "
+                "raise data.batch_size or lower virtual_ranks"
+            )
+        total = batch.new_zeros((), dtype=torch.float32)
+        for shard, k in zip(batch.tensor_split(len(loops)), loops):
+            logits = self(shard[:, :-1], k)
+            total = total + F.cross_entropy(logits.flatten(0, 1).float(), shard[:, 1:].flatten(), reduction="sum")
+        return total / (batch.shape[0] * (batch.shape[1] - 1))
+
+    @override
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loops = self.local_loops()
+        loss = self.shard_loss(batch, loops)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"train/loss is {loss.item()} at step {self.trainer.global_step} (loops {loops}); "
+                "lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
+            )
+        schedule = self.step_schedule()
+        self._loop_log.extend(schedule)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loops_mean", sum(schedule) / len(schedule))
+        self.log("train/p1", sum(k == 1 for k in schedule) / len(schedule))
+        for name, value in self.model.update.metrics().items():
+            self.log(f"train/{name}", value)
+        return loss
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step % self.trainer.log_every_n_steps == 0 and self._loop_log:
+            self._log_histogram("train/loops", torch.tensor(self._loop_log, dtype=torch.float32))
+            self._loop_log.clear()
+
+    # ---- validation --------------------------------------------------------------------------
+    @override
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        tokens = targets.numel()
+        nbytes = self.token_bytes[targets].sum()
+        for k in self.val_loops:
+            logits = self(inputs, k)
+            nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            self.val_loss[str(k)].update(nll / tokens, tokens)
+            if nbytes > 0:
+                self.val_bpb[str(k)].update(nll / nbytes / math.log(2), nbytes)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        losses = {}
+        for k in self.val_loops:
+            losses[k] = self.val_loss[str(k)].compute()
+            self.log(f"val/loss_k{k}", losses[k], prog_bar=k in (1, self.val_loops[-1]))
+            self.log(f"val/bpb_k{k}", self.val_bpb[str(k)].compute())
+            self.val_loss[str(k)].reset()
+            self.val_bpb[str(k)].reset()
+        if not self.trainer.sanity_checking:
+            self._log_loss_curve({k: float(v) for k, v in losses.items()})
+
+    # ---- optimizer ---------------------------------------------------------------------------
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(param_groups(self.model, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas))
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError("set trainer.max_steps or trainer.max_epochs: the cosine schedule needs a length")
+        scheduler = warmup_cosine(optimizer, hp.warmup_steps, int(total), hp.min_lr_ratio)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- TensorBoard extras --------------------------------------------------------------------
+    def _tensorboards(self) -> list[TensorBoardLogger]:
+        return [lg for lg in self.loggers if isinstance(lg, TensorBoardLogger)]
+
+    @rank_zero_only
+    def _log_histogram(self, tag: str, values: Tensor) -> None:
+        for logger in self._tensorboards():
+            logger.experiment.add_histogram(tag, values, self.trainer.global_step, bins="auto")
+
+    @rank_zero_only
+    def _log_loss_curve(self, losses: dict[int, float]) -> None:
+        if not self._tensorboards():
+            return
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(4, 3), dpi=100)
+        ax = fig.add_subplot()
+        ax.plot(list(losses), list(losses.values()), marker="o")
+        ax.set_xlabel("loops k")
+        ax.set_ylabel("validation loss")
+        ax.set_title(f"step {self.trainer.global_step}")
+        ax.axvline(self.arch.max_loops, color="grey", linestyle=":", linewidth=1)
+        fig.tight_layout()
+        for logger in self._tensorboards():
+            logger.experiment.add_figure("val/loss_vs_loops", fig, self.trainer.global_step)

@@ -1,0 +1,50 @@
+"""Optimizer param groups and the warmup-then-cosine LR schedule."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
+
+from elr_lightning.roles import GROUPS, group_of
+
+#: Groups that take weight decay.
+DECAY_GROUPS = ("decay",)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Named AdamW param groups: ``decay`` (matrices), ``no_decay`` (norms, biases), ``gate``
+    (adaptive-delta gate) and ``conditioning`` (eq. 4 heads, their own group so a callback can
+    bring them in at the switch). Only ``decay`` gets weight decay. Empty groups are kept, so the
+    optimizer layout does not depend on the configuration (resumes stay compatible).
+
+    Raises:
+        AssertionError: if a trainable parameter landed in no group or in two.
+    """
+    buckets: dict[str, list[nn.Parameter]] = {name: [] for name in GROUPS}
+    for p in model.parameters():
+        if p.requires_grad:
+            buckets[group_of(p)].append(p)
+    groups = [
+        {"name": name, "params": params, "weight_decay": weight_decay if name in DECAY_GROUPS else 0.0}
+        for name, params in buckets.items()
+    ]
+    placed = [id(p) for g in groups for p in g["params"]]
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert len(placed) == len(set(placed)), "a parameter landed in two optimizer groups"
+    assert set(placed) == trainable, f"{len(trainable - set(placed))} trainable parameters landed in no group"
+    return groups
+
+
+def warmup_cosine(optimizer: Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> LRScheduler:
+    """Linear warmup over ``warmup_steps`` then cosine decay to ``min_lr_ratio * lr`` at ``total_steps``.
+
+    Built from torch's own schedulers; the same factor applies to every group.
+    """
+    warmup_steps = max(0, min(warmup_steps, total_steps - 1))
+    base = min(g["lr"] for g in optimizer.param_groups)
+    if warmup_steps == 0:
+        return CosineAnnealingLR(optimizer, T_max=max(1, total_steps), eta_min=base * min_lr_ratio)
+    warmup = LinearLR(optimizer, start_factor=1.0 / (warmup_steps + 1), total_iters=warmup_steps)
+    cosine = CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=base * min_lr_ratio)
+    return SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])

@@ -1,0 +1,54 @@
+"""Parameter roles: how a parameter is initialised and which optimizer group it joins.
+
+Seams declare the role of the parameters they own with :func:`set_role`; the model's one init routine
+(:meth:`elr_lightning.model.LoopedLM.init_weights`) and the param-group builder
+(:func:`elr_lightning.optim.param_groups`) read them, so neither needs to know any implementation.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+_INIT_ATTR = "_elr_init"
+_GROUP_ATTR = "_elr_group"
+
+#: Initialisations a parameter may ask for.
+INITS = ("normal", "zeros", "ones", "scaled_normal")
+#: Named optimizer groups. ``decay`` gets weight decay; the others do not.
+GROUPS = ("decay", "no_decay", "gate", "conditioning")
+
+
+def set_role(param: nn.Parameter, *, init: str | None = None, group: str | None = None) -> nn.Parameter:
+    """Tag ``param`` with its init and optimizer group and return it.
+
+    Args:
+        param: The parameter to tag.
+        init: One of :data:`INITS`; ``None`` leaves the default (see ``LoopedLM.init_weights``).
+        group: One of :data:`GROUPS`; ``None`` leaves the default (matrices decay, vectors do not).
+    """
+    if init is not None:
+        if init not in INITS:
+            raise ValueError(f"init={init!r} must be one of {INITS}")
+        setattr(param, _INIT_ATTR, init)
+    if group is not None:
+        if group not in GROUPS:
+            raise ValueError(f"group={group!r} must be one of {GROUPS}")
+        setattr(param, _GROUP_ATTR, group)
+    return param
+
+
+def set_module_role(module: nn.Module, *, init: str | None = None, group: str | None = None) -> nn.Module:
+    """Apply :func:`set_role` to every parameter of ``module``."""
+    for p in module.parameters():
+        set_role(p, init=init, group=group)
+    return module
+
+
+def init_of(param: nn.Parameter) -> str | None:
+    """The init a parameter asked for, or ``None``."""
+    return getattr(param, _INIT_ATTR, None)
+
+
+def group_of(param: nn.Parameter) -> str:
+    """The optimizer group of ``param``: its tag, else ``decay`` for matrices and ``no_decay`` for vectors."""
+    return getattr(param, _GROUP_ATTR, "decay" if param.ndim >= 2 else "no_decay")
