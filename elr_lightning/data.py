@@ -569,9 +569,10 @@ class TextDataModule(pl.LightningDataModule):
                 text_tokens += int(ids.size)
                 if doc_index > 0:
                     ids = np.concatenate([separator, ids])
-                if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                outside = ids[(ids < 0) | (ids >= vocab_size)]
+                if outside.size:
                     raise ValueError(
-                        f"data.tokenizer: produced id {int(ids.max())} outside its vocabulary of {vocab_size}; "
+                        f"data.tokenizer: produced id {int(outside[0])} outside its vocabulary of {vocab_size}; "
                         "the tokenizer file is inconsistent"
                     )
                 f.write(ids.astype(self.dtype).tobytes())

@@ -44,7 +44,7 @@ class ELRModule(LightningModule):
         betas: AdamW betas.
         warmup_steps: Linear warmup steps before the cosine decay.
         min_lr_ratio: Final LR as a fraction of ``lr``.
-        seed: Seed of the loop schedule; ``None`` takes the run's ``seed_everything`` value.
+        loop_seed: Seed of the loop schedule; ``None`` takes the run's ``seed_everything`` value.
         compile_layers: ``torch.compile`` every layer (one graph serves every k).
     """
 
@@ -61,7 +61,7 @@ class ELRModule(LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
-        seed: Optional[int] = None,
+        loop_seed: Optional[int] = None,
         compile_layers: bool = False,
     ) -> None:
         super().__init__()
@@ -88,7 +88,7 @@ class ELRModule(LightningModule):
         self.val_loss = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.val_bpb = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.register_buffer("token_bytes", torch.ones(arch.vocab_size), persistent=False)
-        self._seed = seed
+        self._seed = loop_seed
         self._loop_log: list[int] = []
 
     @property
@@ -98,7 +98,7 @@ class ELRModule(LightningModule):
 
     @property
     def seed(self) -> int:
-        """Seed of the loop schedule: the ``seed`` argument, else the run's global seed, else 0."""
+        """Seed of the loop schedule: the ``loop_seed`` argument, else the run's global seed, else 0."""
         return self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     @override
