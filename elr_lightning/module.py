@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -21,6 +22,10 @@ from elr_lightning.model import LoopedLM
 from elr_lightning.optim import param_groups, warmup_cosine
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.updates import StateUpdate
+
+# Plug-ins stay in the hparams on purpose: under LightningCLI they are stored as their config, so
+# ``load_from_checkpoint`` rebuilds them. Lightning's advice to ignore them would break that.
+warnings.filterwarnings("ignore", message=r"Attribute '(update|conditioner)' is an instance of `nn.Module`")
 
 
 class ELRModule(LightningModule):

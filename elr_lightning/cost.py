@@ -1,0 +1,108 @@
+"""Static cost of a configuration: parameters per block and effective depth per loop count (eq. 1).
+
+Models are built on the meta device, so a 4B configuration is counted without allocating it.
+``elr cost --config config/4b.yaml`` prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import torch
+import yaml
+from jsonargparse import ArgumentParser
+from torch import nn
+
+from elr_lightning.module import ELRModule
+from elr_lightning.roles import group_of
+
+
+def build_module_from_config(path: str) -> ELRModule:
+    """Instantiate the ``model`` section of an ``elr fit`` YAML on the meta device.
+
+    Args:
+        path: A YAML file with a ``model: {class_path, init_args}`` section.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file has no ``model`` section.
+    """
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if "model" not in raw:
+        raise ValueError(f"{path} has no 'model' section; pass an `elr fit` config such as config/quickstart.yaml")
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(ELRModule, "model", required=True)
+    cfg = parser.parse_object({"model": raw["model"]})
+    with torch.device("meta"):
+        return parser.instantiate_classes(cfg).model
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """Unique parameters of a :class:`~elr_lightning.model.LoopedLM`, per block and in total.
+
+    Shared (tied) tensors are counted once. ``per_loop`` is what one extra loop re-uses, not adds.
+    """
+    seen: set[int] = set()
+
+    def count(module: nn.Module) -> int:
+        total = 0
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        return total
+
+    counts = {
+        "embedding": count(model.embed),
+        "input_block": count(model.input_layers),
+        "recurrent_block": count(model.core),
+        "output_block": count(model.output_layers),
+        "final_norm_and_head": count(model.norm) + count(model.head),
+    }
+    counts["total"] = sum(counts.values())
+    counts["gate"] = sum(p.numel() for p in model.parameters() if group_of(p) == "gate")
+    counts["conditioning"] = sum(p.numel() for p in model.parameters() if group_of(p) == "conditioning")
+    return counts
+
+
+def cost_report(path: str, loops: Optional[list[int]] = None) -> dict[str, Any]:
+    """Parameters, D_eff(k) (eq. 1) and the sampler's eq. 3 statistics for a config file."""
+    module = build_module_from_config(path)
+    arch = module.arch
+    loops = list(range(1, arch.max_loops + 1)) if loops is None else loops
+    report: dict[str, Any] = {
+        "config": path,
+        "parameters": parameter_counts(module.model),
+        "effective_depth": {k: arch.effective_depth(k) for k in loops},
+        "sampler": repr(module.sampler),
+    }
+    for name in ("expected_p1", "expected_mean_loops"):
+        method = getattr(module.sampler, name, None)
+        if callable(method):
+            report[name] = method()
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a small human-readable table."""
+    lines = [f"config: {report['config']}", f"sampler: {report['sampler']}", "parameters:"]
+    lines += [f"  {name:<20} {n:>16,}" for name, n in report["parameters"].items()]
+    lines.append("effective depth D_eff(k) = L_in + k L_rec + L_out (eq. 1):")
+    d1 = report["effective_depth"][min(report["effective_depth"])]
+    lines += [f"  k={k:<3} {d:>4} layers  {d / d1:5.2f}x" for k, d in report["effective_depth"].items()]
+    if "expected_p1" in report:
+        lines.append(f"eq. 3: p_1 = {report['expected_p1']:.4f}, mean k = {report['expected_mean_loops']:.4f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    """``elr cost --config FILE [--json]``."""
+    parser = ArgumentParser(prog="elr cost", description="Parameters and compute per loop count of a config.")
+    parser.add_argument("--config", type=str, required=True, help="An `elr fit` YAML file.")
+    parser.add_argument("--loops", type=Optional[list[int]], default=None, help="Loop counts to report.")
+    parser.add_argument("--json", type=bool, default=False, help="Print JSON instead of a table.")
+    args = parser.parse_args(argv)
+    report = cost_report(args.config, args.loops)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
