@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -26,6 +27,59 @@ from elr_lightning.updates import StateUpdate
 # Plug-ins stay in the hparams on purpose: under LightningCLI they are stored as their config, so
 # ``load_from_checkpoint`` rebuilds them. Lightning's advice to ignore them would break that.
 warnings.filterwarnings("ignore", message=r"Attribute '(update|conditioner)' is an instance of `nn.Module`")
+
+
+#: ``arch`` fields that a checkpoint may differ in: they set the init or the RoPE table's length only.
+_ARCH_FREE_FIELDS = ("init_std", "max_seq_len")
+
+
+def _checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:
+    if sampler.max_loops > arch.max_loops:
+        raise ValueError(
+            f"sampler.max_loops={sampler.max_loops} exceeds arch.max_loops={arch.max_loops}; "
+            "raise arch.max_loops (the loop budget K) or lower the sampler's"
+        )
+    return sampler
+
+
+def _part(key: str) -> str:
+    if ".conditioner." in key or "_mod." in key:
+        return "conditioning"
+    if ".update." in key:
+        return "state-update"
+    return "model"
+
+
+def _state_dict_differences(saved: dict[str, Any], own: dict[str, Any]) -> list[str]:
+    """Human-readable differences between a checkpoint's tensors and a module's."""
+    problems = []
+    for part, fix in (
+        ("conditioning", "model.init_args.conditioner"),
+        ("state-update", "model.init_args.update"),
+        ("model", "model.init_args.arch"),
+    ):
+        extra = sorted(k for k in set(saved) - set(own) if _part(k) == part)
+        missing = sorted(k for k in set(own) - set(saved) if _part(k) == part)
+        if extra:
+            problems.append(
+                f"the checkpoint has {len(extra)} {part} tensor(s) this model lacks ({_listed(extra)}); check {fix}"
+            )
+        if missing:
+            problems.append(
+                f"this model has {len(missing)} {part} tensor(s) the checkpoint lacks ({_listed(missing)}); check {fix}"
+            )
+    shapes = sorted(
+        f"{k} {tuple(saved[k].shape)} vs {tuple(own[k].shape)}"
+        for k in set(saved) & set(own)
+        if hasattr(saved[k], "shape") and saved[k].shape != own[k].shape
+    )
+    if shapes:
+        problems.append(f"{len(shapes)} tensor(s) differ in shape, checkpoint vs model ({_listed(shapes)})")
+    return problems
+
+
+def _listed(names: list[str], limit: int = 4) -> str:
+    return ", ".join(names[:limit]) + (f", ... {len(names) - limit} more" if len(names) > limit else "")
 
 
 class ELRModule(LightningModule):
@@ -72,12 +126,7 @@ class ELRModule(LightningModule):
         super().__init__()
         self.save_hyperparameters()
         arch = ModelConfig() if arch is None else arch
-        self.sampler = OneLoopOverride(arch.max_loops, 0.15) if sampler is None else sampler
-        if self.sampler.max_loops > arch.max_loops:
-            raise ValueError(
-                f"sampler.max_loops={self.sampler.max_loops} exceeds arch.max_loops={arch.max_loops}; "
-                "raise arch.max_loops (the loop budget K) or lower the sampler's"
-            )
+        self.sampler = _checked_sampler(OneLoopOverride(arch.max_loops, 0.15) if sampler is None else sampler, arch)
         if virtual_ranks < 1:
             raise ValueError(f"virtual_ranks={virtual_ranks} must be >= 1")
         self.virtual_ranks = virtual_ranks
@@ -112,14 +161,33 @@ class ELRModule(LightningModule):
 
     # ---- shards and loop counts -------------------------------------------------------------
     def data_parallel_layout(self) -> tuple[int, int]:
-        """``(rank, size)`` of this process among the data-parallel ranks."""
+        """``(rank, size)`` of this process among the data-parallel ranks.
+
+        A strategy with integer properties ``data_parallel_rank`` and ``data_parallel_size`` (the
+        :class:`~elr_lightning.strategies.DataParallelLayout` protocol of the ELR strategies) is
+        asked; under any other strategy every process is a data-parallel rank,
+        ``(trainer.global_rank, trainer.world_size)``; without a trainer, ``(0, 1)``.
+        """
         if self._trainer is None:
             return 0, 1
-        return self.trainer.global_rank, self.trainer.world_size
+        strategy = self.trainer.strategy
+        rank = getattr(strategy, "data_parallel_rank", None)
+        size = getattr(strategy, "data_parallel_size", None)
+        if rank is None or size is None:
+            return self.trainer.global_rank, self.trainer.world_size
+        return rank, size
 
     def num_shards(self) -> int:
         """Shards per optimizer step: data-parallel ranks times ``virtual_ranks``."""
         return self.data_parallel_layout()[1] * self.virtual_ranks
+
+    def set_sampler(self, sampler: LoopSampler) -> None:
+        """Install ``sampler`` as the loop sampler (e.g. :class:`~elr_lightning.callbacks.DelayedMixedDepth`).
+
+        Raises:
+            ValueError: ``sampler.max_loops`` exceeds the loop budget ``arch.max_loops``.
+        """
+        self.sampler = _checked_sampler(sampler, self.arch)
 
     def step_schedule(self, step: Optional[int] = None) -> list[int]:
         """The k of every shard (all ranks) at optimizer step ``step`` (default: the current one)."""
@@ -223,8 +291,9 @@ class ELRModule(LightningModule):
             losses[k] = self.val_loss[str(k)].compute()
             self.log(f"val/loss_k{k}", losses[k], prog_bar=k in (1, self.val_loops[-1]))
             self.log(f"val/bpb_k{k}", self.val_bpb[str(k)].compute())
-            self.val_loss[str(k)].reset()
-            self.val_bpb[str(k)].reset()
+            with torch.inference_mode(False):  # states re-made here must not be inference tensors
+                self.val_loss[str(k)].reset()
+                self.val_bpb[str(k)].reset()
         if not self.trainer.sanity_checking:
             self._log_loss_curve({k: float(v) for k, v in losses.items()})
 
@@ -238,6 +307,40 @@ class ELRModule(LightningModule):
             raise ValueError("set trainer.max_steps or trainer.max_epochs: the cosine schedule needs a length")
         scheduler = warmup_cosine(optimizer, hp.warmup_steps, int(total), hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["elr"] = {"arch": dataclasses.asdict(self.arch)}
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint of another architecture, or with(out) heads this model lacks (has).
+
+        Compares the ``arch`` saved by :meth:`on_save_checkpoint` field by field, and the names and
+        shapes of the checkpoint's tensors with this module's, before Lightning's strict load.
+
+        Raises:
+            ValueError: Naming every difference and the fix.
+        """
+        problems = []
+        saved_arch = checkpoint.get("elr", {}).get("arch")
+        if saved_arch is not None:
+            mine = dataclasses.asdict(self.arch)
+            problems += [
+                f"arch.{key}: checkpoint {saved_arch[key]!r}, this model {mine[key]!r}"
+                for key in mine
+                if key in saved_arch and key not in _ARCH_FREE_FIELDS and saved_arch[key] != mine[key]
+            ]
+        state = checkpoint.get("state_dict")
+        if state is not None:
+            problems += _state_dict_differences(state, self.state_dict())
+        if problems:
+            raise ValueError(
+                "this checkpoint does not fit this model:\n  - " + "\n  - ".join(problems) + "\nBuild the model "
+                "with the checkpoint's model.init_args (its hyper_parameters), or start a new run from it with "
+                "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
+            )
 
     # ---- TensorBoard extras --------------------------------------------------------------------
     def _tensorboards(self) -> list[TensorBoardLogger]:

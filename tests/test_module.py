@@ -1,0 +1,155 @@
+"""ELRModule: within-step mixing, loss, optimizer groups, logging, and clear errors."""
+
+from __future__ import annotations
+
+import glob
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import tiny_config
+from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.data import TextDataModule
+from elr_lightning.module import ELRModule
+from elr_lightning.optim import param_groups
+from elr_lightning.sampling import FixedLoops, OneLoopOverride
+
+
+def _grads(module: ELRModule) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@given(seed=st.integers(0, 2**16), k0=st.integers(1, 4), k1=st.integers(1, 4))
+def test_virtual_ranks_gradient_equals_averaged_half_batches(seed, k0, k1):
+    torch.manual_seed(seed)
+    module = ELRModule(arch=tiny_config(), conditioner=LoopConditioner(d_cond=8, rank=2), virtual_ranks=2)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    batch = torch.randint(0, 64, (4, 17))
+    module.shard_loss(batch, [k0, k1]).backward()
+    mixed = _grads(module)
+    module.zero_grad()
+    halves = [F_loss(module, batch[:2], k0), F_loss(module, batch[2:], k1)]
+    (0.5 * (halves[0] + halves[1])).backward()
+    separate = _grads(module)
+    assert mixed.keys() == separate.keys() and len(mixed) > 0
+    for name in mixed:
+        torch.testing.assert_close(mixed[name], separate[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def F_loss(module: ELRModule, batch: torch.Tensor, k: int) -> torch.Tensor:
+    logits = module(batch[:, :-1], k)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
+def test_param_groups_cover_every_parameter_once():
+    module = ELRModule(arch=tiny_config(), conditioner=LoopConditioner(d_cond=8, rank=2))
+    groups = {g["name"]: g for g in param_groups(module.model, 0.1)}
+    assert set(groups) == {"decay", "no_decay", "gate", "conditioning"}
+    assert groups["decay"]["weight_decay"] == 0.1
+    assert all(groups[n]["weight_decay"] == 0.0 for n in ("no_decay", "gate", "conditioning"))
+    assert all(p.ndim == 2 for p in groups["decay"]["params"])
+    assert all(p.ndim == 1 for p in groups["no_decay"]["params"])
+    gate = module.model.update
+    assert {id(p) for p in groups["gate"]["params"]} == {id(gate.gate.weight), id(gate.gate.bias), id(gate.gamma)}
+    total = sum(len(g["params"]) for g in groups.values())
+    assert total == len(list(module.model.parameters()))
+
+
+def test_tied_head_lands_once_and_frozen_parameters_are_left_out():
+    module = ELRModule(arch=tiny_config())
+    assert module.model.head.weight is module.model.embed.weight
+    module.model.norm.weight.requires_grad_(False)
+    groups = param_groups(module.model, 0.0)
+    placed = [id(p) for g in groups for p in g["params"]]
+    assert len(placed) == len(set(placed)) == len(list(module.model.parameters())) - 1
+    assert id(module.model.norm.weight) not in placed
+
+
+def _tiny_data(tmp_path, **kw) -> TextDataModule:
+    args = dict(seq_len=32, batch_size=4, max_bytes=60_000, cache_dir=str(tmp_path / "cache"), val_batches=2)
+    args.update(kw)
+    return TextDataModule(**args)
+
+
+def _trainer(tmp_path, steps: int = 4, **kw) -> Trainer:
+    args = dict(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=TensorBoardLogger(str(tmp_path), name="tb"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        val_check_interval=steps,
+        num_sanity_val_steps=0,
+    )
+    args.update(kw)
+    return Trainer(**args)
+
+
+def test_fit_logs_every_promised_tag(tmp_path):
+    module = ELRModule(
+        arch=tiny_config(vocab_size=256), sampler=OneLoopOverride(4, 0.15), virtual_ranks=2,
+        conditioner=LoopConditioner(d_cond=8, rank=2), warmup_steps=1,
+    )
+    trainer = _trainer(tmp_path)
+    trainer.fit(module, datamodule=_tiny_data(tmp_path))
+    metrics = trainer.callback_metrics
+    for tag in ("train/loss", "train/loops_mean", "train/beta_mean", "train/p1"):
+        assert tag in metrics
+    for k in range(1, 5):
+        assert math.isfinite(metrics[f"val/loss_k{k}"]) and math.isfinite(metrics[f"val/bpb_k{k}"])
+        # byte tokenizer: one byte per token, so bpb = loss / ln 2
+        assert metrics[f"val/bpb_k{k}"].item() == pytest.approx(metrics[f"val/loss_k{k}"].item() / math.log(2), rel=1e-5)
+    events = EventAccumulator(glob.glob(str(tmp_path / "tb" / "version_0" / "events*"))[0])
+    events.Reload()
+    assert "train/loops" in events.Tags()["histograms"]
+    assert "val/loss_vs_loops" in events.Tags()["images"]
+    assert "val/loss_k4" in events.Tags()["scalars"]
+
+
+def test_nan_loss_is_a_clear_error(tmp_path):
+    module = ELRModule(arch=tiny_config(vocab_size=256), sampler=FixedLoops(1))
+    with torch.no_grad():
+        module.model.embed.weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="train/loss is nan"):
+        _trainer(tmp_path).fit(module, datamodule=_tiny_data(tmp_path))
+
+
+def test_tokenizer_larger_than_model_vocab_is_refused(tmp_path):
+    module = ELRModule(arch=tiny_config(vocab_size=64))
+    with pytest.raises(ValueError, match=r"arch\.vocab_size=64"):
+        _trainer(tmp_path).fit(module, datamodule=_tiny_data(tmp_path))
+
+
+def test_seq_len_above_rope_table_is_refused(tmp_path):
+    module = ELRModule(arch=tiny_config(vocab_size=256, max_seq_len=16))
+    with pytest.raises(ValueError, match=r"data\.seq_len=32 exceeds arch\.max_seq_len=16"):
+        _trainer(tmp_path).fit(module, datamodule=_tiny_data(tmp_path))
+
+
+def test_batch_smaller_than_virtual_ranks_is_refused():
+    module = ELRModule(arch=tiny_config(), virtual_ranks=4)
+    with pytest.raises(ValueError, match="virtual_ranks=4"):
+        module.shard_loss(torch.zeros(2, 9, dtype=torch.long), [1, 1, 1, 1])
+
+
+def test_training_lowers_validation_loss(tmp_path):
+    torch.manual_seed(0)
+    module = ELRModule(arch=tiny_config(vocab_size=256), sampler=OneLoopOverride(2, 0.5), virtual_ranks=2,
+                       warmup_steps=2, val_loops=[1, 2])
+    data = _tiny_data(tmp_path)
+    trainer = _trainer(tmp_path, steps=30, logger=False)
+    trainer.validate(module, datamodule=data, verbose=False)
+    before = trainer.callback_metrics["val/loss_k1"].item()
+    trainer.fit(module, datamodule=data)
+    assert trainer.callback_metrics["val/loss_k1"].item() < before - 0.5
