@@ -1,0 +1,121 @@
+"""Train-step cost of ELR against the non-recurrent baseline, and of each loop count against eq. (1).
+
+Every figure is measured in the same run, with the configurations interleaved round by round so
+that drift on a noisy machine hits them alike; each figure is the median over rounds.
+
+    python bench/overhead.py                       # prints a table, writes bench/results/overhead.json
+    python bench/overhead.py --precision bf16 --d_model 512
+
+Targets (issue: foundation): ELR at k = 1 within 1.03x of the baseline; step time at k over step
+time at k = 1 within 1.00 +- 0.05 of D_eff(k) / D_eff(1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.config import ModelConfig
+from elr_lightning.model import LoopedLM
+from elr_lightning.optim import param_groups
+
+
+def make_step(model: LoopedLM, batch: torch.Tensor, loops: int, precision: str):
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
+    autocast = (
+        torch.autocast(batch.device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+    )
+
+    def step() -> float:
+        start = time.perf_counter()
+        with autocast:
+            logits = model(batch[:, :-1], loops)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--d_model", type=int, default=256)
+    parser.add_argument("--n_heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, nargs=3, default=[2, 4, 2], metavar=("N_IN", "N_REC", "N_OUT"))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--max_loops", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--out", default="bench/results/overhead.json")
+    args = parser.parse_args()
+
+    torch.set_flush_denormal(True)
+    torch.manual_seed(0)
+    n_in, n_rec, n_out = args.layers
+    cfg = ModelConfig(
+        vocab_size=256, d_model=args.d_model, n_heads=args.n_heads, n_in=n_in, n_rec=n_rec, n_out=n_out,
+        max_seq_len=args.seq_len, max_loops=args.max_loops,
+    )
+    batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1))
+    conditioned = LoopedLM(cfg, conditioner=LoopConditioner())
+    cases = {"baseline k=1": make_step(LoopedLM.baseline(cfg), batch, 1, args.precision)}
+    cases["elr k=1 (gate only)"] = make_step(LoopedLM(cfg), batch, 1, args.precision)
+    for k in range(1, cfg.max_loops + 1):
+        cases[f"elr k={k} (conditioned)"] = make_step(conditioned, batch, k, args.precision)
+
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(args.warmup + args.rounds):
+        for name, step in cases.items():
+            elapsed = step()
+            if r >= args.warmup:
+                times[name].append(elapsed)
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+
+    base = median["baseline k=1"]
+    k1 = median["elr k=1 (conditioned)"]
+    rows = []
+    print(f"{'case':<26}{'ms/step':>10}{'vs baseline':>13}{'vs k=1':>9}{'D_eff pred':>12}{'meas/pred':>11}")
+    for name, t in median.items():
+        row = {"case": name, "ms_per_step": 1e3 * t, "ratio_vs_baseline": t / base}
+        if "conditioned" in name:
+            k = int(name.split("k=")[1].split()[0])
+            predicted = cfg.effective_depth(k) / cfg.effective_depth(1)
+            row.update(loops=k, ratio_vs_k1=t / k1, predicted_ratio=predicted, measured_over_predicted=t / k1 / predicted)
+        rows.append(row)
+        extra = (
+            f"{row['ratio_vs_k1']:>9.3f}{row['predicted_ratio']:>12.3f}{row['measured_over_predicted']:>11.3f}"
+            if "loops" in row else ""
+        )
+        print(f"{name:<26}{1e3 * t:>10.1f}{t / base:>13.3f}{extra}")
+    result = {
+        "config": vars(args),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "rows": rows,
+        "elr_k1_gate_only_over_baseline": median["elr k=1 (gate only)"] / base,
+        "elr_k1_conditioned_over_baseline": k1 / base,
+    }
+    print(
+        f"\nELR k=1 / baseline: {result['elr_k1_gate_only_over_baseline']:.3f} (gate only), "
+        f"{result['elr_k1_conditioned_over_baseline']:.3f} (with conditioning); target <= 1.03"
+    )
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Every shipped YAML parses; the paper-scale configs have the sizes the README states."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import yaml
+
+from elr_lightning.cli import main
+from elr_lightning.cost import cost_report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "config", "*.yaml")))
+FRAGMENTS = sorted(glob.glob(os.path.join(ROOT, "callbacks", "*.yaml")))
+
+
+def _print_config(args: list[str], capsys) -> dict:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *args, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_configs_exist():
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"quickstart.yaml", "gpt_0.5b.yaml", "4b.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_config_parses(path, capsys):
+    config = _print_config(["--config", path], capsys)
+    assert config["model"]["class_path"].endswith("ELRModule")
+    assert isinstance(config["seed_everything"], int)
+
+
+@pytest.mark.parametrize("fragment", FRAGMENTS, ids=os.path.basename)
+def test_callback_fragment_parses_on_top_of_quickstart(fragment, capsys):
+    quickstart = os.path.join(ROOT, "config", "quickstart.yaml")
+    config = _print_config(["--config", quickstart, "--config", fragment], capsys)
+    assert config["trainer"]["callbacks"]
+
+
+@pytest.mark.parametrize("name, low, high", [("gpt_0.5b.yaml", 0.45e9, 0.60e9), ("4b.yaml", 3.8e9, 4.3e9)])
+def test_paper_scale_parameter_counts(name, low, high):
+    report = cost_report(os.path.join(ROOT, "config", name))
+    assert low <= report["parameters"]["total"] <= high
+
+
+def test_gpt_0p5b_is_the_paper_ablation_sampler():
+    report = cost_report(os.path.join(ROOT, "config", "gpt_0.5b.yaml"))
+    assert report["expected_p1"] == pytest.approx(0.32)
+
+
+def test_missing_user_data_is_a_clear_error():
+    with pytest.raises((FileNotFoundError, ValueError), match=r"data\.sources"):
+        main(["fit", "--config", os.path.join(ROOT, "config", "4b.yaml"), "--trainer.max_steps", "1"])
