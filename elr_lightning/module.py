@@ -317,8 +317,9 @@ class ELRModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint of another architecture, or with(out) heads this model lacks (has).
 
-        Compares the ``arch`` saved by :meth:`on_save_checkpoint` field by field, and the names and
-        shapes of the checkpoint's tensors with this module's, before Lightning's strict load.
+        Compares the ``arch`` saved by :meth:`on_save_checkpoint` field by field, and (unless
+        ``strict_loading`` is off) the names and shapes of the checkpoint's tensors with this
+        module's, before Lightning's strict load.
 
         Raises:
             ValueError: Naming every difference and the fix.
@@ -333,7 +334,7 @@ class ELRModule(LightningModule):
                 if key in saved_arch and key not in _ARCH_FREE_FIELDS and saved_arch[key] != mine[key]
             ]
         state = checkpoint.get("state_dict")
-        if state is not None:
+        if state is not None and self.strict_loading:
             problems += _state_dict_differences(state, self.state_dict())
         if problems:
             raise ValueError(

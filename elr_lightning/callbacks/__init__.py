@@ -1,0 +1,14 @@
+"""Trainer callbacks of the ELR recipe: delayed mixed depth, zero-init heads, eq. (5) accounting, safe checkpoints."""
+
+from elr_lightning.callbacks.atomic_checkpoint import AtomicModelCheckpoint
+from elr_lightning.callbacks.compute_accounting import ComputeAccounting
+from elr_lightning.callbacks.delayed_mixed_depth import DelayedMixedDepth, DelayedSampler
+from elr_lightning.callbacks.zero_init_conditioning import ZeroInitConditioning
+
+__all__ = [
+    "AtomicModelCheckpoint",
+    "ComputeAccounting",
+    "DelayedMixedDepth",
+    "DelayedSampler",
+    "ZeroInitConditioning",
+]

@@ -1,0 +1,77 @@
+"""``ModelCheckpoint`` whose files, ``last.ckpt`` included, are never left half-written by a kill."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from elr_lightning.checkpoint_io import AtomicCheckpointIO, fsync_folder
+
+
+class AtomicModelCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` with crash-safe files; takes the same arguments.
+
+    * In ``setup`` it installs :class:`~elr_lightning.checkpoint_io.AtomicCheckpointIO` in place of
+      the strategy's default ``TorchCheckpointIO``: every checkpoint is written to a temporary file
+      beside it and renamed over it, and a damaged file is refused with a clear error on resume. A
+      strategy with its own checkpoint IO (e.g. sharded checkpoints written as folders) keeps it,
+      with a warning.
+    * ``save_last="link"`` makes ``last.ckpt`` a hard link made under a temporary name and renamed
+      over ``last.ckpt``. Lightning's symbolic link is removed and recreated, and points at a file
+      that the top-k bookkeeping deletes just before relinking, so a kill in between leaves
+      ``last.ckpt`` missing or dangling; a hard link keeps the old data alive and the rename is
+      atomic. ``save_last=True`` writes ``last.ckpt`` as a file through the atomic writer.
+
+    The guarantees hold for checkpoints that are single files. Sharded checkpoints that a strategy
+    writes as folders (``save_distributed_checkpoint=True``) are written and linked as Lightning
+    does.
+    """
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        strategy = trainer.strategy
+        io = strategy.checkpoint_io
+        if type(io) is TorchCheckpointIO:
+            strategy.checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(io, _WrappingCheckpointIO) and type(io.checkpoint_io) is TorchCheckpointIO:
+            io.checkpoint_io = AtomicCheckpointIO()
+        elif not isinstance(io, AtomicCheckpointIO) and not isinstance(
+            getattr(io, "checkpoint_io", None), AtomicCheckpointIO
+        ):
+            rank_zero_warn(
+                f"AtomicModelCheckpoint: the strategy writes checkpoints with {type(io).__name__}, whose writes "
+                "may not be atomic; a kill mid-save can leave a damaged checkpoint"
+            )
+
+    @staticmethod
+    @override
+    def _link_checkpoint(trainer: "pl.Trainer", filepath: str, linkpath: str) -> None:
+        if os.path.isdir(filepath):
+            ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+            return
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            folder = os.path.dirname(os.path.abspath(linkpath))
+            tmp = os.path.join(folder, f".{os.path.basename(linkpath)}.{uuid.uuid4().hex}.tmp")
+            try:
+                try:
+                    os.link(filepath, tmp)
+                except OSError:
+                    shutil.copy2(filepath, tmp)
+                if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+                    shutil.rmtree(linkpath)
+                os.replace(tmp, linkpath)
+            except BaseException:
+                if os.path.lexists(tmp):
+                    os.remove(tmp)
+                raise
+            fsync_folder(folder)
+        trainer.strategy.barrier()

@@ -1,0 +1,71 @@
+"""The switch point of delayed mixed-depth training (paper §3.4), shared by the switch callbacks."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import lightning.pytorch as pl
+
+#: Default switch: 75% of the planned training tokens are trained at k = 1 (paper §3.4).
+DEFAULT_SWITCH_FRACTION = 0.75
+
+
+class SwitchPoint:
+    """The optimizer step at which the mixed-depth phase begins.
+
+    Either an absolute ``step`` or a ``fraction`` of the planned training tokens. Every optimizer
+    step trains the same number of tokens, so the fraction of tokens is the fraction of steps:
+    ``step = round(fraction * trainer.estimated_stepping_batches)``.
+
+    Args:
+        fraction: Fraction of planned training tokens before the switch, in [0, 1].
+        step: Absolute optimizer step of the switch (>= 0); takes precedence over ``fraction``.
+
+    Raises:
+        ValueError: Neither or an out-of-range value is given.
+    """
+
+    def __init__(self, fraction: Optional[float] = None, step: Optional[int] = None) -> None:
+        if step is None and fraction is None:
+            raise ValueError("give the switch as switch_fraction (of planned tokens) or switch_step")
+        if step is not None and (not isinstance(step, int) or step < 0):
+            raise ValueError(f"switch_step={step!r} must be an integer >= 0")
+        if step is None and not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"switch_fraction={fraction} must be in [0, 1] (a fraction of planned training tokens)")
+        self.fraction = fraction
+        self.step = step
+
+    def resolve(self, trainer: "pl.Trainer") -> int:
+        """The switch step for this run.
+
+        Raises:
+            ValueError: A fractional switch in a run without a finite length.
+        """
+        if self.step is not None:
+            return self.step
+        total = trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError(
+                "switch_fraction needs a run of known length: set trainer.max_steps (or max_epochs), "
+                "or give switch_step"
+            )
+        return int(round(self.fraction * total))
+
+    def describe(self) -> str:
+        """How the switch was specified, for messages."""
+        return f"switch_step={self.step}" if self.step is not None else f"switch_fraction={self.fraction}"
+
+
+def check_resumed_switch(owner: str, saved: int, current: int) -> None:
+    """Refuse to resume a run whose switch step differs from the checkpoint's.
+
+    Raises:
+        ValueError: ``saved != current``.
+    """
+    if saved != current:
+        raise ValueError(
+            f"{owner}: the checkpoint was trained with the switch at step {saved}, this run puts it at step "
+            f"{current} (the fraction is of trainer.estimated_stepping_batches, so changing max_steps moves it). "
+            f"Resume with the same schedule, e.g. switch_step: {saved}"
+        )
