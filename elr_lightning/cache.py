@@ -6,6 +6,7 @@ from typing import Hashable, Optional
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
 from elr_lightning.layers import KVSlot
 
@@ -45,6 +46,10 @@ class KVCache:
     from :meth:`key`. After every forward pass the caller advances :attr:`offset` by the number of
     new tokens with :meth:`advance`.
 
+    A new policy is a subclass that overrides :meth:`key`; pass the class as ``kv_cache`` to
+    :func:`elr_lightning.generation.generate`, which also counts its stores for memory accounting
+    (:func:`elr_lightning.generation.kv_cache_bytes`).
+
     Args:
         max_len: Longest sequence (prompt plus generated tokens) the cache holds.
     """
@@ -71,6 +76,14 @@ class KVCache:
         """Record that ``n`` new tokens were written by the last forward pass."""
         self.offset += n
 
+    @property
+    def dtype(self) -> Optional[torch.dtype]:
+        """Dtype of the stored keys and values, or ``None`` before the first write."""
+        for store in self._stores.values():
+            if store.k is not None:
+                return store.k.dtype
+        return None
+
     def nbytes(self, used: bool = True) -> int:
         """Bytes held by the keys and values: of the ``offset`` tokens written, or allocated."""
         total = sum(store.nbytes() for store in self._stores.values())
@@ -80,6 +93,7 @@ class KVCache:
 class PerLoopCache(KVCache):
     """One store per (layer, loop): exact, reproduces the cache-free forward; memory grows with k."""
 
+    @override
     def key(self, layer: int, loop: int) -> Hashable:
         return (layer, loop)
 
@@ -91,5 +105,6 @@ class LastLoopCache(KVCache):
     ones; after its last loop, the stored entry is the last loop's.
     """
 
+    @override
     def key(self, layer: int, loop: int) -> Hashable:
         return layer

@@ -7,17 +7,31 @@ from typing import Callable, Optional
 
 import torch
 from lightning.pytorch.cli import LightningCLI
+from typing_extensions import override
 
-from elr_lightning.data import TextDataModule
+from elr_lightning.cost import main as cost_main
+from elr_lightning.data import TextDataModule, resolve_sources
+from elr_lightning.tokenizers import load_tokenizer
+from elr_lightning.generation import generate_command
 from elr_lightning.module import ELRModule
 
 
 class ELRCLI(LightningCLI):
     """LightningCLI with ELR's defaults: subclassable model and data by ``class_path``, seed 0."""
 
+    @override
+    def before_instantiate_classes(self) -> None:
+        """Check data paths before the model is built, so a typo fails in seconds, not after allocating."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        init_args = config.get("data", {}).get("init_args", {}) or {}
+        if "sources" in init_args:
+            resolve_sources(init_args["sources"])
+        if "tokenizer" in init_args:
+            load_tokenizer(init_args["tokenizer"])
+
 
 #: Subcommands that are not Lightning's; each takes the remaining arguments.
-EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {}
+EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {"cost": cost_main, "generate": generate_command}
 
 
 def main(args: Optional[list[str]] = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -138,6 +139,9 @@ class ELRModule(LightningModule):
                 f"need lr > 0 (got {lr}), weight_decay >= 0 (got {weight_decay}), "
                 f"warmup_steps >= 0 (got {warmup_steps}) and min_lr_ratio in [0, 1] (got {min_lr_ratio})"
             )
+        # Plug-in objects are copied: the caller's (or, on load, the unpickled hparams') instances may
+        # share storage with other tensors, and the model's init routine writes into what it owns.
+        update, conditioner = copy.deepcopy(update), copy.deepcopy(conditioner)
         self.model = LoopedLM(arch, update=update, conditioner=conditioner)
         self.val_loss = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.val_bpb = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})

@@ -1,0 +1,195 @@
+"""Generation benchmark: prefill and decode tokens/s and KV-cache bytes per loop count and cache policy.
+
+Every figure comes from this one run, on the CPU, with untrained weights (speed does not depend on
+them). For each k in 1..4 and each policy (per-loop, last-loop) one streamed generation gives the
+prefill rate (prompt tokens over the time to the first token) and the decode rate (the remaining
+tokens over the rest); the non-recurrent baseline (``LoopedLM.baseline``, the same layers) runs
+the same way at k = 1. Variants are measured round-robin, after a warm-up, and the median of the
+repeats is reported. Also at k = 1: the ELR model without conditioning, and a batch of 16.
+
+One torch thread by default: decoding one sequence is bound by per-op latency. On our 2-core
+machines a second thread gained about 1.2x when the machine was quiet, and decoding ran 10x and
+more slower with two threads than with one while other processes shared the cores.
+
+    python bench/generate.py [--out bench/results/generate.json] [--threads 1] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elr_lightning.cache import KVCache
+from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.config import ModelConfig
+from elr_lightning.generation import CACHE_POLICIES, kv_cache_bytes, layer_caches, stream_generate
+from elr_lightning.model import LoopedLM
+
+CONFIG = ModelConfig(
+    vocab_size=256, d_model=256, n_heads=8, n_in=2, n_rec=4, n_out=2, max_seq_len=512, max_loops=4
+)
+LOOPS = (1, 2, 3, 4)
+
+
+def timed_stream(
+    model: LoopedLM, prompt: torch.Tensor, loops: int, policy: str, new_tokens: int
+) -> tuple[float, float, KVCache]:
+    """One greedy streamed generation: ``(prefill seconds, decode seconds, cache)``.
+
+    Prefill ends when the first token arrives; decode covers the ``new_tokens - 1`` cached steps.
+    """
+    cache = CACHE_POLICIES[policy](max_len=prompt.shape[1] + new_tokens - 1)
+    start = time.perf_counter()
+    stream = stream_generate(model, prompt, loops=loops, kv_cache=cache, max_new_tokens=new_tokens, greedy=True)
+    next(stream)
+    first = time.perf_counter()
+    for _ in stream:
+        pass
+    return first - start, time.perf_counter() - first, cache
+
+
+def measure(
+    variants: dict[str, Callable[[], tuple[float, float, KVCache]]], repeats: int
+) -> dict[str, dict[str, Any]]:
+    """Run every variant once to warm up, then ``repeats`` times round-robin; keep the medians."""
+    for run in variants.values():
+        run()
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    caches: dict[str, KVCache] = {}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            prefill, decode, caches[name] = run()
+            times[name].append((prefill, decode))
+    return {
+        name: {
+            "prefill_s": statistics.median(p for p, _ in samples),
+            "decode_s": statistics.median(d for _, d in samples),
+            "cache": caches[name],
+        }
+        for name, samples in times.items()
+    }
+
+
+def main() -> None:
+    """Run the benchmark, print the tables and write the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--out", default="bench/results/generate.json", help="JSON output path.")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (see the module docstring).")
+    parser.add_argument("--repeats", type=int, default=5, help="Timed repeats per variant (median reported).")
+    parser.add_argument("--prompt_len", type=int, default=128, help="Prompt tokens.")
+    parser.add_argument("--new_tokens", type=int, default=64, help="Generated tokens per run.")
+    args = parser.parse_args()
+
+    torch.set_flush_denormal(True)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    elr = LoopedLM(CONFIG, conditioner=LoopConditioner()).eval()
+    plain = LoopedLM(CONFIG).eval()
+    baseline = LoopedLM.baseline(CONFIG).eval()
+    prompt = torch.randint(0, CONFIG.vocab_size, (1, args.prompt_len))
+    batch_prompt = torch.randint(0, CONFIG.vocab_size, (16, args.prompt_len))
+    n = args.new_tokens
+
+    def run(
+        model: LoopedLM, loops: int, policy: str, ids: torch.Tensor = prompt
+    ) -> Callable[[], tuple[float, float, KVCache]]:
+        return lambda: timed_stream(model, ids, loops, policy, n)
+
+    variants = {f"elr/k{k}/{p}": run(elr, k, p) for k in LOOPS for p in CACHE_POLICIES}
+    variants["baseline/k1"] = run(baseline, 1, "per_loop")
+    variants["elr_no_cond/k1"] = run(plain, 1, "per_loop")
+    variants["elr/k1/batch16"] = run(elr, 1, "per_loop", batch_prompt)
+    variants["elr_no_cond/k1/batch16"] = run(plain, 1, "per_loop", batch_prompt)
+    variants["baseline/k1/batch16"] = run(baseline, 1, "per_loop", batch_prompt)
+
+    start = time.perf_counter()
+    results = measure(variants, args.repeats)
+    wall = time.perf_counter() - start
+
+    rows: dict[str, dict[str, Any]] = {}
+    for name, r in results.items():
+        cache: KVCache = r["cache"]
+        batch = 16 if name.endswith("batch16") else 1
+        rows[name] = {
+            "prefill_tok_s": batch * args.prompt_len / r["prefill_s"],
+            "decode_tok_s": batch * (n - 1) / r["decode_s"],
+            "decode_ms_per_step": 1000 * r["decode_s"] / (n - 1),
+            "kv_bytes_used": cache.nbytes(),
+            "kv_bytes_allocated": cache.nbytes(used=False),
+        }
+    base_decode = rows["baseline/k1"]["decode_tok_s"]
+    k1_bytes = rows["elr/k1/per_loop"]["kv_bytes_used"]
+
+    print(
+        f"model: d={CONFIG.d_model} heads={CONFIG.n_heads} n_in={CONFIG.n_in} n_rec={CONFIG.n_rec} "
+        f"n_out={CONFIG.n_out} vocab={CONFIG.vocab_size}; LoopConditioner on; batch 1; prompt {args.prompt_len}, "
+        f"{n} new tokens; {args.threads} threads; median of {args.repeats}"
+    )
+    header = f"{'k':>2} {'policy':>9} {'D_eff':>5} {'caches':>6} {'prefill tok/s':>13} {'decode tok/s':>12} "
+    header += f"{'vs base':>7} {'KV used':>9} {'KV alloc':>9} {'KV/k1':>6}"
+    print(header)
+    print("-" * len(header))
+    for k in LOOPS:
+        for policy in CACHE_POLICIES:
+            row = rows[f"elr/k{k}/{policy}"]
+            assert row["kv_bytes_used"] == kv_cache_bytes(CONFIG, k, policy, args.prompt_len + n - 1)
+            print(
+                f"{k:>2} {policy:>9} {CONFIG.effective_depth(k):>5} {layer_caches(CONFIG, k, policy):>6} "
+                f"{row['prefill_tok_s']:>13.0f} {row['decode_tok_s']:>12.1f} "
+                f"{row['decode_tok_s'] / base_decode:>7.3f} {row['kv_bytes_used'] / 2**20:>7.2f}Mi "
+                f"{row['kv_bytes_allocated'] / 2**20:>7.2f}Mi {row['kv_bytes_used'] / k1_bytes:>6.2f}"
+            )
+    base = rows["baseline/k1"]
+    print(f"{1:>2} {'baseline':>9} {CONFIG.effective_depth(1):>5} {layer_caches(CONFIG, 1, 'per_loop'):>6} "
+          f"{base['prefill_tok_s']:>13.0f} {base_decode:>12.1f} {1.0:>7.3f}")  # fmt: skip
+
+    ratios = {
+        "elr_k1_over_baseline_decode": rows["elr/k1/per_loop"]["decode_tok_s"] / base_decode,
+        "elr_no_cond_k1_over_baseline_decode": rows["elr_no_cond/k1"]["decode_tok_s"] / base_decode,
+        "elr_k1_over_baseline_decode_batch16": rows["elr/k1/batch16"]["decode_tok_s"]
+        / rows["baseline/k1/batch16"]["decode_tok_s"],
+        "elr_no_cond_k1_over_baseline_decode_batch16": rows["elr_no_cond/k1/batch16"]["decode_tok_s"]
+        / rows["baseline/k1/batch16"]["decode_tok_s"],
+        "elr_k1_over_baseline_prefill": rows["elr/k1/per_loop"]["prefill_tok_s"] / base["prefill_tok_s"],
+        "last_loop_k4_kv_over_k1": rows["elr/k4/last_loop"]["kv_bytes_used"] / k1_bytes,
+        "per_loop_k4_kv_over_k1": rows["elr/k4/per_loop"]["kv_bytes_used"] / k1_bytes,
+    }
+    print()
+    print("k = 1 ELR / baseline (target >= 0.97):")
+    for name, value in ratios.items():
+        print(f"  {name:45s} {value:.3f}")
+    for name in ("elr/k1/batch16", "elr_no_cond/k1/batch16", "baseline/k1/batch16", "elr_no_cond/k1"):
+        print(f"  {name:45s} decode {rows[name]['decode_tok_s']:.1f} tok/s")
+    print(f"measured in {wall:.1f} s")
+
+    report = {
+        "config": vars(CONFIG),
+        "settings": {
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "prompt_len": args.prompt_len,
+            "new_tokens": n,
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "wall_s": wall,
+        },
+        "results": rows,
+        "ratios": ratios,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

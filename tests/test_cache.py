@@ -1,0 +1,161 @@
+"""Tests of the KV-cache policy seam: storage keys, stores, byte accounting."""
+
+from collections.abc import Hashable, Iterator
+
+import pytest
+import torch
+from typing_extensions import override
+
+from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.config import ModelConfig
+from elr_lightning.generation import (
+    CACHE_POLICIES,
+    KVCache,
+    LastLoopCache,
+    PerLoopCache,
+    generate,
+    kv_cache_bytes,
+    layer_caches,
+)
+from elr_lightning.model import LoopedLM
+
+CONFIG = ModelConfig(
+    vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_in=1, n_rec=2, n_out=1, max_loops=4, max_seq_len=64
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models are bound by per-op latency; one thread keeps them fast when other jobs share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(config: ModelConfig = CONFIG, seed: int = 0) -> LoopedLM:
+    """A conditioned looped LM whose zero-initialised gates and heads are perturbed, so every part acts."""
+    torch.manual_seed(seed)
+    model = LoopedLM(config, conditioner=LoopConditioner(d_cond=8, rank=2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+class SecondLoopOnwards(KVCache):
+    """A user policy: loop 1 has its own store, loops 2..k share one."""
+
+    @override
+    def key(self, layer: int, loop: int) -> Hashable:
+        return (layer, min(loop, 2))
+
+
+def test_policy_names() -> None:
+    assert CACHE_POLICIES == {"per_loop": PerLoopCache, "last_loop": LastLoopCache}
+
+
+def test_store_writes_at_offset_and_returns_prefix() -> None:
+    cache = PerLoopCache(max_len=5)
+    slot = cache.slot(0, 0)
+    k, v = torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4)
+    keys, values = slot.update(k, v)
+    assert torch.equal(keys, k) and torch.equal(values, v)
+    cache.advance(3)
+    k2, v2 = torch.randn(2, 1, 2, 4), torch.randn(2, 1, 2, 4)
+    keys, values = slot.update(k2, v2)
+    assert torch.equal(keys, torch.cat((k, k2), dim=2)) and torch.equal(values, torch.cat((v, v2), dim=2))
+    cache.advance(2)
+    with pytest.raises(ValueError, match="overflow"):
+        slot.update(k2[:, :, :1], v2[:, :, :1])
+
+
+def test_keys_share_storage_by_policy() -> None:
+    per, last = PerLoopCache(8), LastLoopCache(8)
+    assert per.slot(1, 1) is not per.slot(1, 2)
+    assert last.slot(1, 1) is last.slot(1, 2)
+    assert last.slot(1, 1) is not last.slot(2, 1)
+    assert per.slot(0, 0) is per.slot(0, 0)
+
+
+def test_max_len_validated() -> None:
+    with pytest.raises(ValueError, match="max_len"):
+        PerLoopCache(0)
+
+
+def test_nbytes_used_and_allocated_and_dtype() -> None:
+    cache = LastLoopCache(max_len=10)
+    assert cache.nbytes() == 0 and cache.dtype is None
+    kv = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16)
+    cache.slot(0, 0).update(kv, kv)
+    cache.advance(4)
+    assert cache.dtype == torch.bfloat16
+    assert cache.nbytes(used=False) == 2 * 1 * 2 * 10 * 8 * 2
+    assert cache.nbytes() == 2 * 1 * 2 * 4 * 8 * 2
+
+
+@pytest.mark.parametrize("loops", [1, 2, 3, 4, 7])
+def test_layer_cache_counts_follow_eq1(loops: int) -> None:
+    cfg = CONFIG
+    assert layer_caches(cfg, loops, "per_loop") == cfg.effective_depth(loops)
+    assert layer_caches(cfg, loops, "last_loop") == cfg.effective_depth(1)
+    assert layer_caches(cfg, loops, SecondLoopOnwards) == cfg.n_in + min(loops, 2) * cfg.n_rec + cfg.n_out
+    per_token = 2 * cfg.kv_heads * cfg.head_dim * 4
+    assert kv_cache_bytes(cfg, loops, "per_loop", tokens=10, batch=3) == cfg.effective_depth(loops) * per_token * 30
+
+
+def test_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="per_loop"):
+        layer_caches(CONFIG, 2, "every_loop")
+
+
+def test_memory_at_four_loops_matches_accounting() -> None:
+    """LastLoop at k = 4 holds the k = 1 bytes; PerLoop holds D_eff(4) / D_eff(1) times as much."""
+    model = tiny_model()
+    prompt = torch.randint(0, CONFIG.vocab_size, (2, 6))
+    used = {}
+    for policy, loops in (("per_loop", 1), ("per_loop", 4), ("last_loop", 4)):
+        out = generate(model, prompt, loops=loops, kv_cache=policy, max_new_tokens=5, greedy=True)
+        cache = out.cache
+        assert cache.offset == 6 + 4
+        assert cache.nbytes() == kv_cache_bytes(CONFIG, loops, policy, tokens=cache.offset, batch=2)
+        assert cache.nbytes(used=False) == kv_cache_bytes(CONFIG, loops, policy, tokens=cache.max_len, batch=2)
+        used[policy, loops] = cache.nbytes()
+    assert used["last_loop", 4] == used["per_loop", 1]
+    ratio = CONFIG.effective_depth(4) / CONFIG.effective_depth(1)
+    assert used["per_loop", 4] == ratio * used["per_loop", 1]
+
+
+def test_bf16_cache_accounting() -> None:
+    model = tiny_model()
+    out = generate(
+        model, [[1, 2, 3]], loops=2, kv_cache="last_loop", max_new_tokens=3, autocast_dtype=torch.bfloat16, seed=0
+    )
+    assert out.cache.dtype == torch.bfloat16
+    assert out.cache.nbytes() == kv_cache_bytes(CONFIG, 2, "last_loop", out.cache.offset, dtype=torch.bfloat16)
+
+
+def test_last_loop_store_holds_the_last_loop() -> None:
+    """After prefill, every loop has overwritten the shared store: it holds the last loop's K/V."""
+    model = tiny_model()
+    prompt = torch.randint(0, CONFIG.vocab_size, (2, 7))
+    loops = 3
+    per, last = PerLoopCache(16), LastLoopCache(16)
+    with torch.no_grad():
+        model(prompt, loops, cache=per)
+        model(prompt, loops, cache=last)
+    for j in range(CONFIG.n_rec):
+        layer = CONFIG.n_in + j
+        shared = last.slot(layer, 1)
+        final = per.slot(layer, loops)
+        earlier = per.slot(layer, 1)
+        assert torch.allclose(shared.k[:, :, :7], final.k[:, :, :7], atol=1e-6)
+        assert torch.allclose(shared.v[:, :, :7], final.v[:, :, :7], atol=1e-6)
+        assert not torch.allclose(shared.k[:, :, :7], earlier.k[:, :, :7], atol=1e-3)
+
+
+def test_user_policy_runs_through_generate() -> None:
+    model = tiny_model()
+    out = generate(model, [[5, 6, 7, 8]], loops=4, kv_cache=SecondLoopOnwards, max_new_tokens=4, greedy=True)
+    assert isinstance(out.cache, SecondLoopOnwards)
+    assert out.cache.nbytes() == kv_cache_bytes(CONFIG, 4, SecondLoopOnwards, out.cache.offset)
