@@ -11,9 +11,9 @@ from typing_extensions import override
 
 from elr_lightning.cost import main as cost_main
 from elr_lightning.data import TextDataModule, resolve_sources
-from elr_lightning.tokenizers import load_tokenizer
 from elr_lightning.generation import generate_command
 from elr_lightning.module import ELRModule
+from elr_lightning.tokenizers import load_tokenizer
 
 
 class ELRCLI(LightningCLI):
@@ -41,6 +41,8 @@ def main(args: Optional[list[str]] = None) -> None:
     if argv and argv[0] in EXTRA_COMMANDS:
         EXTRA_COMMANDS[argv[0]](argv[1:])
         return
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"ELR commands besides Lightning's: {', '.join(sorted(EXTRA_COMMANDS))} (elr COMMAND --help)")
     ELRCLI(
         ELRModule,
         TextDataModule,

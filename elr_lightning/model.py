@@ -36,7 +36,10 @@ class RecurrentCore(nn.Module):
     def forward(
         self, h_in: Tensor, loops: int, attn: AttentionInputs, cache: Optional[KVCache] = None
     ) -> tuple[Tensor, Optional[Tensor]]:
-        """Run ``loops`` passes (DESIGN §2); return the final state s_k and the last context c_k."""
+        """Run ``loops`` passes (DESIGN §2); return the final state s_k and the last context c_k.
+
+        c_k is returned as a fresh tensor, not a view, since sharding wrappers refuse views as outputs.
+        """
         s = self.update.init(h_in)
         c = None
         for i in range(1, loops + 1):
@@ -47,7 +50,7 @@ class RecurrentCore(nn.Module):
             for j, layer in enumerate(self.layers):
                 r = layer(r, attn, c, None if cache is None else cache.slot(self.first_layer + j, i))
             s = self.update(s, r, s_tilde)
-        return s, c
+        return s, None if c is None else c.clone()
 
 
 def _modulators(conditioner: Optional[Conditioner], config: ModelConfig):

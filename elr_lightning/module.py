@@ -262,7 +262,7 @@ class ELRModule(LightningModule):
             )
         schedule = self.step_schedule()
         self._loop_log.extend(schedule)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         self.log("train/loops_mean", sum(schedule) / len(schedule))
         self.log("train/p1", sum(k == 1 for k in schedule) / len(schedule))
         for name, value in self.model.update.metrics().items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Optional
 
 
 def step_rng(seed: int, step: int, stream: str = "") -> random.Random:
@@ -123,3 +124,85 @@ class UniformLoops(OneLoopOverride):
 
     def __init__(self, max_loops: int = 4) -> None:
         super().__init__(max_loops=max_loops, override_fraction=0.0)
+
+
+class IndependentRank(LoopSampler):
+    """Independent-rank sampling (ablation, §6): every shard draws its own k uniformly from 1..K.
+
+    Shard ``s`` at step ``t`` draws from a generator seeded by ``(seed, t, s)`` only, so its k does
+    not depend on the number of shards. It mixes depths most evenly but the step waits for the
+    deepest shard (1.36x step time at scale in the paper). ``p_1 = 1/K`` and ``mean k = (K + 1)/2``.
+
+    Args:
+        max_loops: K, the largest loop count.
+    """
+
+    def __init__(self, max_loops: int = 4) -> None:
+        self.max_loops = _check_max_loops(type(self).__name__, max_loops)
+
+    def schedule(self, seed: int, step: int, num_shards: int) -> list[int]:
+        return [step_rng(seed, step, f"shard{shard}").randint(1, self.max_loops) for shard in range(num_shards)]
+
+    def expected_p1(self) -> float:
+        """Probability of k = 1: 1/K."""
+        return 1.0 / self.max_loops
+
+    def expected_mean_loops(self) -> float:
+        """Mean k: (K + 1)/2."""
+        return (self.max_loops + 1) / 2.0
+
+
+class Synchronized(LoopSampler):
+    """Synchronized sampling (ablation, §6): all shards share one k per step, drawn from ``weights``.
+
+    With ``weights=None`` the draw is uniform and identical to :class:`UniformLoops` (and to the
+    shared k of :class:`OneLoopOverride`) for the same seed, so the ablations differ only in how
+    depths are assigned to shards. Weights give any marginal, e.g. the one of eq. (3) with
+    ``weights = [p_1] + [(1 - p_1)/(K - 1)] * (K - 1)``, which the paper finds still loses the
+    one-loop endpoint because depths are not mixed within the step.
+
+    Args:
+        max_loops: K, the largest loop count.
+        weights: Relative probability of k = 1..K (``max_loops`` non-negative numbers, not all zero;
+            normalised here), or ``None`` for uniform.
+    """
+
+    def __init__(self, max_loops: int = 4, weights: Optional[list[float]] = None) -> None:
+        self.max_loops = _check_max_loops(type(self).__name__, max_loops)
+        self.weights = None if weights is None else _normalised_weights(type(self).__name__, weights, max_loops)
+
+    def shared_loops(self, seed: int, step: int) -> int:
+        """The k of every shard at ``step``."""
+        rng = step_rng(seed, step)
+        if self.weights is None:
+            return rng.randint(1, self.max_loops)
+        return rng.choices(range(1, self.max_loops + 1), weights=self.weights)[0]
+
+    def schedule(self, seed: int, step: int, num_shards: int) -> list[int]:
+        return [self.shared_loops(seed, step)] * num_shards
+
+    def probabilities(self) -> list[float]:
+        """P(k) for k = 1..K."""
+        return list(self.weights) if self.weights is not None else [1.0 / self.max_loops] * self.max_loops
+
+    def expected_p1(self) -> float:
+        """Probability of k = 1."""
+        return self.probabilities()[0]
+
+    def expected_mean_loops(self) -> float:
+        """Mean k."""
+        return sum(k * p for k, p in enumerate(self.probabilities(), start=1))
+
+
+def _normalised_weights(owner: str, weights: list[float], max_loops: int) -> list[float]:
+    if isinstance(weights, (str, bytes)) or len(weights) != max_loops:
+        raise ValueError(
+            f"{owner}.weights={weights!r} must list one weight per loop count 1..max_loops={max_loops}"
+        )
+    values = [float(w) for w in weights]
+    if any(not math.isfinite(w) or w < 0 for w in values):
+        raise ValueError(f"{owner}.weights={weights!r} must be finite and >= 0")
+    total = sum(values)
+    if total <= 0:
+        raise ValueError(f"{owner}.weights={weights!r} must not all be zero")
+    return [w / total for w in values]

@@ -1,0 +1,177 @@
+"""``OneLoopOverrideFSDPStrategy``: FSDP2 data parallelism for ranks that run different loop counts."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from typing_extensions import override
+
+from elr_lightning.model import LoopedLM
+from elr_lightning.roles import group_of, init_of, set_role
+from elr_lightning.strategies.common import find_looped_lm, loop_dependent_parameters, verify_loop_schedule
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def shard_looped_lm(
+    model: LoopedLM, mesh: "DeviceMesh", reshard_after_forward: bool = True, reduce_scatter_unused_params: bool = False
+) -> None:
+    """Apply FSDP2 ``fully_shard`` to ``model`` in place, in units whose collectives do not depend on k.
+
+    Units: each input layer, the whole :class:`~elr_lightning.model.RecurrentCore` (its ``forward``
+    runs all k loops, so it all-gathers once per forward and reduce-scatters once per backward at
+    any k), each output layer, then the root (embedding, final norm and the tied head). Sharding
+    each recurrent layer as its own unit would all-gather k times per forward, and ranks at
+    different k would fall out of step and deadlock (DESIGN §6).
+
+    ``fully_shard`` replaces every parameter by a new sharded one; the role tags that choose each
+    parameter's optimizer group (:mod:`elr_lightning.roles`) are carried over by name.
+
+    Args:
+        model: The unsharded model.
+        mesh: The 1-D data-parallel mesh (a 2-D mesh replicates instead of sharding).
+        reshard_after_forward: Free the gathered parameters of the non-root units after forward
+            (gather again for backward); ``False`` keeps them, trading memory for communication.
+        reduce_scatter_unused_params: Reduce-scatter zero gradients for parameters that took no
+            part in a rank's backward (needed when ranks use different parameters, e.g. MoE).
+    """
+    roles = parameter_roles(model)
+    for layer in model.input_layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model.core, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    for layer in model.output_layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    root = fully_shard(model, mesh=mesh)
+    root.set_reduce_scatter_unused_params(reduce_scatter_unused_params)
+    restore_parameter_roles(model, roles)
+
+
+def parameter_roles(model: nn.Module) -> dict[str, tuple[Optional[str], str]]:
+    """``{name: (init, group)}`` of every parameter's role tags (:mod:`elr_lightning.roles`)."""
+    return {name: (init_of(p), group_of(p)) for name, p in model.named_parameters()}
+
+
+def restore_parameter_roles(model: nn.Module, roles: dict[str, tuple[Optional[str], str]]) -> None:
+    """Tag ``model``'s parameters, by name, with roles saved by :func:`parameter_roles`.
+
+    Needed whenever the parameter objects were replaced: by ``fully_shard``, and again by every
+    ``Module.to`` / ``_apply`` on an FSDP2 module, which re-registers new sharded parameters.
+    """
+    for name, p in model.named_parameters():
+        init, group = roles[name]
+        set_role(p, init=init, group=group)
+
+
+class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 (``fully_shard``) over all ranks for mixed-depth training; runs on CPU (gloo) and GPU.
+
+    Lightning's ``FSDPStrategy`` (FSDP1) refuses the CPU; this builds on its
+    ``ModelParallelStrategy`` with a 1-D data-parallel mesh over every process (no tensor
+    parallelism). The strategy shards the module's :class:`~elr_lightning.model.LoopedLM` with
+    :func:`shard_looped_lm` after ``configure_model`` and before the optimizer is built; model code
+    is untouched. The data-parallel rank and size come from the mesh.
+
+    Every rank must reduce-scatter the same parameters at every step, whatever k it runs. At setup
+    the strategy probes the unsharded model at k = 1..``arch.max_loops`` (conditioner as it is and
+    switched on) and raises if some parameter's use depends on k. Parameters unused at every k
+    (the conditioning heads before the delayed switch) are fine: every rank skips them alike and
+    their gradient stays ``None``, as under DDP. ``reduce_scatter_unused_params=True`` lifts the
+    check by giving skipped parameters zero gradients instead (AdamW then counts those steps).
+
+    Args:
+        reshard_after_forward: See :func:`shard_looped_lm`.
+        reduce_scatter_unused_params: See :func:`shard_looped_lm`; also turns the k probe off.
+        check_schedule_every_n_steps: Every this many optimizer steps, gather the loop counts the
+            ranks run and raise if they are not one shared schedule (``0``: never).
+        save_distributed_checkpoint: One checkpoint file per rank (``True``) or one full file.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ... (default: by device).
+        timeout: Collective timeout.
+    """
+
+    def __init__(
+        self,
+        reshard_after_forward: bool = True,
+        reduce_scatter_unused_params: bool = False,
+        check_schedule_every_n_steps: int = 100,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        if check_schedule_every_n_steps < 0:
+            raise ValueError(
+                f"check_schedule_every_n_steps={check_schedule_every_n_steps} must be >= 0 (0 turns the check off)"
+            )
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.reshard_after_forward = reshard_after_forward
+        self.reduce_scatter_unused_params = reduce_scatter_unused_params
+        self.check_schedule_every_n_steps = check_schedule_every_n_steps
+        self._roles: dict[str, tuple[Optional[str], str]] = {}
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process' rank in the data-parallel mesh (its global rank before the mesh exists)."""
+        if self._device_mesh is None:
+            return self.global_rank
+        return self._device_mesh["data_parallel"].get_local_rank()
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Size of the data-parallel mesh (the world size before the mesh exists)."""
+        if self._device_mesh is None:
+            return self.world_size
+        return self._device_mesh["data_parallel"].size()
+
+    @override
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        model = find_looped_lm(self.lightning_module)
+        self._roles = parameter_roles(model)
+        if not isinstance(model.core, FSDPModule):
+            if not self.reduce_scatter_unused_params:
+                self._require_loop_independent_parameters(model)
+            shard_looped_lm(
+                model,
+                self.device_mesh["data_parallel"],
+                reshard_after_forward=self.reshard_after_forward,
+                reduce_scatter_unused_params=self.reduce_scatter_unused_params,
+            )
+        super().setup(trainer)
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        restore_parameter_roles(find_looped_lm(self.lightning_module), self._roles)
+        super().setup_optimizers(trainer)
+
+    def _require_loop_independent_parameters(self, model: LoopedLM) -> None:
+        dependent = loop_dependent_parameters(model, range(1, model.config.max_loops + 1))
+        if dependent:
+            listed = ", ".join(f"{name} (unused at k={ks})" for name, ks in list(dependent.items())[:3])
+            raise ValueError(
+                f"{type(self).__name__}: {len(dependent)} parameter(s) take part at some loop counts only: {listed}. "
+                "Ranks at different k would reduce-scatter different gradients and abort or hang. Use them at "
+                "every k (multiply by a zero gate instead of skipping) or set reduce_scatter_unused_params: true"
+            )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        group = self.device_mesh["data_parallel"].get_group()
+        verify_loop_schedule(self, self.check_schedule_every_n_steps, group=group)
+        return super().training_step(*args, **kwargs)

@@ -1,0 +1,120 @@
+"""One rank of a multi-process strategy test: ``python tests/_dist_worker.py SPEC.json``.
+
+The test launches one process per rank with ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
+``NODE_RANK`` and ``LOCAL_RANK`` set (Lightning then joins them instead of spawning), and the same
+spec. Each case of the spec trains a tiny looped LM for a few steps and writes, from every rank,
+``<out>/<case>.rank<r>.pt``: the full model state and the loop counts that rank ran per step.
+:func:`train_case` also serves the single-process reference, called from the test process.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.config import ModelConfig
+from elr_lightning.data import TextDataModule
+from elr_lightning.module import ELRModule
+from elr_lightning.sampling import OneLoopOverride
+from elr_lightning.strategies import OneLoopOverrideDDPStrategy, OneLoopOverrideFSDPStrategy
+
+#: Collective timeout of every test strategy: a hang fails in seconds.
+COLLECTIVE_TIMEOUT = timedelta(seconds=30)
+
+
+class RecordLoops(Callback):
+    """Keeps ``[optimizer step, loop counts]`` of every micro-batch this rank runs."""
+
+    def __init__(self) -> None:
+        self.loops: list[list[Any]] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.loops.append([trainer.global_step, pl_module.local_loops()])
+
+
+def tiny_module(virtual_ranks: int, conditioner_active: bool = True) -> ELRModule:
+    """d = 32, one layer per block, K = 3, conditioning, one-loop overrides with f = 0.5."""
+    seed_everything(0)
+    module = ELRModule(
+        arch=ModelConfig(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=32, max_loops=3),
+        sampler=OneLoopOverride(max_loops=3, override_fraction=0.5),
+        conditioner=LoopConditioner(d_cond=16, rank=4, n_freqs=4),
+        virtual_ranks=virtual_ranks,
+        lr=1e-2,
+        warmup_steps=0,
+        loop_seed=7,
+    )
+    if not conditioner_active:
+        module.model.conditioner.active.fill_(False)
+    return module
+
+
+def make_strategy(name: Optional[str]) -> Any:
+    """The strategy under test: ``"ddp"``, ``"fsdp"`` or ``None`` (Lightning's single-device default)."""
+    if name is None:
+        return "auto"
+    cls = {"ddp": OneLoopOverrideDDPStrategy, "fsdp": OneLoopOverrideFSDPStrategy}[name]
+    return cls(timeout=COLLECTIVE_TIMEOUT, check_schedule_every_n_steps=1)
+
+
+def full_state(module: ELRModule) -> dict[str, torch.Tensor]:
+    """The model's state with sharded tensors gathered (a collective under FSDP: every rank calls it)."""
+    state = module.model.state_dict()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+
+
+def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict[str, Any]:
+    """Train one case; return this rank's ``{"state", "loops", "rank", "fsdp_units"}``.
+
+    A case names ``virtual_ranks``, the per-rank ``batch_size``, and optionally ``accumulate``
+    (micro-batches per step) and ``conditioner_active``.
+    """
+    module = tiny_module(case["virtual_ranks"], case.get("conditioner_active", True))
+    data = TextDataModule(
+        sources=[spec["corpus"]], seq_len=16, batch_size=case["batch_size"], cache_dir=spec["cache_dir"], seed=3
+    )
+    record = RecordLoops()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=make_strategy(spec.get("strategy")),
+        max_steps=spec["steps"],
+        accumulate_grad_batches=case.get("accumulate", 1),
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
+    )
+    trainer.fit(module, datamodule=data)
+    units = [name for name, m in module.model.named_modules() if isinstance(m, FSDPModule)]
+    return {"state": full_state(module), "loops": record.loops, "rank": trainer.global_rank, "fsdp_units": units}
+
+
+def main(spec_path: str) -> None:
+    """Run every case of the spec on this rank and save the results."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    faulthandler.dump_traceback_later(spec["watchdog_s"], exit=True)
+    torch.set_num_threads(1)
+    devices = int(os.environ.get("WORLD_SIZE", "1"))
+    for case in spec["cases"]:
+        result = train_case(case, spec, devices)
+        torch.save(result, os.path.join(spec["out"], f"{case['name']}.rank{result['rank']}.pt"))
+    faulthandler.cancel_dump_traceback_later()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,284 @@
+"""The one-loop-override strategies: 2-process CPU (gloo) equivalence, the data-parallel layout,
+the parameter-usage probes, the schedule check and selection from YAML.
+
+A run with W ranks and ``virtual_ranks`` v has the same S = W v shards per step as one process
+with ``virtual_ranks`` W v on the same global batches: shard s of the step is rank s // v's slice
+s % v. So after a few optimizer steps both must hold the same parameters (fp32 round-off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import _dist_worker
+from conftest import tiny_config
+from elr_lightning.cli import main as cli_main
+from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.model import LoopedLM
+from elr_lightning.module import ELRModule
+from elr_lightning.roles import set_module_role
+from elr_lightning.sampling import OneLoopOverride
+from elr_lightning.strategies import DataParallelLayout, OneLoopOverrideDDPStrategy, OneLoopOverrideFSDPStrategy
+from elr_lightning.strategies.common import loop_dependent_parameters, unused_parameters, verify_loop_schedule
+from elr_lightning.updates import StateUpdate
+
+WORKER = Path(_dist_worker.__file__)
+QUICKSTART = Path(__file__).resolve().parents[1] / "config" / "quickstart.yaml"
+WORLD = 2
+PER_RANK_BATCH = 2
+STEPS = 4
+#: In-rank watchdog (faulthandler) and the test's own limit on the launch; collectives time out at 30 s.
+WATCHDOG_S = 75
+LAUNCH_TIMEOUT_S = 90
+
+#: Two-process cases and how their single-process reference differs: batch and virtual ranks x WORLD.
+CASES = {
+    "v1": {"virtual_ranks": 1},
+    "v2": {"virtual_ranks": 2},
+    "v1_accumulate2": {"virtual_ranks": 1, "accumulate": 2},
+    "v1_conditioner_off": {"virtual_ranks": 1, "conditioner_active": False},
+}
+
+
+def _reference_case(case: dict[str, Any]) -> dict[str, Any]:
+    return {**case, "virtual_ranks": case["virtual_ranks"] * WORLD, "batch_size": PER_RANK_BATCH * WORLD}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("strategies")
+    path = root / "corpus.txt"
+    path.write_text(inspect.getsource(argparse)[:30000], encoding="utf-8")
+    return {"corpus": str(path), "cache_dir": str(root / "cache")}
+
+
+@pytest.fixture(scope="module")
+def references(corpus: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """One process, ``virtual_ranks`` standing in for the data-parallel ranks, same global batches."""
+    spec = {**corpus, "steps": STEPS}
+    return {name: _dist_worker.train_case(_reference_case(case), spec, devices=1) for name, case in CASES.items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(strategy: str, corpus: dict[str, str], out: Path) -> dict[str, list[dict[str, Any]]]:
+    """Run every case of :data:`CASES` on WORLD fresh processes; return each case's per-rank results."""
+    out.mkdir()
+    cases = [{"name": name, "batch_size": PER_RANK_BATCH, **case} for name, case in CASES.items()]
+    spec = {**corpus, "strategy": strategy, "steps": STEPS, "out": str(out), "watchdog_s": WATCHDOG_S, "cases": cases}
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    port = _free_port()
+    procs, logs = [], []
+    for rank in range(WORLD):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+        env.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0",
+            LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+        )
+        log = open(out / f"rank{rank}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec_path)], env=env, stdout=log, stderr=log))
+    try:
+        for proc in procs:
+            proc.wait(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{strategy}: the {WORLD}-process run did not finish in {LAUNCH_TIMEOUT_S} s (hang?)")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+    for rank, proc in enumerate(procs):
+        text = (out / f"rank{rank}.log").read_text()
+        assert proc.returncode == 0, f"{strategy} rank {rank} exited with {proc.returncode}:\n{text[-6000:]}"
+    return {
+        name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=True) for r in range(WORLD)] for name in CASES
+    }
+
+
+def assert_matches_reference(name: str, ranks: list[dict[str, Any]], reference: dict[str, Any]) -> None:
+    initial = _dist_worker.tiny_module(1).model.state_dict()
+    assert [r["rank"] for r in ranks] == list(range(WORLD))
+    for result in ranks:
+        assert result["state"].keys() == reference["state"].keys()
+        for key, value in reference["state"].items():
+            torch.testing.assert_close(result["state"][key], value, rtol=1e-5, atol=5e-6, msg=f"{name}: {key}")
+    moved = max((reference["state"][k].float() - initial[k].float()).abs().max().item() for k in initial)
+    assert moved > 1e-2, f"{name}: training barely moved the parameters ({moved}); the comparison proves nothing"
+    # Every micro-batch of a step runs the step's schedule; rank r runs shards r*v .. r*v + v - 1.
+    realised = [[step, [k for r in ranks for k in r["loops"][i][1]]] for i, (step, _) in enumerate(ranks[0]["loops"])]
+    assert all(r["loops"][i][0] == step for r in ranks for i, (step, _) in enumerate(realised))
+    assert realised == reference["loops"]
+    assert any(len(set(loops)) > 1 for _, loops in realised), f"{name}: ranks never ran different k"
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one_process_with_virtual_ranks(corpus, references, tmp_path):
+    results = launch("ddp", corpus, tmp_path / "ddp")
+    for name in CASES:
+        assert_matches_reference(name, results[name], references[name])
+    assert results["v1"][0]["fsdp_units"] == []
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_match_one_process_with_virtual_ranks(corpus, references, tmp_path):
+    results = launch("fsdp", corpus, tmp_path / "fsdp")
+    for name in CASES:
+        assert_matches_reference(name, results[name], references[name])
+    # The recurrent core (the whole k-loop) is one unit; input and output layers one unit each; then the root.
+    assert results["v1"][0]["fsdp_units"] == ["", "input_layers.0", "core", "output_layers.0"]
+    # Conditioner off on every rank: its heads have no gradient anywhere, so nothing moves them.
+    off = results["v1_conditioner_off"][0]["state"]
+    initial = _dist_worker.tiny_module(1).model.state_dict()
+    heads = [k for k in initial if "_mod." in k or "conditioner.mlp" in k]
+    assert heads and all(torch.equal(off[k], initial[k]) for k in heads)
+
+
+# ---- the data-parallel layout ---------------------------------------------------------------------
+
+
+def _with_trainer(module: ELRModule, **trainer: Any) -> ELRModule:
+    module._trainer = SimpleNamespace(**{"global_rank": 0, "world_size": 1, "global_step": 0, **trainer})
+    return module
+
+
+def test_layout_without_trainer_or_without_elr_strategy_is_global():
+    module = ELRModule(arch=tiny_config(), virtual_ranks=2)
+    assert module.data_parallel_layout() == (0, 1)
+    _with_trainer(module, strategy=object())
+    module._trainer.global_rank, module._trainer.world_size = 3, 4
+    assert module.data_parallel_layout() == (3, 4)
+    assert module.num_shards() == 8
+
+
+def test_layout_comes_from_the_strategy():
+    """Shard index = data-parallel rank * virtual_ranks + slice, whatever the global rank is."""
+    sampler = OneLoopOverride(4, 0.25)
+    module = ELRModule(arch=tiny_config(), sampler=sampler, virtual_ranks=2, loop_seed=5)
+    _with_trainer(module, strategy=SimpleNamespace(data_parallel_rank=1, data_parallel_size=3), global_step=11)
+    module._trainer.global_rank, module._trainer.world_size = 5, 6  # e.g. tensor-parallel peers
+    assert module.data_parallel_layout() == (1, 3)
+    assert module.local_loops() == sampler.schedule(5, 11, 6)[2:4]
+
+
+@pytest.mark.parametrize("cls", [OneLoopOverrideDDPStrategy, OneLoopOverrideFSDPStrategy])
+def test_elr_strategies_implement_the_layout_protocol(cls):
+    strategy = cls()
+    assert isinstance(strategy, DataParallelLayout)
+    assert (strategy.data_parallel_rank, strategy.data_parallel_size) == (0, 1)
+
+
+def test_bad_strategy_settings_name_the_field():
+    for cls in (OneLoopOverrideDDPStrategy, OneLoopOverrideFSDPStrategy):
+        with pytest.raises(ValueError, match="check_schedule_every_n_steps=-1"):
+            cls(check_schedule_every_n_steps=-1)
+
+
+# ---- parameter-usage probes -------------------------------------------------------------------------
+
+
+class LaterLoopsOnly(StateUpdate):
+    """A rule with a parameter used only from the second loop on (what FSDP2 cannot shard safely)."""
+
+    def build(self, d_model: int) -> None:
+        self.extra = nn.Linear(d_model, d_model)
+        set_module_role(self.extra, init="zeros")
+
+    def init(self, h_in: torch.Tensor) -> torch.Tensor:
+        self.calls = 0
+        return h_in
+
+    def forward(self, s_prev: torch.Tensor, r: torch.Tensor, s_tilde: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return r if self.calls == 1 else r + self.extra(r)
+
+
+def test_elr_model_uses_the_same_parameters_at_every_k():
+    model = LoopedLM(tiny_config(), conditioner=LoopConditioner(d_cond=8, rank=2))
+    assert loop_dependent_parameters(model, range(1, 5)) == {}
+    assert all(names == [] for names in unused_parameters(model, range(1, 5)).values())
+    model.conditioner.active.fill_(False)
+    usage = unused_parameters(model, range(1, 5))
+    assert set(usage) == {(False, k) for k in range(1, 5)} | {(True, k) for k in range(1, 5)}
+    assert all(any("_mod." in n for n in usage[(False, k)]) and usage[(True, k)] == [] for k in range(1, 5))
+    assert loop_dependent_parameters(model, range(1, 5)) == {}
+    assert not bool(model.conditioner.active), "the probe must leave the conditioner as it found it"
+
+
+def test_fsdp_rejects_a_parameter_used_at_some_k_only():
+    model = LoopedLM(tiny_config(max_loops=3), update=LaterLoopsOnly())
+    expected = {"core.update.extra.bias": [1], "core.update.extra.weight": [1]}
+    assert loop_dependent_parameters(model, range(1, 4)) == expected
+    with pytest.raises(ValueError, match=r"extra\.\w+ \(unused at k=\[1\]\).*reduce_scatter_unused_params"):
+        OneLoopOverrideFSDPStrategy()._require_loop_independent_parameters(model)
+
+
+def test_ddp_without_find_unused_parameters_needs_every_parameter_used():
+    module = ELRModule(arch=tiny_config(), conditioner=LoopConditioner(d_cond=8, rank=2))
+    strategy = OneLoopOverrideDDPStrategy(find_unused_parameters=False)
+    strategy.connect(module)
+    strategy._require_every_parameter_used()
+    module.model.conditioner.active.fill_(False)
+    with pytest.raises(ValueError, match=r"take no part at k=1 with the conditioner off.*find_unused_parameters: true"):
+        strategy._require_every_parameter_used()
+
+
+# ---- the schedule check ------------------------------------------------------------------------------
+
+
+def test_schedule_check_raises_when_a_rank_runs_other_loop_counts(monkeypatch):
+    module = ELRModule(arch=tiny_config(), virtual_ranks=3, loop_seed=1)
+    _with_trainer(module, strategy=object(), global_step=4)
+    strategy = SimpleNamespace(lightning_module=module, root_device=torch.device("cpu"))
+    verify_loop_schedule(strategy, every_n_steps=1)
+    monkeypatch.setattr(module, "local_loops", lambda: [k % 4 + 1 for k in module.step_schedule()])
+    verify_loop_schedule(strategy, every_n_steps=3)  # step 4 is not checked
+    with pytest.raises(RuntimeError, match="loop schedule disagrees across ranks at step 4"):
+        verify_loop_schedule(strategy, every_n_steps=2)
+
+
+# ---- YAML --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, init_args",
+    [
+        ("OneLoopOverrideDDPStrategy", {"timeout": "0:00:30", "find_unused_parameters": True}),
+        ("OneLoopOverrideFSDPStrategy", {"timeout": "0:00:30", "reshard_after_forward": False}),
+    ],
+)
+def test_strategy_is_selectable_from_yaml(name, init_args, tmp_path, capsys, monkeypatch):
+    class_path = f"elr_lightning.strategies.{name}"
+    config = tmp_path / "strategy.yaml"
+    lines = ["trainer:", "  strategy:", f"    class_path: {class_path}", "    init_args:"]
+    lines += [f"      {k}: {json.dumps(v)}" for k, v in init_args.items()]
+    config.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(sys, "argv", ["elr"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", str(QUICKSTART), "--config", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert f"class_path: {class_path}" in printed
+    assert "timeout: 0:00:30" in printed
+    key, value = list(init_args.items())[1]
+    assert f"{key}: {str(value).lower()}" in printed
