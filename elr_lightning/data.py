@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import sysconfig
-import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from elr_lightning.checkpoint_io import write_atomically
 from elr_lightning.tokenizers import Tokenizer, load_tokenizer
 
 CACHE_FORMAT = 1
@@ -194,23 +194,6 @@ def _file_signature(path: str) -> list[Any]:
     """Path, size and modification time of a file: changes whenever its contents may have."""
     st = os.stat(path)
     return [path, st.st_size, st.st_mtime_ns]
-
-
-def _write_atomically(path: str, write: Any) -> None:
-    """Write ``path`` through a temporary file in the same folder and ``os.replace`` it into place."""
-    folder = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 class TokenWindows(Dataset):
@@ -578,7 +561,7 @@ class TextDataModule(pl.LightningDataModule):
                 f.write(ids.astype(self.dtype).tobytes())
                 num_tokens += int(ids.size)
 
-        _write_atomically(bin_path, write_tokens)
+        write_atomically(bin_path, write_tokens)
         if text_tokens == 0:
             os.remove(bin_path)
             raise ValueError(f"data.sources: the {len(files)} source file(s) contain no text")
@@ -594,7 +577,7 @@ class TextDataModule(pl.LightningDataModule):
             "text_field": self.text_field,
             "max_bytes": self.max_bytes,
         }
-        _write_atomically(json_path, lambda f: f.write(json.dumps(meta, indent=1).encode("utf-8")))
+        write_atomically(json_path, lambda f: f.write(json.dumps(meta, indent=1).encode("utf-8")))
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Open the shard (preparing it if absent) and split its windows into train and validation.
