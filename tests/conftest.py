@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any, Iterator
+
+import lightning.pytorch as pl
 import pytest
 import torch
 from hypothesis import settings
 
+from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
+from elr_lightning.model import LoopedLM
+from elr_lightning.module import ELRModule
+from elr_lightning.sampling import OneLoopOverride
 
 settings.register_profile("elr", deadline=None, max_examples=25, derandomize=True)
 settings.load_profile("elr")
@@ -24,3 +31,45 @@ def tiny_config(**overrides) -> ModelConfig:
 @pytest.fixture
 def tiny() -> ModelConfig:
     return tiny_config()
+
+
+#: Grouped-query, two recurrent layers: the generation and cache tests' model.
+GQA_CONFIG = ModelConfig(
+    vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_in=1, n_rec=2, n_out=1, max_loops=4, max_seq_len=64
+)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models are bound by per-op latency; one thread keeps them fast when other jobs share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def perturbed_model(config: ModelConfig = GQA_CONFIG, seed: int = 0) -> LoopedLM:
+    """A conditioned looped LM whose zero-initialised gates and heads are perturbed, so every part acts."""
+    torch.manual_seed(seed)
+    model = LoopedLM(config, conditioner=LoopConditioner(d_cond=8, rank=2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+#: The switch and resume tests' architecture.
+SWITCH_ARCH = dict(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=32, max_loops=3)
+
+
+def switch_module(conditioner: bool = True, lr: float = 3e-3, **arch: Any) -> ELRModule:
+    """A seeded module with one-loop overrides over 2 virtual ranks, for switch and resume tests."""
+    pl.seed_everything(0)
+    return ELRModule(
+        ModelConfig(**{**SWITCH_ARCH, **arch}),
+        sampler=OneLoopOverride(3, 0.5),
+        conditioner=LoopConditioner(d_cond=8, rank=2, n_freqs=2) if conditioner else None,
+        virtual_ranks=2,
+        warmup_steps=2,
+        lr=lr,
+    )

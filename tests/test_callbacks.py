@@ -19,6 +19,7 @@ from elr_lightning.callbacks.delayed_mixed_depth import load_weights_where_prese
 from elr_lightning.callbacks.switch import SwitchPoint
 from elr_lightning.callbacks.zero_init_conditioning import conditioning_parameters, zero_heads
 from elr_lightning.cli import main
+from conftest import SWITCH_ARCH, switch_module
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import TextDataModule
@@ -34,19 +35,12 @@ from elr_lightning.sampling import FixedLoops, OneLoopOverride
 from elr_lightning.updates import NonRecurrent
 
 ROOT = Path(__file__).resolve().parents[1]
-ARCH = dict(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=32, max_loops=3)
+ARCH = SWITCH_ARCH
 
 
 def make_module(conditioner: bool = True, **arch: Any) -> ELRModule:
-    pl.seed_everything(0)
-    return ELRModule(
-        ModelConfig(**{**ARCH, **arch}),
-        sampler=OneLoopOverride(3, 0.5),
-        conditioner=LoopConditioner(d_cond=8, rank=2, n_freqs=2) if conditioner else None,
-        virtual_ranks=2,
-        warmup_steps=2,
-        lr=1e-2,
-    )
+    """The shared switch-test module (see conftest), at lr 1e-2."""
+    return switch_module(conditioner, lr=1e-2, **arch)
 
 
 def make_data(tmp_path: Path) -> TextDataModule:

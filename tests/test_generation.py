@@ -1,7 +1,6 @@
 """Tests of generation: cache exactness, padding, sampling, streaming, checkpoints and ``elr generate``."""
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,33 +22,21 @@ from elr_lightning.generation import (
     load_model,
     stream_generate,
 )
+from conftest import GQA_CONFIG, perturbed_model
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 from elr_lightning.tokenizers import ByteTokenizer
 
-CONFIG = ModelConfig(
-    vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_in=1, n_rec=2, n_out=1, max_loops=4, max_seq_len=64
-)
+CONFIG = GQA_CONFIG
 QUICKSTART = Path(__file__).resolve().parents[1] / "config" / "quickstart.yaml"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models are bound by per-op latency; one thread keeps them fast when other jobs share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(config: ModelConfig = CONFIG, seed: int = 0) -> LoopedLM:
-    """A conditioned looped LM whose zero-initialised gates and heads are perturbed, so every part acts."""
-    torch.manual_seed(seed)
-    model = LoopedLM(config, conditioner=LoopConditioner(d_cond=8, rank=2))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
+    """The shared perturbed model (see conftest)."""
+    return perturbed_model(config, seed)
 
 
 @pytest.fixture(scope="module")

@@ -20,25 +20,17 @@ import yaml
 
 from elr_lightning.callbacks import AtomicModelCheckpoint, DelayedMixedDepth, ZeroInitConditioning
 from elr_lightning.checkpoint_io import AtomicCheckpointIO, CorruptCheckpointError
-from elr_lightning.conditioning import LoopConditioner
-from elr_lightning.config import ModelConfig
+from conftest import SWITCH_ARCH, switch_module
 from elr_lightning.data import TextDataModule
 from elr_lightning.module import ELRModule
-from elr_lightning.sampling import OneLoopOverride
 
 ROOT = Path(__file__).resolve().parents[1]
-ARCH = dict(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=32, max_loops=3)
+ARCH = SWITCH_ARCH
 
 
 def make_module(conditioner: bool = True, **arch: Any) -> ELRModule:
-    pl.seed_everything(0)
-    return ELRModule(
-        ModelConfig(**{**ARCH, **arch}),
-        sampler=OneLoopOverride(3, 0.5),
-        conditioner=LoopConditioner(d_cond=8, rank=2, n_freqs=2) if conditioner else None,
-        virtual_ranks=2,
-        warmup_steps=2,
-    )
+    """The shared switch-test module (see conftest)."""
+    return switch_module(conditioner, **arch)
 
 
 def fit(module: ELRModule, tmp_path: Path, max_steps: int, ckpt_path: Optional[str] = None) -> pl.Trainer:
