@@ -654,3 +654,11 @@ class TextDataModule(pl.LightningDataModule):
             count = min(len(val), self.val_batches * self.batch_size)
             val = TokenWindows(val.tokens, val.seq_len, val.start, val.start + count)
         return DataLoader(val, batch_size=self.batch_size, shuffle=False, drop_last=False)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out validation windows (the corpus has one held-out split)."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out validation windows, for per-sequence losses at every k."""
+        return self.val_dataloader()

@@ -276,30 +276,55 @@ class ELRModule(LightningModule):
             self._loop_log.clear()
 
     # ---- validation --------------------------------------------------------------------------
-    @override
-    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
-        inputs, targets = batch[:, :-1], batch[:, 1:]
+    def sequence_nll(self, batch: Tensor, loops: int) -> Tensor:
+        """Summed next-token negative log-likelihood of each sequence of ``batch`` ``[B, T + 1]``."""
+        logits = self(batch[:, :-1], loops)
+        nll = F.cross_entropy(logits.transpose(1, 2).float(), batch[:, 1:], reduction="none")
+        return nll.sum(dim=1)
+
+    def _evaluate(self, batch: Tensor) -> None:
+        targets = batch[:, 1:]
         tokens = targets.numel()
         nbytes = self.token_bytes[targets].sum()
         for k in self.val_loops:
-            logits = self(inputs, k)
-            nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            nll = self.sequence_nll(batch, k).sum()
             self.val_loss[str(k)].update(nll / tokens, tokens)
             if nbytes > 0:
                 self.val_bpb[str(k)].update(nll / nbytes / math.log(2), nbytes)
 
-    @override
-    def on_validation_epoch_end(self) -> None:
+    def _log_evaluation(self, prefix: str) -> dict[int, float]:
         losses = {}
         for k in self.val_loops:
-            losses[k] = self.val_loss[str(k)].compute()
-            self.log(f"val/loss_k{k}", losses[k], prog_bar=k in (1, self.val_loops[-1]))
-            self.log(f"val/bpb_k{k}", self.val_bpb[str(k)].compute())
+            losses[k] = float(self.val_loss[str(k)].compute())
+            self.log(f"{prefix}/loss_k{k}", losses[k], prog_bar=k in (1, self.val_loops[-1]))
+            self.log(f"{prefix}/bpb_k{k}", self.val_bpb[str(k)].compute())
             with torch.inference_mode(False):  # states re-made here must not be inference tensors
                 self.val_loss[str(k)].reset()
                 self.val_bpb[str(k)].reset()
+        return losses
+
+    @override
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        self._evaluate(batch)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        losses = self._log_evaluation("val")
         if not self.trainer.sanity_checking:
-            self._log_loss_curve({k: float(v) for k, v in losses.items()})
+            self._log_loss_curve(losses)
+
+    @override
+    def test_step(self, batch: Tensor, batch_idx: int) -> None:
+        self._evaluate(batch)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._log_evaluation("test")
+
+    @override
+    def predict_step(self, batch: Tensor, batch_idx: int) -> dict[int, Tensor]:
+        """Mean next-token loss of each sequence at every k in ``val_loops``: ``{k: [B]}``."""
+        return {k: self.sequence_nll(batch, k) / (batch.shape[1] - 1) for k in self.val_loops}
 
     # ---- optimizer ---------------------------------------------------------------------------
     @override

@@ -153,3 +153,17 @@ def test_training_lowers_validation_loss(tmp_path):
     before = trainer.callback_metrics["val/loss_k1"].item()
     trainer.fit(module, datamodule=data)
     assert trainer.callback_metrics["val/loss_k1"].item() < before - 0.5
+
+
+def test_test_and_predict_report_every_k(tmp_path):
+    module = ELRModule(arch=tiny_config(vocab_size=256), val_loops=[1, 3])
+    data = _tiny_data(tmp_path)
+    trainer = _trainer(tmp_path, logger=False)
+    results = trainer.test(module, datamodule=data, verbose=False)[0]
+    assert set(results) == {"test/loss_k1", "test/loss_k3", "test/bpb_k1", "test/bpb_k3"}
+    validated = trainer.validate(module, datamodule=data, verbose=False)[0]
+    assert results["test/loss_k3"] == pytest.approx(validated["val/loss_k3"])
+    predictions = trainer.predict(module, datamodule=data)
+    assert set(predictions[0]) == {1, 3} and predictions[0][1].shape == (4,)
+    mean = torch.cat([p[3] for p in predictions]).mean().item()
+    assert mean == pytest.approx(validated["val/loss_k3"], rel=1e-5)
