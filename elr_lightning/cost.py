@@ -1,4 +1,5 @@
-"""Static cost of a configuration: parameters per block and effective depth per loop count (eq. 1).
+"""Static cost of a configuration: parameters, effective depth (eq. 1), FLOPs and KV memory per loop
+count, the sampler's eq. 3 statistics and the eq. 5 training-compute multipliers.
 
 Models are built on the meta device, so a 4B configuration is counted without allocating it.
 ``elr cost --config config/4b.yaml`` prints the table.
@@ -14,6 +15,8 @@ import yaml
 from jsonargparse import ArgumentParser
 from torch import nn
 
+from elr_lightning.flops import compute_multiplier, forward_flops_per_token
+from elr_lightning.generation import CACHE_POLICIES, kv_cache_bytes
 from elr_lightning.module import ELRModule
 from elr_lightning.roles import group_of
 
@@ -72,16 +75,25 @@ def cost_report(path: str, loops: Optional[list[int]] = None) -> dict[str, Any]:
     module = build_module_from_config(path)
     arch = module.arch
     loops = list(range(1, arch.max_loops + 1)) if loops is None else loops
+    rank = getattr(module.model.conditioner, "rank", 0)
     report: dict[str, Any] = {
         "config": path,
         "parameters": parameter_counts(module.model),
         "effective_depth": {k: arch.effective_depth(k) for k in loops},
+        "forward_gflops_per_token": {k: forward_flops_per_token(arch, k, adapter_rank=rank) / 1e9 for k in loops},
+        "kv_bytes_per_token_bf16": {
+            k: {policy: kv_cache_bytes(arch, k, policy, 1, torch.bfloat16) for policy in CACHE_POLICIES}
+            for k in loops
+        },
         "sampler": repr(module.sampler),
     }
     for name in ("expected_p1", "expected_mean_loops"):
         method = getattr(module.sampler, name, None)
         if callable(method):
             report[name] = method()
+    if "expected_mean_loops" in report:
+        mean = report["expected_mean_loops"]
+        report["eq5_multiplier"] = {rho: compute_multiplier(arch, rho, mean) for rho in (0.25, 1.0)}
     return report
 
 
@@ -92,8 +104,14 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("effective depth D_eff(k) = L_in + k L_rec + L_out (eq. 1):")
     d1 = report["effective_depth"][min(report["effective_depth"])]
     lines += [f"  k={k:<3} {d:>4} layers  {d / d1:5.2f}x" for k, d in report["effective_depth"].items()]
+    lines.append("forward GFLOPs per token, attention KV bytes per token (bf16) per policy:")
+    for k, gflops in report["forward_gflops_per_token"].items():
+        kv = "  ".join(f"{policy} {n:,}" for policy, n in report["kv_bytes_per_token_bf16"][k].items())
+        lines.append(f"  k={k:<3} {gflops:8.3f} GFLOPs   {kv}")
     if "expected_p1" in report:
         lines.append(f"eq. 3: p_1 = {report['expected_p1']:.4f}, mean k = {report['expected_mean_loops']:.4f}")
+        eq5 = report["eq5_multiplier"]
+        lines.append(f"eq. 5: training compute {eq5[0.25]:.3f}x with the last 25% mixed, {eq5[1.0]:.3f}x from scratch")
     return "\n".join(lines)
 
 

@@ -56,3 +56,15 @@ def test_gpt_0p5b_is_the_paper_ablation_sampler():
 def test_missing_user_data_is_a_clear_error():
     with pytest.raises((FileNotFoundError, ValueError), match=r"data\.sources"):
         main(["fit", "--config", os.path.join(ROOT, "config", "4b.yaml"), "--trainer.max_steps", "1"])
+
+
+def test_cost_report_reproduces_the_paper_figures_for_4b(capsys):
+    report = cost_report(os.path.join(ROOT, "config", "4b.yaml"))
+    kv = report["kv_bytes_per_token_bf16"]
+    assert kv[4]["per_loop"] / kv[1]["per_loop"] == pytest.approx(2.5)  # paper §5.3: 2.5x at k = 4
+    assert kv[4]["last_loop"] == kv[1]["last_loop"] == kv[1]["per_loop"]
+    assert round(report["eq5_multiplier"][0.25], 2) == 1.16  # paper §3.4
+    flops = report["forward_gflops_per_token"]
+    assert flops[1] < flops[2] < flops[3] < flops[4]
+    main(["cost", "--config", os.path.join(ROOT, "config", "4b.yaml"), "--json", "true"])
+    assert '"eq5_multiplier"' in capsys.readouterr().out
