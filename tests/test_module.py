@@ -167,3 +167,29 @@ def test_test_and_predict_report_every_k(tmp_path):
     assert set(predictions[0]) == {1, 3} and predictions[0][1].shape == (4,)
     mean = torch.cat([p[3] for p in predictions]).mean().item()
     assert mean == pytest.approx(validated["val/loss_k3"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_layers_match_eager(tmp_path):
+    """``compile_layers`` compiles each layer once; one graph serves every k and matches eager."""
+    torch.manual_seed(0)
+    eager = ELRModule(arch=tiny_config(vocab_size=256), conditioner=LoopConditioner(d_cond=8, rank=2))
+    compiled = ELRModule(arch=tiny_config(vocab_size=256), conditioner=LoopConditioner(d_cond=8, rank=2),
+                         compile_layers=True)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.configure_model()
+    batch = torch.randint(0, 256, (2, 17))
+    for k in (1, 3):
+        torch.testing.assert_close(compiled.shard_loss(batch, [k]), eager.shard_loss(batch, [k]), rtol=1e-4, atol=1e-5)
+    loss = compiled.shard_loss(batch, [2])
+    loss.backward()
+    assert all(p.grad is not None for p in compiled.model.core.layers.parameters())
+
+
+def test_bf16_mixed_precision_trains(tmp_path):
+    module = ELRModule(arch=tiny_config(vocab_size=256), conditioner=LoopConditioner(d_cond=8, rank=2),
+                       virtual_ranks=2, warmup_steps=1)
+    trainer = _trainer(tmp_path, steps=3, precision="bf16-mixed", logger=False)
+    trainer.fit(module, datamodule=_tiny_data(tmp_path))
+    assert all(math.isfinite(trainer.callback_metrics[f"val/loss_k{k}"]) for k in range(1, 5))
+    assert all(p.dtype == torch.float32 for p in module.parameters())
