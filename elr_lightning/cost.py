@@ -17,8 +17,8 @@ from torch import nn
 
 from elr_lightning.flops import compute_multiplier, forward_flops_per_token
 from elr_lightning.generation import CACHE_POLICIES, kv_cache_bytes
+from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
-from elr_lightning.roles import group_of
 
 
 def build_module_from_config(path: str) -> ELRModule:
@@ -42,7 +42,7 @@ def build_module_from_config(path: str) -> ELRModule:
         return parser.instantiate_classes(cfg).model
 
 
-def parameter_counts(model: nn.Module) -> dict[str, int]:
+def parameter_counts(model: LoopedLM) -> dict[str, int]:
     """Unique parameters of a :class:`~elr_lightning.model.LoopedLM`, per block and in total.
 
     Shared (tied) tensors are counted once. ``per_loop`` is what one extra loop re-uses, not adds.
@@ -65,8 +65,8 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
         "final_norm_and_head": count(model.norm) + count(model.head),
     }
     counts["total"] = sum(counts.values())
-    counts["gate"] = sum(p.numel() for p in model.parameters() if group_of(p) == "gate")
-    counts["conditioning"] = sum(p.numel() for p in model.parameters() if group_of(p) == "conditioning")
+    counts["gate"] = sum(p.numel() for p in model.parameters_with_role(group="gate"))
+    counts["conditioning"] = sum(p.numel() for p in model.parameters_with_role(group="conditioning"))
     return counts
 
 

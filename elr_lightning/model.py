@@ -12,7 +12,7 @@ from elr_lightning.cache import KVCache
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.layers import AttentionInputs, Block, Rotary
-from elr_lightning.roles import init_of
+from elr_lightning.roles import Role, init_of, role_table
 from elr_lightning.updates import AdaptiveDelta, NonRecurrent, StateUpdate
 
 
@@ -93,6 +93,7 @@ class LoopedLM(nn.Module):
             self.head.weight = self.embed.weight
         self.rotary = Rotary(config)
         self.init_weights()
+        self.roles: dict[str, Role] = role_table(self)
 
     @classmethod
     def baseline(cls, config: ModelConfig) -> "LoopedLM":
@@ -108,6 +109,17 @@ class LoopedLM(nn.Module):
     def conditioner(self) -> Optional[Conditioner]:
         """The conditioner, or ``None``."""
         return self.core.conditioner
+
+    def parameters_with_role(self, group: Optional[str] = None, init: Optional[str] = None) -> list[nn.Parameter]:
+        """Parameters whose recorded role matches ``group`` and ``init`` (``None`` matches any).
+
+        Roles are looked up by name in :attr:`roles`, so this holds after wrapping or sharding.
+        """
+        return [
+            p
+            for name, p in self.named_parameters()
+            if (group is None or self.roles[name][1] == group) and (init is None or self.roles[name][0] == init)
+        ]
 
     @torch.no_grad()
     def init_weights(self) -> None:

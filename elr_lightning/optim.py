@@ -6,13 +6,14 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 
-from elr_lightning.roles import GROUPS, group_of
+from elr_lightning.model import LoopedLM
+from elr_lightning.roles import GROUPS
 
 #: Groups that take weight decay.
 DECAY_GROUPS = ("decay",)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: LoopedLM, weight_decay: float) -> list[dict]:
     """Named AdamW param groups: ``decay`` (matrices), ``no_decay`` (norms, biases), ``gate``
     (adaptive-delta gate) and ``conditioning`` (eq. 4 heads, their own group so a callback can
     bring them in at the switch). Only ``decay`` gets weight decay. Empty groups are kept, so the
@@ -22,9 +23,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         AssertionError: if a trainable parameter landed in no group or in two.
     """
     buckets: dict[str, list[nn.Parameter]] = {name: [] for name in GROUPS}
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            buckets[group_of(p)].append(p)
+            assert name in model.roles, f"parameter {name} has no recorded role (LoopedLM.roles is built at init)"
+            buckets[model.roles[name][1]].append(p)
     groups = [
         {"name": name, "params": params, "weight_decay": weight_decay if name in DECAY_GROUPS else 0.0}
         for name, params in buckets.items()

@@ -1,11 +1,16 @@
 """Parameter roles: how a parameter is initialised and which optimizer group it joins.
 
-Seams declare the role of the parameters they own with :func:`set_role`; the model's one init routine
-(:meth:`elr_lightning.model.LoopedLM.init_weights`) and the param-group builder
-(:func:`elr_lightning.optim.param_groups`) read them, so neither needs to know any implementation.
+Seams declare the role of the parameters they own with :func:`set_role`. The model's one init routine
+(:meth:`elr_lightning.model.LoopedLM.init_weights`) reads the tags at construction, and the model then
+records every role by parameter name (:func:`role_table`, ``LoopedLM.roles``). Everything after
+construction (the param-group builder, the switch callbacks, cost reports) looks roles up by name:
+wrappers such as FSDP2's ``fully_shard`` replace parameter objects and drop their tags, but keep
+their names. Nothing needs to know any implementation.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 from torch import nn
 
@@ -52,3 +57,12 @@ def init_of(param: nn.Parameter) -> str | None:
 def group_of(param: nn.Parameter) -> str:
     """The optimizer group of ``param``: its tag, else ``decay`` for matrices and ``no_decay`` for vectors."""
     return getattr(param, _GROUP_ATTR, "decay" if param.ndim >= 2 else "no_decay")
+
+
+#: A parameter's role: ``(init, group)``.
+Role = tuple[Optional[str], str]
+
+
+def role_table(module: nn.Module) -> dict[str, Role]:
+    """``{name: (init, group)}`` for every parameter of ``module``, read from the tags."""
+    return {name: (init_of(p), group_of(p)) for name, p in module.named_parameters()}

@@ -193,3 +193,16 @@ def test_bf16_mixed_precision_trains(tmp_path):
     trainer.fit(module, datamodule=_tiny_data(tmp_path))
     assert all(math.isfinite(trainer.callback_metrics[f"val/loss_k{k}"]) for k in range(1, 5))
     assert all(p.dtype == torch.float32 for p in module.parameters())
+
+
+def test_roles_survive_replaced_parameter_objects():
+    """Sharding wrappers replace parameter objects and drop their tags; groups are kept by name."""
+    model = ELRModule(arch=tiny_config(), conditioner=LoopConditioner(d_cond=8, rank=2)).model
+    gate = model.update.gate
+    gate.weight = torch.nn.Parameter(gate.weight.detach().clone())
+    film = model.core.layers[0].attn_mod.film
+    film.weight = torch.nn.Parameter(film.weight.detach().clone())
+    groups = {g["name"]: g for g in param_groups(model, 0.1)}
+    assert any(p is gate.weight for p in groups["gate"]["params"])
+    assert any(p is film.weight for p in groups["conditioning"]["params"])
+    assert any(p is film.weight for p in model.parameters_with_role("conditioning", init="zeros"))

@@ -14,20 +14,25 @@ from typing_extensions import override
 from elr_lightning.callbacks.delayed_mixed_depth import DelayedMixedDepth
 from elr_lightning.callbacks.switch import SwitchPoint, check_resumed_switch
 from elr_lightning.conditioning import Conditioner
-from elr_lightning.roles import group_of, init_of
+from elr_lightning.model import LoopedLM
 
 #: The optimizer group that holds the conditioning parameters (``elr_lightning.optim.param_groups``).
 CONDITIONING_GROUP = "conditioning"
 
 
 def conditioning_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Every parameter of ``model`` in the ``conditioning`` group: context MLP and all modulators."""
-    return [p for p in model.parameters() if group_of(p) == CONDITIONING_GROUP]
+    """Every parameter in the ``conditioning`` group of each :class:`LoopedLM` in ``model``."""
+    return [p for lm in model.modules() if isinstance(lm, LoopedLM) for p in lm.parameters_with_role(CONDITIONING_GROUP)]
 
 
 def zero_heads(model: nn.Module) -> list[nn.Parameter]:
     """The zero-initialised conditioning heads (FiLM lambda/mu, adapter gate g, exit gate omega)."""
-    return [p for p in conditioning_parameters(model) if init_of(p) == "zeros"]
+    return [
+        p
+        for lm in model.modules()
+        if isinstance(lm, LoopedLM)
+        for p in lm.parameters_with_role(CONDITIONING_GROUP, init="zeros")
+    ]
 
 
 class ZeroInitConditioning(Callback):

@@ -9,12 +9,10 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from typing_extensions import override
 
 from elr_lightning.model import LoopedLM
-from elr_lightning.roles import group_of, init_of, set_role
 from elr_lightning.strategies.common import find_looped_lm, loop_dependent_parameters, verify_loop_schedule
 
 if TYPE_CHECKING:
@@ -32,8 +30,8 @@ def shard_looped_lm(
     each recurrent layer as its own unit would all-gather k times per forward, and ranks at
     different k would fall out of step and deadlock (DESIGN §6).
 
-    ``fully_shard`` replaces every parameter by a new sharded one; the role tags that choose each
-    parameter's optimizer group (:mod:`elr_lightning.roles`) are carried over by name.
+    ``fully_shard`` replaces every parameter by a new sharded one and drops attributes set on the
+    old ones; roles survive because the model records them by name (``LoopedLM.roles``).
 
     Args:
         model: The unsharded model.
@@ -43,7 +41,6 @@ def shard_looped_lm(
         reduce_scatter_unused_params: Reduce-scatter zero gradients for parameters that took no
             part in a rank's backward (needed when ranks use different parameters, e.g. MoE).
     """
-    roles = parameter_roles(model)
     for layer in model.input_layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model.core, mesh=mesh, reshard_after_forward=reshard_after_forward)
@@ -51,23 +48,6 @@ def shard_looped_lm(
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     root = fully_shard(model, mesh=mesh)
     root.set_reduce_scatter_unused_params(reduce_scatter_unused_params)
-    restore_parameter_roles(model, roles)
-
-
-def parameter_roles(model: nn.Module) -> dict[str, tuple[Optional[str], str]]:
-    """``{name: (init, group)}`` of every parameter's role tags (:mod:`elr_lightning.roles`)."""
-    return {name: (init_of(p), group_of(p)) for name, p in model.named_parameters()}
-
-
-def restore_parameter_roles(model: nn.Module, roles: dict[str, tuple[Optional[str], str]]) -> None:
-    """Tag ``model``'s parameters, by name, with roles saved by :func:`parameter_roles`.
-
-    Needed whenever the parameter objects were replaced: by ``fully_shard``, and again by every
-    ``Module.to`` / ``_apply`` on an FSDP2 module, which re-registers new sharded parameters.
-    """
-    for name, p in model.named_parameters():
-        init, group = roles[name]
-        set_role(p, init=init, group=group)
 
 
 class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
@@ -119,7 +99,6 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.reduce_scatter_unused_params = reduce_scatter_unused_params
         self.check_schedule_every_n_steps = check_schedule_every_n_steps
-        self._roles: dict[str, tuple[Optional[str], str]] = {}
 
     @property
     def data_parallel_rank(self) -> int:
@@ -143,7 +122,6 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         model = find_looped_lm(self.lightning_module)
-        self._roles = parameter_roles(model)
         if not isinstance(model.core, FSDPModule):
             if not self.reduce_scatter_unused_params:
                 self._require_loop_independent_parameters(model)
@@ -154,11 +132,6 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
                 reduce_scatter_unused_params=self.reduce_scatter_unused_params,
             )
         super().setup(trainer)
-
-    @override
-    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
-        restore_parameter_roles(find_looped_lm(self.lightning_module), self._roles)
-        super().setup_optimizers(trainer)
 
     def _require_loop_independent_parameters(self, model: LoopedLM) -> None:
         dependent = loop_dependent_parameters(model, range(1, model.config.max_loops + 1))
