@@ -6,12 +6,11 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from elr_lightning.callbacks.switch import DEFAULT_SWITCH_FRACTION, SwitchPoint, check_resumed_switch
+from elr_lightning.callbacks.switch import DEFAULT_SWITCH_FRACTION, SwitchCallback, SwitchPoint
 from elr_lightning.sampling import LoopSampler
 
 
@@ -98,7 +97,7 @@ def load_weights_where_present(model: nn.Module, path: str) -> list[str]:
     return sorted(set(own) - set(state))
 
 
-class DelayedMixedDepth(Callback):
+class DelayedMixedDepth(SwitchCallback):
     """Train at k = 1 until the switch, then with mixed loop counts (paper §3.4, eq. 5).
 
     The callback installs a :class:`DelayedSampler` as the module's sampler: every shard runs k = 1
@@ -133,13 +132,12 @@ class DelayedMixedDepth(Callback):
         switch_step: Optional[int] = None,
         init_from: Optional[str] = None,
     ) -> None:
+        super().__init__()
         if switch_fraction is None and switch_step is None:
             switch_fraction = 0.0 if init_from is not None else DEFAULT_SWITCH_FRACTION
         self.switch = SwitchPoint(switch_fraction, switch_step)
         self.sampler = sampler
         self.init_from = init_from
-        self.switch_step: Optional[int] = None
-        self._resumed_switch_step: Optional[int] = None
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -173,21 +171,8 @@ class DelayedMixedDepth(Callback):
             after = after.after
         self.switch_step = self.switch.resolve(trainer)
         pl_module.set_sampler(DelayedSampler(after, self.switch_step))
-        self._check_resume()
+        self.check_resume()
         rank_zero_info(
             f"DelayedMixedDepth: k = 1 until step {self.switch_step} ({self.switch.describe()}), "
             f"then {after!r}"
         )
-
-    def _check_resume(self) -> None:
-        if self.switch_step is not None and self._resumed_switch_step is not None:
-            check_resumed_switch(type(self).__name__, self._resumed_switch_step, self.switch_step)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"switch_step": self.switch_step}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._resumed_switch_step = state_dict["switch_step"]
-        self._check_resume()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 #: Default switch: 75% of the planned training tokens are trained at k = 1 (paper §3.4).
 DEFAULT_SWITCH_FRACTION = 0.75
@@ -57,15 +59,37 @@ class SwitchPoint:
         return f"switch_step={self.step}" if self.step is not None else f"switch_fraction={self.fraction}"
 
 
-def check_resumed_switch(owner: str, saved: int, current: int) -> None:
-    """Refuse to resume a run whose switch step differs from the checkpoint's.
+class SwitchCallback(Callback):
+    """Base of the switch callbacks: holds the resolved ``switch_step`` and checkpoints it.
 
-    Raises:
-        ValueError: ``saved != current``.
+    Subclasses set :attr:`switch_step` at ``on_fit_start`` and then call :meth:`check_resume`.
+    Resuming a checkpoint whose switch step differs from this run's is refused, whichever of
+    ``load_state_dict`` and ``on_fit_start`` comes first.
     """
-    if saved != current:
-        raise ValueError(
-            f"{owner}: the checkpoint was trained with the switch at step {saved}, this run puts it at step "
-            f"{current} (the fraction is of trainer.estimated_stepping_batches, so changing max_steps moves it). "
-            f"Resume with the same schedule, e.g. switch_step: {saved}"
-        )
+
+    def __init__(self) -> None:
+        self.switch_step: Optional[int] = None
+        self._resumed_switch_step: Optional[int] = None
+
+    def check_resume(self) -> None:
+        """Refuse to resume a run whose switch step differs from the checkpoint's.
+
+        Raises:
+            ValueError: The saved and the current switch steps differ.
+        """
+        saved, current = self._resumed_switch_step, self.switch_step
+        if saved is not None and current is not None and saved != current:
+            raise ValueError(
+                f"{type(self).__name__}: the checkpoint was trained with the switch at step {saved}, this run puts "
+                f"it at step {current} (the fraction is of trainer.estimated_stepping_batches, so changing "
+                f"max_steps moves it). Resume with the same schedule, e.g. switch_step: {saved}"
+            )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"switch_step": self.switch_step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed_switch_step = state_dict["switch_step"]
+        self.check_resume()

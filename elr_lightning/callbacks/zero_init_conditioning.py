@@ -6,13 +6,12 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 from elr_lightning.callbacks.delayed_mixed_depth import DelayedMixedDepth
-from elr_lightning.callbacks.switch import SwitchPoint, check_resumed_switch
+from elr_lightning.callbacks.switch import SwitchCallback, SwitchPoint
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.model import LoopedLM
 
@@ -35,7 +34,7 @@ def zero_heads(model: nn.Module) -> list[nn.Parameter]:
     ]
 
 
-class ZeroInitConditioning(Callback):
+class ZeroInitConditioning(SwitchCallback):
     """Switch the conditioner on at the switch step with its heads at exactly zero (paper §3.3, eq. 4).
 
     "Allocate at setup, activate at the switch" (DESIGN §5): the heads exist from ``__init__`` and
@@ -70,10 +69,9 @@ class ZeroInitConditioning(Callback):
     """
 
     def __init__(self, switch_fraction: Optional[float] = None, switch_step: Optional[int] = None) -> None:
+        super().__init__()
         own = switch_fraction is not None or switch_step is not None
         self.switch = SwitchPoint(switch_fraction, switch_step) if own else None
-        self.switch_step: Optional[int] = None
-        self._resumed_switch_step: Optional[int] = None
 
     @staticmethod
     def _conditioner(pl_module: "pl.LightningModule") -> Conditioner:
@@ -104,7 +102,7 @@ class ZeroInitConditioning(Callback):
                     "callback, but the trainer has none: add one, or give this callback its own switch"
                 )
             self.switch_step = partner[0].switch.resolve(trainer)
-        self._check_resume()
+        self.check_resume()
 
     @staticmethod
     def _check_optimizer(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -118,10 +116,6 @@ class ZeroInitConditioning(Callback):
             f"{CONDITIONING_GROUP!r} from step 0 (elr_lightning.optim.param_groups builds it); adding groups later "
             "breaks the LR scheduler, resuming and DDP"
         )
-
-    def _check_resume(self) -> None:
-        if self.switch_step is not None and self._resumed_switch_step is not None:
-            check_resumed_switch(type(self).__name__, self._resumed_switch_step, self.switch_step)
 
     @override
     def on_train_batch_start(
@@ -151,12 +145,3 @@ class ZeroInitConditioning(Callback):
                 optimizer.state.pop(p, None)
         self._conditioner(pl_module).active.fill_(True)
         rank_zero_info(f"ZeroInitConditioning: conditioning on at step {trainer.global_step}, heads zeroed")
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"switch_step": self.switch_step}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._resumed_switch_step = state_dict["switch_step"]
-        self._check_resume()
