@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -36,7 +37,9 @@ EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {"cost": cost_main, "ge
 
 def main(args: Optional[list[str]] = None) -> None:
     """Entry point of the ``elr`` console script."""
-    torch.set_flush_denormal(True)
+    torch.set_flush_denormal(True)  # subnormals slowed CPU backward passes several-fold mid-run
+    # Lightning's own use of a deprecated torch pytree API; nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] in EXTRA_COMMANDS:
         EXTRA_COMMANDS[argv[0]](argv[1:])
