@@ -6,11 +6,16 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from typing_extensions import override
+
+try:  # FSDP2's public home since torch 2.6
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+except ImportError:  # torch 2.4 and 2.5 (pyproject allows torch>=2.4) ship it under a private path
+    from torch.distributed._composable.fsdp import FSDPModule, fully_shard
 
 from elr_lightning.model import LoopedLM
 from elr_lightning.strategies.common import find_looped_lm, loop_dependent_parameters, verify_loop_schedule
@@ -47,7 +52,13 @@ def shard_looped_lm(
     for layer in model.output_layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     root = fully_shard(model, mesh=mesh)
-    root.set_reduce_scatter_unused_params(reduce_scatter_unused_params)
+    if reduce_scatter_unused_params:
+        if not hasattr(root, "set_reduce_scatter_unused_params"):
+            raise ValueError(
+                "reduce_scatter_unused_params: true needs a torch whose FSDP2 has set_reduce_scatter_unused_params "
+                f"(this is torch {torch.__version__}); upgrade torch or use every parameter at every k"
+            )
+        root.set_reduce_scatter_unused_params(True)
 
 
 class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
