@@ -6,6 +6,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from elr_lightning.layers import Modulator
@@ -82,6 +83,15 @@ class FiLMAdapterModulator(Modulator):
 
     def post(self, y: Tensor, c: Tensor) -> Tensor:
         return (1 + self.omega(c)) * y
+
+    def affine(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``M = (I + A diag(g) B) diag(1 + lambda)``, ``m = (I + A diag(g) B) mu``, ``gate = 1 + omega``."""
+        scale, shift = F.linear(c, self.film.weight.to(c.dtype), self.film.bias.to(c.dtype)).chunk(2, dim=-1)
+        g = F.linear(c, self.g.weight.to(c.dtype), self.g.bias.to(c.dtype))
+        a, b = self.up.weight.to(c.dtype), self.down.weight.to(c.dtype)
+        p = torch.eye(a.shape[0], dtype=c.dtype, device=c.device) + (a * g) @ b
+        gate = 1 + F.linear(c, self.omega.weight.to(c.dtype), self.omega.bias.to(c.dtype))
+        return p * (1 + scale), p @ shift, gate
 
 
 class LoopConditioner(Conditioner):

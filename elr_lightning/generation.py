@@ -33,6 +33,7 @@ from torch import Tensor
 
 from elr_lightning.cache import KVCache, LastLoopCache, PerLoopCache
 from elr_lightning.config import ModelConfig
+from elr_lightning.fold import FoldedLM, fold_conditioning
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 from elr_lightning.tokenizers import Tokenizer, load_tokenizer
@@ -259,19 +260,19 @@ def _make_cache(kv_cache: Union[PolicyLike, KVCache], need: int) -> KVCache:
     return resolve_policy(kv_cache)(max_len=need)
 
 
-def _unwrap(model: Union[LoopedLM, ELRModule]) -> LoopedLM:
+def _unwrap(model: Union[LoopedLM, ELRModule, FoldedLM]) -> Union[LoopedLM, FoldedLM]:
     if isinstance(model, ELRModule):
         return model.model
-    if isinstance(model, LoopedLM):
+    if isinstance(model, (LoopedLM, FoldedLM)):
         return model
-    raise TypeError(f"model must be a LoopedLM or an ELRModule, got {type(model).__name__}")
+    raise TypeError(f"model must be a LoopedLM, an ELRModule or a FoldedLM, got {type(model).__name__}")
 
 
 @dataclass
 class _Job:
     """A validated generation request, ready to run."""
 
-    model: LoopedLM
+    model: Union[LoopedLM, FoldedLM]
     input_ids: Tensor
     mask: Optional[Tensor]
     cache: KVCache
@@ -284,7 +285,7 @@ class _Job:
 
 
 def _prepare(
-    model: Union[LoopedLM, ELRModule],
+    model: Union[LoopedLM, ELRModule, FoldedLM],
     prompt: PromptLike,
     *,
     loops: int,
@@ -300,6 +301,7 @@ def _prepare(
     seed: Optional[int],
     generator: Optional[torch.Generator],
     autocast_dtype: Optional[torch.dtype],
+    fold: bool,
 ) -> _Job:
     lm = _unwrap(model)
     if loops < 1:
@@ -320,7 +322,8 @@ def _prepare(
         return sample_next(logits, temperature, top_k, top_p, greedy, generator)
 
     cache = _make_cache(kv_cache, need)
-    return _Job(lm, ids, mask, cache, loops, max_new_tokens, sample, eos_id, pad_id, autocast_dtype)
+    runner = fold_conditioning(lm, loops) if fold and isinstance(lm, LoopedLM) else lm
+    return _Job(runner, ids, mask, cache, loops, max_new_tokens, sample, eos_id, pad_id, autocast_dtype)
 
 
 @torch.inference_mode()
@@ -374,7 +377,7 @@ class GenerationOutput:
 
 
 def stream_generate(
-    model: Union[LoopedLM, ELRModule],
+    model: Union[LoopedLM, ELRModule, FoldedLM],
     prompt: PromptLike,
     *,
     loops: int = 1,
@@ -390,6 +393,7 @@ def stream_generate(
     seed: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
     autocast_dtype: Optional[torch.dtype] = None,
+    fold: bool = False,
 ) -> Iterator[Tensor]:
     """Generate token by token, yielding each step's ``[B]`` new tokens as soon as they exist.
 
@@ -399,7 +403,8 @@ def stream_generate(
     ``torch.inference_mode()`` and on the model's device.
 
     Args:
-        model: The model (an :class:`ELRModule` is unwrapped to its ``LoopedLM``).
+        model: The model (an :class:`ELRModule` is unwrapped to its ``LoopedLM``), or one already
+            folded for ``loops`` by :func:`~elr_lightning.fold.fold_conditioning`.
         prompt: ``[B, T]`` (or ``[T]``) token ids, left-padded when ``attention_mask`` marks padding,
             or a list of token-id lists, left-padded here.
         loops: The loop count k (any k >= 1; above ``arch.max_loops`` extrapolates).
@@ -418,6 +423,10 @@ def stream_generate(
         generator: Random source for sampling.
         autocast_dtype: Run the model under ``torch.autocast(device.type, dtype)``, e.g.
             ``torch.bfloat16``; ``None`` runs in the weights' dtype.
+        fold: Fold the loop conditioning into the layers' weights for this ``loops`` once, before
+            the prefill (:func:`~elr_lightning.fold.fold_conditioning`): faster steps, the same
+            logits up to rounding, and the recurrent weights held k times while it runs. A model
+            folded already is used as it is.
 
     Returns:
         An iterator over ``[B]`` int64 tokens, one tensor per step. The arguments are checked
@@ -443,12 +452,13 @@ def stream_generate(
         seed=seed,
         generator=generator,
         autocast_dtype=autocast_dtype,
+        fold=fold,
     )
     return (tokens for tokens, _ in _run(job))
 
 
 def generate(
-    model: Union[LoopedLM, ELRModule],
+    model: Union[LoopedLM, ELRModule, FoldedLM],
     prompt: PromptLike,
     *,
     loops: int = 1,
@@ -466,6 +476,7 @@ def generate(
     autocast_dtype: Optional[torch.dtype] = None,
     callback: Optional[Callable[[Tensor], None]] = None,
     output_logits: bool = False,
+    fold: bool = False,
 ) -> GenerationOutput:
     """Generate continuations of a batch of prompts; see :func:`stream_generate` for the arguments.
 
@@ -487,6 +498,7 @@ def generate(
         autocast_dtype: Autocast dtype, or ``None``.
         callback: Called with each step's ``[B]`` tokens, in order, as they are produced.
         output_logits: Keep every step's next-token logits in :attr:`GenerationOutput.logits`.
+        fold: Fold the loop conditioning into the weights before the prefill.
 
     Returns:
         The prompt with its continuations, the new tokens, optionally the logits, and the cache.
@@ -507,6 +519,7 @@ def generate(
         seed=seed,
         generator=generator,
         autocast_dtype=autocast_dtype,
+        fold=fold,
     )
     tokens, logits = [], []
     for step_tokens, step_logits in _run(job):
@@ -632,6 +645,12 @@ def _command_parser() -> Any:
         default=False,
         help="Allow --loops above the checkpoint's max_loops (with a warning).",
     )
+    parser.add_argument(
+        "--fold",
+        action=ActionYesNo,
+        default=False,
+        help="Fold the loop conditioning into the weights for --loops before generating (faster decoding).",
+    )
     parser.add_argument("--stats", action=ActionYesNo, default=False, help="Print KV memory and tokens/s to stderr.")
     parser.add_argument("--device", type=str, default="cpu", help="Device to run on, e.g. cpu or cuda.")
     parser.add_argument(
@@ -711,6 +730,7 @@ def generate_command(argv: list[str]) -> None:
         eos_id=tokenizer.eos_id,
         seed=args.seed,
         autocast_dtype=dtype,
+        fold=args.fold,
     )
     start = time.perf_counter()
     first_at, generated = start, 0

@@ -40,6 +40,15 @@ class Modulator(nn.Module):
         """Modulate the sublayer output before the residual add (exit gate in eq. 4)."""
         raise NotImplementedError
 
+    def affine(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The modulation under a fixed context as ``(M, m, gate)``, computed in ``c``'s dtype.
+
+        ``pre(h, c) = h @ M.T + m`` and ``post(y, c) = gate * y``. Optional: a modulator that is
+        affine in ``h`` implements it so :func:`elr_lightning.fold.fold_conditioning` can fold it
+        into the sublayer's linear maps for serving at a fixed k.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement affine(); it cannot be folded")
+
 
 @dataclass
 class AttentionInputs:

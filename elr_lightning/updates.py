@@ -69,10 +69,12 @@ class AdaptiveDelta(StateUpdate):
 
     def forward(self, s_prev: Tensor, r: Tensor, s_tilde: Tensor) -> Tensor:
         beta = self.beta(s_tilde)
-        self._beta_mean = beta.detach().float().mean()
-        return s_prev + beta * (r - s_prev)
+        if self.training:
+            self._beta_mean = beta.detach().float().mean()
+        return torch.lerp(s_prev, r.to(s_prev.dtype), beta.to(s_prev.dtype))  # s + beta (r - s), one op
 
     def metrics(self) -> dict[str, Tensor]:
+        """``beta_mean``: mean step size of the last training forward."""
         return {"beta_mean": self._beta_mean}
 
 
