@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile every layer (as compile_layers)")
     parser.add_argument("--out", default="bench/results/overhead.json")
     args = parser.parse_args()
 
@@ -69,9 +70,13 @@ def main() -> None:
         max_seq_len=args.seq_len, max_loops=args.max_loops,
     )
     batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1))
-    conditioned = LoopedLM(cfg, conditioner=LoopConditioner())
-    cases = {"baseline k=1": make_step(LoopedLM.baseline(cfg), batch, 1, args.precision)}
-    cases["elr k=1 (gate only)"] = make_step(LoopedLM(cfg), batch, 1, args.precision)
+    baseline, gate_only, conditioned = LoopedLM.baseline(cfg), LoopedLM(cfg), LoopedLM(cfg, conditioner=LoopConditioner())
+    if args.compile:
+        for model in (baseline, gate_only, conditioned):
+            for layer in [*model.input_layers, *model.core.layers, *model.output_layers]:
+                layer.compile()
+    cases = {"baseline k=1": make_step(baseline, batch, 1, args.precision)}
+    cases["elr k=1 (gate only)"] = make_step(gate_only, batch, 1, args.precision)
     for k in range(1, cfg.max_loops + 1):
         cases[f"elr k={k} (conditioned)"] = make_step(conditioned, batch, k, args.precision)
 
