@@ -25,17 +25,34 @@ from typing_extensions import override
 from elr_lightning.cache import KVCache
 from elr_lightning.config import ModelConfig
 from elr_lightning.layers import Block
-from elr_lightning.model import LoopedLM
+from elr_lightning.model import LoopedLM, RecurrentCore
 
 __all__ = ["FoldedLM", "fold_conditioning"]
+
+
+class _FoldedCore(nn.Module):
+    """The recurrent core with one folded copy of its layers per loop and no conditioner."""
+
+    #: The same k-loop as the source core (DESIGN §2), over :meth:`layers_at`.
+    forward = RecurrentCore.forward
+
+    def __init__(self, source: RecurrentCore, per_loop: list[list[Block]]) -> None:
+        super().__init__()
+        self.config, self.first_layer, self.update = source.config, source.first_layer, source.update
+        self.conditioner = None
+        self.per_loop = nn.ModuleList(nn.ModuleList(layers) for layers in per_loop)
+
+    def layers_at(self, loop: int) -> nn.ModuleList:
+        """The layers folded under loop ``loop``'s context."""
+        return self.per_loop[loop - 1]
 
 
 class FoldedLM(nn.Module):
     """An inference-only :class:`LoopedLM` at one loop count k, with conditioning folded in.
 
-    ``forward(input_ids, loops, attention_mask, cache)`` computes the source model's logits at
-    ``loops == k`` (up to rounding) with the same state update, injection and KV slots
-    ``(layer, loop)``; the embedding, input layers, final norm, head and RoPE tables are the
+    ``forward(input_ids, loops, attention_mask, cache)`` is :meth:`LoopedLM.forward` at
+    ``loops == k`` over the folded layers: the same state update, injection and KV slots
+    ``(layer, loop)``. The embedding, input layers, final norm, head and RoPE tables are the
     source's own modules, shared, not copied. Build it with :func:`fold_conditioning`.
 
     Args:
@@ -56,8 +73,7 @@ class FoldedLM(nn.Module):
         self.loops = loops
         self.embed = source.embed
         self.input_layers = source.input_layers
-        self.update = source.update
-        self.recurrent_layers = nn.ModuleList(nn.ModuleList(layers) for layers in recurrent_layers)
+        self.core = _FoldedCore(source.core, recurrent_layers)
         self.output_layers = nn.ModuleList(output_layers)
         self.norm = source.norm
         self.head = source.head
@@ -74,26 +90,7 @@ class FoldedLM(nn.Module):
         """
         if loops != self.loops:
             raise ValueError(f"this model is folded for loops={self.loops}, called with loops={loops}; fold again")
-        b, t = input_ids.shape
-        offset = 0 if cache is None else cache.offset
-        attn = self.attention_inputs(b, t, input_ids.device, attention_mask, offset)
-        h_in = self.embed(input_ids)
-        for j, layer in enumerate(self.input_layers):
-            h_in = layer(h_in, attn, None, None if cache is None else cache.slot(j, 0))
-        s = self.update.init(h_in)
-        first_rec = self.config.n_in
-        for i, layers in enumerate(self.recurrent_layers, start=1):
-            s_tilde = self.update.inject(s, h_in)
-            r = s_tilde
-            for j, layer in enumerate(layers):
-                r = layer(r, attn, None, None if cache is None else cache.slot(first_rec + j, i))
-            s = self.update(s, r, s_tilde)
-        first_out = first_rec + self.config.n_rec
-        for j, layer in enumerate(self.output_layers):
-            s = layer(s, attn, None, None if cache is None else cache.slot(first_out + j, 0))
-        if cache is not None:
-            cache.advance(t)
-        return self.head(self.norm(s))
+        return LoopedLM.forward(self, input_ids, loops, attention_mask, cache)
 
 
 def _fold_block(config: ModelConfig, block: Block, c: Tensor) -> Block:

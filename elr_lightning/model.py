@@ -47,10 +47,14 @@ class RecurrentCore(nn.Module):
                 c = self.conditioner(i, loops, self.config.max_loops, h_in)
             s_tilde = self.update.inject(s, h_in)
             r = s_tilde
-            for j, layer in enumerate(self.layers):
+            for j, layer in enumerate(self.layers_at(i)):
                 r = layer(r, attn, c, None if cache is None else cache.slot(self.first_layer + j, i))
             s = self.update(s, r, s_tilde)
         return s, None if c is None else c.clone()
+
+    def layers_at(self, loop: int) -> nn.ModuleList:
+        """The layers loop ``loop`` runs: the same shared ones at every loop."""
+        return self.layers
 
 
 def _modulators(conditioner: Optional[Conditioner], config: ModelConfig):

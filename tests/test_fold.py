@@ -47,12 +47,12 @@ def test_folded_logits_match(model: LoopedLM, loops: int) -> None:
 def test_folding_changes_the_weights(model: LoopedLM) -> None:
     """The perturbed conditioning acts, so the folded weights differ per loop and from the source."""
     folded = fold_conditioning(model, 2)
-    assert isinstance(folded, FoldedLM) and not folded.training and len(folded.recurrent_layers) == 2
-    first, second = (layers[0].attn.q for layers in folded.recurrent_layers)
+    assert isinstance(folded, FoldedLM) and not folded.training and len(folded.core.per_loop) == 2
+    first, second = (layers[0].attn.q for layers in folded.core.per_loop)
     assert first.bias is not None and first.bias.abs().max() > 0
     assert not torch.allclose(first.weight, second.weight)
     assert not torch.allclose(first.weight, model.core.layers[0].attn.q.weight)
-    assert not any(p.requires_grad for layers in folded.recurrent_layers for p in layers.parameters())
+    assert not any(p.requires_grad for layers in folded.core.per_loop for p in layers.parameters())
     assert folded.embed is model.embed and folded.input_layers is model.input_layers
 
 
@@ -97,7 +97,7 @@ def test_unconditioned_model_folds_exactly(update) -> None:
     torch.manual_seed(0)
     plain = LoopedLM(GQA_CONFIG, update=update).eval()
     folded = fold_conditioning(plain, 3)
-    assert all(layers[0] is plain.core.layers[0] for layers in folded.recurrent_layers)
+    assert all(layers[0] is plain.core.layers[0] for layers in folded.core.per_loop)
     ids = prompt(5)
     with torch.no_grad():
         torch.testing.assert_close(folded(ids, 3), plain(ids, 3), atol=1e-5, rtol=0)
