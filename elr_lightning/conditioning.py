@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,15 +21,29 @@ class Conditioner(nn.Module):
     model asks for a context ``c_i = conditioner(i, k, K, like)``; it passes ``c_k`` to the output
     layers. ``like`` is any tensor of the forward pass, for device and dtype.
 
-    The persistent ``active`` flag (saved with the weights) switches conditioning into and out of
-    the forward pass: while it is off, ``forward`` returns ``None`` and the model runs the plain
-    layers. :class:`~elr_lightning.callbacks.ZeroInitConditioning` turns it on at the switch.
+    Conditioning can be switched out of the forward pass: while :attr:`active` is False,
+    ``forward`` returns ``None`` and the model runs the plain layers.
+    :class:`~elr_lightning.callbacks.ZeroInitConditioning` turns it on at the switch with
+    :meth:`set_active`. The flag is saved with the weights (buffer ``active_flag``) and mirrored in
+    a Python bool, so the forward pass never reads a device tensor (no host sync per loop on GPU).
     Modulators must be zero-initialised so that turning it on changes no output (eq. 4).
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("active", torch.ones((), dtype=torch.bool))
+        self.register_buffer("active_flag", torch.ones((), dtype=torch.bool))
+        self._active = True
+        self.register_load_state_dict_post_hook(_mirror_active_flag)
+
+    @property
+    def active(self) -> bool:
+        """Whether conditioning takes part in the forward pass."""
+        return self._active
+
+    def set_active(self, active: bool) -> None:
+        """Switch conditioning into (``True``) or out of (``False``) the forward pass."""
+        self._active = bool(active)
+        self.active_flag.fill_(self._active)
 
     def make_modulator(self, d_model: int) -> Modulator:
         """A fresh modulator for one sublayer of width ``d_model``."""
@@ -41,9 +55,14 @@ class Conditioner(nn.Module):
 
     def forward(self, loop: int, loops: int, max_loops: int, like: Tensor) -> Optional[Tensor]:
         """``context(...)`` while active, else ``None``."""
-        if not bool(self.active):
+        if not self._active:
             return None
         return self.context(loop, loops, max_loops, like)
+
+
+def _mirror_active_flag(module: Conditioner, incompatible_keys: Any) -> None:
+    """After a state-dict load, copy the loaded ``active_flag`` into the Python mirror (one read)."""
+    module._active = bool(module.active_flag)
 
 
 def sinusoid(x: float, n_freqs: int, like: Tensor) -> Tensor:

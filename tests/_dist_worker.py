@@ -55,7 +55,7 @@ def tiny_module(virtual_ranks: int, conditioner_active: bool = True) -> ELRModul
         loop_seed=7,
     )
     if not conditioner_active:
-        module.model.conditioner.active.fill_(False)
+        module.model.conditioner.set_active(False)
     return module
 
 

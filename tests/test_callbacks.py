@@ -108,12 +108,12 @@ class SwitchProbe(Callback):
         if step != self.switch:
             return
         conditioner = pl_module.model.conditioner
-        assert bool(conditioner.active)
+        assert conditioner.active
         assert all(torch.count_nonzero(p) == 0 for p in zero_heads(pl_module))
         after = self.logits(pl_module)
-        conditioner.active.fill_(False)
+        conditioner.set_active(False)
         plain = self.logits(pl_module)
-        conditioner.active.fill_(True)
+        conditioner.set_active(True)
         without_heads = make_module(conditioner=False)
         own = pl_module.state_dict()
         without_heads.load_state_dict({k: v for k, v in own.items() if k in without_heads.state_dict()})

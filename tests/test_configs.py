@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -68,3 +70,17 @@ def test_cost_report_reproduces_the_paper_figures_for_4b(capsys):
     assert flops[1] < flops[2] < flops[3] < flops[4]
     main(["cost", "--config", os.path.join(ROOT, "config", "4b.yaml"), "--json", "true"])
     assert '"eq5_multiplier"' in capsys.readouterr().out
+
+
+def test_documented_strategy_command_line_parses(capsys):
+    """The README's and docs/scaling.md's way to pick a strategy on the command line."""
+    docs = (Path(ROOT) / "README.md").read_text() + (Path(ROOT) / "docs" / "scaling.md").read_text()
+    flags = re.findall(r"--trainer\.strategy\S*", docs)
+    assert flags and all(f.startswith("--trainer.strategy.") for f in flags), flags
+    config = _print_config(
+        ["--config", os.path.join(ROOT, "config", "4b.yaml"),
+         "--trainer.strategy.class_path", "elr_lightning.strategies.OneLoopOverrideFSDPStrategy",
+         "--trainer.strategy.timeout", "0:30:00"],
+        capsys,
+    )
+    assert config["trainer"]["strategy"]["class_path"] == "elr_lightning.strategies.OneLoopOverrideFSDPStrategy"

@@ -106,7 +106,7 @@ def test_unconditioned_model_folds_exactly(update) -> None:
 def test_inactive_conditioner_folds_to_the_plain_layers() -> None:
     torch.manual_seed(0)
     lm = LoopedLM(GQA_CONFIG, conditioner=LoopConditioner(d_cond=8, rank=2)).eval()
-    lm.conditioner.active.fill_(False)
+    lm.conditioner.set_active(False)
     folded = fold_conditioning(lm, 2)
     assert folded.output_layers[0] is lm.output_layers[0]
     ids = prompt(6)

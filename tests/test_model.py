@@ -68,7 +68,7 @@ def test_inactive_conditioner_runs_plain_layers(tiny):
         model.output_layers[0].mlp_mod.omega.bias.fill_(0.5)
     x = torch.randint(0, tiny.vocab_size, (2, 8))
     active = model(x, 2)
-    model.conditioner.active.fill_(False)
+    model.conditioner.set_active(False)
     plain = LoopedLM(tiny)
     plain.load_state_dict(model.state_dict(), strict=False)
     assert torch.equal(model(x, 2), plain(x, 2)) and not torch.equal(active, plain(x, 2))
@@ -175,3 +175,15 @@ def test_causality(tiny):
     y = x.clone()
     y[0, 8:] = (y[0, 8:] + 1) % tiny.vocab_size
     assert torch.allclose(model(x, 3)[:, :8], model(y, 3)[:, :8], atol=1e-6)
+
+
+def test_active_flag_travels_with_the_weights(tiny):
+    source = LoopedLM(tiny, conditioner=LoopConditioner(d_cond=8, rank=2))
+    source.conditioner.set_active(False)
+    assert "core.conditioner.active_flag" in source.state_dict()
+    target = LoopedLM(tiny, conditioner=LoopConditioner(d_cond=8, rank=2))
+    assert target.conditioner.active
+    target.load_state_dict(source.state_dict())
+    assert not target.conditioner.active
+    x = torch.randint(0, tiny.vocab_size, (1, 6))
+    assert torch.equal(target(x, 2), source(x, 2))

@@ -154,7 +154,7 @@ class Recorder(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.step = trainer.global_step
         conditioner = pl_module.model.conditioner
-        self.active = bool(conditioner.active)
+        self.active = conditioner.active
         optimizer = trainer.optimizers[0]
         self.cond_state = sum(p in optimizer.state for p in conditioning_parameters(pl_module))
         self.switch_equal = None
@@ -162,9 +162,9 @@ class Recorder(Callback):
             probe = torch.arange(24).reshape(2, 12) % 200
             with torch.no_grad():
                 on = [pl_module(probe, k) for k in (1, 2, 3)]
-                conditioner.active.fill_(False)
+                conditioner.set_active(False)
                 off = [pl_module(probe, k) for k in (1, 2, 3)]
-                conditioner.active.fill_(True)
+                conditioner.set_active(True)
             self.switch_equal = all(torch.equal(a, b) for a, b in zip(on, off))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

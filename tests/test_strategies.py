@@ -217,12 +217,12 @@ def test_elr_model_uses_the_same_parameters_at_every_k():
     model = LoopedLM(tiny_config(), conditioner=LoopConditioner(d_cond=8, rank=2))
     assert loop_dependent_parameters(model, range(1, 5)) == {}
     assert all(names == [] for names in unused_parameters(model, range(1, 5)).values())
-    model.conditioner.active.fill_(False)
+    model.conditioner.set_active(False)
     usage = unused_parameters(model, range(1, 5))
     assert set(usage) == {(False, k) for k in range(1, 5)} | {(True, k) for k in range(1, 5)}
     assert all(any("_mod." in n for n in usage[(False, k)]) and usage[(True, k)] == [] for k in range(1, 5))
     assert loop_dependent_parameters(model, range(1, 5)) == {}
-    assert not bool(model.conditioner.active), "the probe must leave the conditioner as it found it"
+    assert not model.conditioner.active, "the probe must leave the conditioner as it found it"
 
 
 def test_fsdp_rejects_a_parameter_used_at_some_k_only():
@@ -238,7 +238,7 @@ def test_ddp_without_find_unused_parameters_needs_every_parameter_used():
     strategy = OneLoopOverrideDDPStrategy(find_unused_parameters=False)
     strategy.connect(module)
     strategy._require_every_parameter_used()
-    module.model.conditioner.active.fill_(False)
+    module.model.conditioner.set_active(False)
     with pytest.raises(ValueError, match=r"take no part at k=1 with the conditioner off.*find_unused_parameters: true"):
         strategy._require_every_parameter_used()
 

@@ -54,7 +54,7 @@ class ComputeAccounting(Callback):
         rows = [len(part) for part in torch.arange(batch.shape[0]).tensor_split(pl_module.virtual_ranks)]
         gate = any(p.ndim >= 2 for p in pl_module.model.update.parameters())
         conditioner = pl_module.model.conditioner
-        rank = self._adapter_rank(pl_module) if conditioner is not None and bool(conditioner.active) else 0
+        rank = self._adapter_rank(pl_module) if conditioner is not None and conditioner.active else 0
         for shard, k in enumerate(self._schedule):
             tokens = rows[shard % len(rows)] * seq_len
             self.flops += tokens * train_flops_per_token(arch, k, seq_len, gate=gate, adapter_rank=rank)

@@ -87,7 +87,7 @@ class ZeroInitConditioning(SwitchCallback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
-        self._conditioner(pl_module).active.fill_(False)
+        self._conditioner(pl_module).set_active(False)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -124,7 +124,7 @@ class ZeroInitConditioning(SwitchCallback):
         assert self.switch_step is not None
         conditioner = self._conditioner(pl_module)
         wanted = trainer.global_step >= self.switch_step
-        if wanted == bool(conditioner.active):
+        if wanted == conditioner.active:
             return
         if not wanted:
             raise ValueError(
@@ -143,5 +143,5 @@ class ZeroInitConditioning(SwitchCallback):
         for optimizer in trainer.optimizers:
             for p in params:
                 optimizer.state.pop(p, None)
-        self._conditioner(pl_module).active.fill_(True)
+        self._conditioner(pl_module).set_active(True)
         rank_zero_info(f"ZeroInitConditioning: conditioning on at step {trainer.global_step}, heads zeroed")

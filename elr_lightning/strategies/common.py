@@ -98,12 +98,12 @@ def _conditioning(model: LoopedLM, active: bool) -> Iterator[None]:
     if conditioner is None:
         yield
         return
-    saved = conditioner.active.clone()
-    conditioner.active.fill_(active)
+    saved = conditioner.active
+    conditioner.set_active(active)
     try:
         yield
     finally:
-        conditioner.active.copy_(saved)
+        conditioner.set_active(saved)
 
 
 def _reached_parameters(output: torch.Tensor) -> set[int]:
@@ -139,7 +139,7 @@ def unused_parameters(model: LoopedLM, loops: Iterable[int]) -> dict[tuple[bool,
         ``{(conditioner_active, k): names}`` with ``names`` sorted.
     """
     conditioner = model.conditioner
-    states = [True] if conditioner is None else sorted({bool(conditioner.active), True})
+    states = [True] if conditioner is None else sorted({conditioner.active, True})
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     tokens = torch.zeros(1, 2, dtype=torch.long, device=model.embed.weight.device)
     result: dict[tuple[bool, int], list[str]] = {}
