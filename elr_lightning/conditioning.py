@@ -65,9 +65,8 @@ def _mirror_active_flag(module: Conditioner, incompatible_keys: Any) -> None:
     module._active = bool(module.active_flag)
 
 
-def sinusoid(x: float, n_freqs: int, like: Tensor) -> Tensor:
-    """phi(x): ``[sin(2^j pi x), cos(2^j pi x)]`` for j < ``n_freqs``, for a scalar ``x`` in [0, 1]."""
-    freqs = math.pi * 2.0 ** torch.arange(n_freqs, device=like.device, dtype=torch.float32)
+def sinusoid(x: float, freqs: Tensor) -> Tensor:
+    """phi(x): ``[sin(f x), cos(f x)]`` over ``freqs``, for a scalar ``x`` in [0, 1]."""
     angles = freqs * x
     return torch.cat((angles.sin(), angles.cos()))
 
@@ -129,11 +128,13 @@ class LoopConditioner(Conditioner):
                 raise ValueError(f"LoopConditioner.{name}={value} must be >= 1")
         self.d_cond, self.rank, self.n_freqs = d_cond, rank, n_freqs
         self.mlp = nn.Sequential(nn.Linear(4 * n_freqs, d_cond), nn.SiLU(), nn.Linear(d_cond, d_cond))
+        freqs = math.pi * 2.0 ** torch.arange(n_freqs, dtype=torch.float32)  # 2^j pi, j < n_freqs
+        self.register_buffer("freqs", freqs, persistent=False)
         set_module_role(self.mlp, group="conditioning")
 
     def make_modulator(self, d_model: int) -> Modulator:
         return FiLMAdapterModulator(d_model, self.d_cond, self.rank)
 
     def context(self, loop: int, loops: int, max_loops: int, like: Tensor) -> Tensor:
-        phi = torch.cat((sinusoid(loop / loops, self.n_freqs, like), sinusoid(loops / max_loops, self.n_freqs, like)))
+        phi = torch.cat((sinusoid(loop / loops, self.freqs), sinusoid(loops / max_loops, self.freqs)))
         return self.mlp(phi.to(self.mlp[0].weight.dtype))
