@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import override
 
 from elr_lightning.layers import Modulator
 from elr_lightning.roles import set_module_role
@@ -39,6 +40,10 @@ class Conditioner(nn.Module):
     def active(self) -> bool:
         """Whether conditioning takes part in the forward pass."""
         return self._active
+
+    def reset_buffers(self) -> None:
+        """Write the Python mirror into ``active_flag`` (its memory is undefined after ``to_empty``)."""
+        self.active_flag.fill_(self._active)
 
     def set_active(self, active: bool) -> None:
         """Switch conditioning into (``True``) or out of (``False``) the forward pass."""
@@ -128,9 +133,17 @@ class LoopConditioner(Conditioner):
                 raise ValueError(f"LoopConditioner.{name}={value} must be >= 1")
         self.d_cond, self.rank, self.n_freqs = d_cond, rank, n_freqs
         self.mlp = nn.Sequential(nn.Linear(4 * n_freqs, d_cond), nn.SiLU(), nn.Linear(d_cond, d_cond))
-        freqs = math.pi * 2.0 ** torch.arange(n_freqs, dtype=torch.float32)  # 2^j pi, j < n_freqs
-        self.register_buffer("freqs", freqs, persistent=False)
+        self.register_buffer("freqs", torch.empty(n_freqs), persistent=False)
+        self.reset_buffers()
         set_module_role(self.mlp, group="conditioning")
+
+    @torch.no_grad()
+    @override
+    def reset_buffers(self) -> None:
+        """Also compute the sinusoid frequencies ``2^j pi``, ``j < n_freqs``, in place."""
+        super().reset_buffers()
+        j = torch.arange(self.n_freqs, dtype=torch.float32, device=self.freqs.device)
+        self.freqs.copy_(math.pi * 2.0**j)
 
     def make_modulator(self, d_model: int) -> Modulator:
         return FiLMAdapterModulator(d_model, self.d_cond, self.rank)

@@ -65,11 +65,20 @@ class Rotary(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        hd = config.head_dim
-        inv = 1.0 / config.rope_base ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-        angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float32), inv)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.head_dim, self.rope_base = config.head_dim, config.rope_base
+        shape = (config.max_seq_len, config.head_dim // 2)
+        self.register_buffer("cos", torch.empty(shape), persistent=False)
+        self.register_buffer("sin", torch.empty(shape), persistent=False)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Compute the tables in place, on their device (also after ``to_empty`` from the meta device)."""
+        hd, device = self.head_dim, self.cos.device
+        inv = 1.0 / self.rope_base ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
+        angles = torch.outer(torch.arange(self.cos.shape[0], dtype=torch.float32, device=device), inv)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
 
     def forward(self, start: int, length: int) -> tuple[Tensor, Tensor]:
         """Tables for positions ``start .. start + length - 1``."""

@@ -7,12 +7,13 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import override
 
 from elr_lightning.cache import KVCache
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.layers import AttentionInputs, Block, Rotary
-from elr_lightning.roles import Role, init_of, role_table
+from elr_lightning.roles import Role, role_table
 from elr_lightning.updates import AdaptiveDelta, NonRecurrent, StateUpdate
 
 
@@ -96,8 +97,8 @@ class LoopedLM(nn.Module):
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.rotary = Rotary(config)
-        self.init_weights()
         self.roles: dict[str, Role] = role_table(self)
+        self.init_weights()
 
     @classmethod
     def baseline(cls, config: ModelConfig) -> "LoopedLM":
@@ -125,6 +126,18 @@ class LoopedLM(nn.Module):
             if (group is None or self.roles[name][1] == group) and (init is None or self.roles[name][0] == init)
         ]
 
+    @override
+    def to_empty(self, *, device: Optional[torch.device | str], recurse: bool = True) -> "LoopedLM":
+        """Move to ``device`` with uninitialised memory (then call :meth:`init_weights`), keeping the head tied.
+
+        ``nn.Module.to_empty`` gives a plain meta parameter a new object per module, which would
+        untie ``head.weight`` from ``embed.weight`` (FSDP2's DTensor parameters keep theirs).
+        """
+        super().to_empty(device=device, recurse=recurse)
+        if self.config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        return self
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """Every initialisation decision of the model, in one place.
@@ -138,6 +151,12 @@ class LoopedLM(nn.Module):
            ``W_beta, b_beta, gamma`` (beta starts at 0.5 ln 2, eq. 2) and every conditioning head
            (lambda, mu, g, omega), so a modulated layer equals the plain one exactly (eq. 4).
            The adapter matrices A, B stay normal so the zero-init gate g still receives gradient.
+        5. Buffers derived from the config (RoPE tables, conditioning frequencies and flag, scratch):
+           recomputed by every submodule's ``reset_buffers()``.
+
+        Tags are read from the role table :attr:`roles`, by name, so this also initialises a model
+        built on the meta device, sharded with FSDP2 and materialised with ``to_empty``
+        (parameters may be DTensors).
 
         Raises:
             AssertionError: if some parameter got no decision.
@@ -145,11 +164,11 @@ class LoopedLM(nn.Module):
         cfg = self.config
         scaled_std = cfg.init_std / math.sqrt(2 * cfg.effective_depth(1))
         decided: set[int] = set()
-        for module in self.modules():
+        for prefix, module in self.named_modules():
             for name, p in module.named_parameters(recurse=False):
                 if id(p) in decided:
                     continue
-                tag = init_of(p)
+                tag = self.roles[f"{prefix}.{name}" if prefix else name][0]
                 if tag == "zeros":
                     nn.init.zeros_(p)
                 elif tag == "ones" or isinstance(module, nn.RMSNorm):
@@ -163,6 +182,8 @@ class LoopedLM(nn.Module):
                 else:
                     continue
                 decided.add(id(p))
+            if callable(reset_buffers := getattr(module, "reset_buffers", None)):
+                reset_buffers()
         missing = [n for n, p in self.named_parameters() if id(p) not in decided]
         assert not missing, f"init_weights has no decision for parameters {missing}; tag them with set_role"
 

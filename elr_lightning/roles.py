@@ -1,9 +1,9 @@
 """Parameter roles: how a parameter is initialised and which optimizer group it joins.
 
-Seams declare the role of the parameters they own with :func:`set_role`. The model's one init routine
-(:meth:`elr_lightning.model.LoopedLM.init_weights`) reads the tags at construction, and the model then
-records every role by parameter name (:func:`role_table`, ``LoopedLM.roles``). Everything after
-construction (the param-group builder, the switch callbacks, cost reports) looks roles up by name:
+Seams declare the role of the parameters they own with :func:`set_role`. At construction the model
+records every role by parameter name (:func:`role_table`, ``LoopedLM.roles``). Everything after that
+(the model's one init routine :meth:`elr_lightning.model.LoopedLM.init_weights`, the param-group
+builder, the switch callbacks, cost reports) looks roles up by name:
 wrappers such as FSDP2's ``fully_shard`` replace parameter objects and drop their tags, but keep
 their names. Nothing needs to know any implementation.
 """

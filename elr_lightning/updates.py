@@ -63,6 +63,10 @@ class AdaptiveDelta(StateUpdate):
         set_role(self.gamma, init="zeros", group="gate")
         self.register_buffer("_beta_mean", torch.zeros(()), persistent=False)
 
+    def reset_buffers(self) -> None:
+        """Zero the ``beta_mean`` scratch (its memory is undefined after ``to_empty``)."""
+        self._beta_mean.zero_()
+
     def beta(self, s_tilde: Tensor) -> Tensor:
         """The step size beta_i of eq. (2)."""
         return torch.sigmoid(self.gate(s_tilde)) * F.softplus(self.gamma)
