@@ -570,7 +570,9 @@ def load_model(ckpt_path: str, map_location: Union[str, torch.device] = "cpu") -
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*is an instance of `nn.Module`.*")
-            module = ELRModule.load_from_checkpoint(ckpt_path, map_location=map_location, weights_only=False)
+            module = ELRModule.load_from_checkpoint(
+                ckpt_path, map_location=map_location, weights_only=False, meta_init=False  # real weights to load into
+            )
     except Exception as err:  # hparams that no longer match the module's signature, missing keys, ...
         raise ValueError(f"checkpoint {ckpt_path!r} could not be rebuilt as an ELRModule ({err})") from err
     if not isinstance(module, ELRModule) or not isinstance(getattr(module, "model", None), LoopedLM):

@@ -106,6 +106,9 @@ class ELRModule(LightningModule):
         min_lr_ratio: Final LR as a fraction of ``lr``.
         loop_seed: Seed of the loop schedule; ``None`` takes the run's ``seed_everything`` value.
         compile_layers: ``torch.compile`` every layer (one graph serves every k).
+        meta_init: Build the model on the meta device (no memory); ``OneLoopOverrideFSDPStrategy``
+            then shards it, materialises each rank's shard and initialises it. For models too
+            large to build in full on every rank's host. Needs that strategy.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class ELRModule(LightningModule):
         min_lr_ratio: float = 0.1,
         loop_seed: Optional[int] = None,
         compile_layers: bool = False,
+        meta_init: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -142,7 +146,12 @@ class ELRModule(LightningModule):
         # Plug-in objects are copied: the caller's (or, on load, the unpickled hparams') instances may
         # share storage with other tensors, and the model's init routine writes into what it owns.
         update, conditioner = copy.deepcopy(update), copy.deepcopy(conditioner)
-        self.model = LoopedLM(arch, update=update, conditioner=conditioner)
+        if meta_init:  # only the model: metrics and buffers below stay real
+            with torch.device("meta"):
+                # .to: the conditioner was built (and copied) outside, on the host
+                self.model = LoopedLM(arch, update=update, conditioner=conditioner).to("meta")
+        else:
+            self.model = LoopedLM(arch, update=update, conditioner=conditioner)
         self.val_loss = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.val_bpb = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.register_buffer("token_bytes", torch.ones(arch.vocab_size), persistent=False)
@@ -207,6 +216,17 @@ class ELRModule(LightningModule):
     # ---- lifecycle ---------------------------------------------------------------------------
     @override
     def setup(self, stage: str) -> None:
+        from elr_lightning.strategies import OneLoopOverrideFSDPStrategy  # the strategies import this module
+
+        if self.hparams.meta_init and not isinstance(self.trainer.strategy, OneLoopOverrideFSDPStrategy):
+            # Lightning's teardown moves the module to the CPU, which fails on meta tensors and would
+            # bury this error; uninitialised memory is never touched, so this costs no RAM.
+            self.model.to_empty(device="cpu")
+            raise ValueError(
+                f"model.init_args.meta_init: true needs OneLoopOverrideFSDPStrategy (it materialises and "
+                f"initialises the sharded model); this run uses {type(self.trainer.strategy).__name__}. "
+                "Set trainer.strategy to it or meta_init: false"
+            )
         datamodule = getattr(self.trainer, "datamodule", None)
         tokenizer = getattr(datamodule, "tokenizer", None)
         if tokenizer is not None and tokenizer.vocab_size > self.arch.vocab_size:

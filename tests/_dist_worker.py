@@ -33,16 +33,33 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=30)
 
 
 class RecordLoops(Callback):
-    """Keeps ``[optimizer step, loop counts]`` of every micro-batch this rank runs."""
+    """Keeps ``[optimizer step, loop counts]`` and the loss of every micro-batch this rank runs, and
+    the model's state (gathered) and the optimizer's groups at the start of training."""
 
     def __init__(self) -> None:
         self.loops: list[list[Any]] = []
+        self.losses: list[float] = []
+        self.initial: dict[str, torch.Tensor] = {}
+        self.groups: dict[str, dict[str, Any]] = {}
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.initial = full_state(pl_module)
+        names = {id(p): name for name, p in pl_module.model.named_parameters()}
+        self.groups = {
+            g["name"]: {"weight_decay": g["weight_decay"], "params": sorted(names[id(p)] for p in g["params"])}
+            for g in trainer.optimizers[0].param_groups
+        }
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.loops.append([trainer.global_step, pl_module.local_loops()])
 
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.losses.append(float(outputs["loss"]))
 
-def tiny_module(virtual_ranks: int, conditioner_active: bool = True) -> ELRModule:
+
+def tiny_module(virtual_ranks: int, conditioner_active: bool = True, meta_init: bool = False) -> ELRModule:
     """d = 32, one layer per block, K = 3, conditioning, one-loop overrides with f = 0.5."""
     seed_everything(0)
     module = ELRModule(
@@ -53,6 +70,7 @@ def tiny_module(virtual_ranks: int, conditioner_active: bool = True) -> ELRModul
         lr=1e-2,
         warmup_steps=0,
         loop_seed=7,
+        meta_init=meta_init,
     )
     if not conditioner_active:
         module.model.conditioner.set_active(False)
@@ -77,9 +95,11 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     """Train one case; return this rank's ``{"state", "loops", "rank", "fsdp_units"}``.
 
     A case names ``virtual_ranks``, the per-rank ``batch_size``, and optionally ``accumulate``
-    (micro-batches per step) and ``conditioner_active``.
+    (micro-batches per step), ``conditioner_active`` and ``meta_init``. The result also holds the
+    per-micro-batch ``losses`` and, from the start of training, the ``initial`` state and the
+    optimizer ``groups`` (``{name: {"weight_decay", "params"}}``).
     """
-    module = tiny_module(case["virtual_ranks"], case.get("conditioner_active", True))
+    module = tiny_module(case["virtual_ranks"], case.get("conditioner_active", True), case.get("meta_init", False))
     data = TextDataModule(
         sources=[spec["corpus"]], seq_len=16, batch_size=case["batch_size"], cache_dir=spec["cache_dir"], seed=3
     )
@@ -100,7 +120,15 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     )
     trainer.fit(module, datamodule=data)
     units = [name for name, m in module.model.named_modules() if isinstance(m, FSDPModule)]
-    return {"state": full_state(module), "loops": record.loops, "rank": trainer.global_rank, "fsdp_units": units}
+    return {
+        "state": full_state(module),
+        "loops": record.loops,
+        "losses": record.losses,
+        "initial": record.initial,
+        "groups": record.groups,
+        "rank": trainer.global_rank,
+        "fsdp_units": units,
+    }
 
 
 def main(spec_path: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import socket
 import subprocess
@@ -78,11 +79,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(strategy: str, corpus: dict[str, str], out: Path) -> dict[str, list[dict[str, Any]]]:
-    """Run every case of :data:`CASES` on WORLD fresh processes; return each case's per-rank results."""
+def launch(
+    strategy: str, corpus: dict[str, str], out: Path, cases: dict[str, dict[str, Any]] = CASES
+) -> dict[str, list[dict[str, Any]]]:
+    """Run every case of ``cases`` on WORLD fresh processes; return each case's per-rank results."""
     out.mkdir()
-    cases = [{"name": name, "batch_size": PER_RANK_BATCH, **case} for name, case in CASES.items()]
-    spec = {**corpus, "strategy": strategy, "steps": STEPS, "out": str(out), "watchdog_s": WATCHDOG_S, "cases": cases}
+    specs = [{"name": name, "batch_size": PER_RANK_BATCH, **case} for name, case in cases.items()]
+    spec = {**corpus, "strategy": strategy, "steps": STEPS, "out": str(out), "watchdog_s": WATCHDOG_S, "cases": specs}
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = _free_port()
@@ -112,7 +115,7 @@ def launch(strategy: str, corpus: dict[str, str], out: Path) -> dict[str, list[d
         text = (out / f"rank{rank}.log").read_text()
         assert proc.returncode == 0, f"{strategy} rank {rank} exited with {proc.returncode}:\n{text[-6000:]}"
     return {
-        name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=True) for r in range(WORLD)] for name in CASES
+        name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=True) for r in range(WORLD)] for name in cases
     }
 
 
@@ -152,6 +155,42 @@ def test_fsdp_two_processes_match_one_process_with_virtual_ranks(corpus, referen
     initial = _dist_worker.tiny_module(1).model.state_dict()
     heads = [k for k in initial if "_mod." in k or "conditioner.mlp" in k]
     assert heads and all(torch.equal(off[k], initial[k]) for k in heads)
+
+
+@pytest.mark.slow
+def test_fsdp_meta_init_trains_like_an_eager_init(corpus, tmp_path):
+    """``meta_init``: each rank materialises its shards and ``init_weights`` runs on them (not Lightning's
+    ``reset_parameters``); roles and optimizer groups survive; training matches an eager init in kind."""
+    cases = {"meta": {"virtual_ranks": 1, "meta_init": True}, "eager": {"virtual_ranks": 1}}
+    results = launch("fsdp", corpus, tmp_path / "fsdp_meta", cases)
+    meta, eager = results["meta"], results["eager"]
+    roles = _dist_worker.tiny_module(1).model.roles
+    initial = meta[0]["initial"]
+    assert initial.keys() == eager[0]["initial"].keys()
+    zeros = [name for name, (init, _) in roles.items() if init == "zeros"]
+    assert any("update.gate" in n for n in zeros) and any("_mod." in n for n in zeros)
+    assert all(torch.count_nonzero(initial[name]) == 0 for name in zeros)
+    assert all(torch.all(initial[name] == 1) for name in initial if "norm" in name)
+    embed = initial["embed.weight"]
+    assert embed.std().item() == pytest.approx(0.02, rel=0.05)
+    assert not torch.equal(embed, eager[0]["initial"]["embed.weight"])  # a fresh draw, not a copy
+    half = embed.shape[0] // WORLD
+    assert not torch.equal(embed[:half], embed[half:]), "the ranks drew equal shards"
+    assert all(bool(initial[name]) for name in initial if name.endswith("active_flag"))
+    for ranks in (meta, eager):
+        assert [r["rank"] for r in ranks] == list(range(WORLD))
+        assert all(math.isfinite(loss) for r in ranks for loss in r["losses"])
+        assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in ranks[0]["state"])
+        groups = ranks[0]["groups"]
+        assert {name for name, g in groups.items() if g["weight_decay"] > 0} == {"decay"}
+        for group in ("gate", "conditioning"):
+            assert groups[group]["params"] == sorted(n for n, role in roles.items() if role[1] == group)
+    # The same seed gives the same loop schedule; both inits are draws from one distribution.
+    assert [r["loops"] for r in meta] == [r["loops"] for r in eager]
+    for rank in range(WORLD):
+        assert meta[rank]["losses"][0] == pytest.approx(eager[rank]["losses"][0], rel=0.05)
+    moved = max((meta[0]["state"][k].float() - initial[k].float()).abs().max().item() for k in initial)
+    assert moved > 1e-2, "training barely moved the meta-initialised parameters"
 
 
 # ---- the data-parallel layout ---------------------------------------------------------------------

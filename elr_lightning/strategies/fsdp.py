@@ -68,7 +68,9 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
     ``ModelParallelStrategy`` with a 1-D data-parallel mesh over every process (no tensor
     parallelism). The strategy shards the module's :class:`~elr_lightning.model.LoopedLM` with
     :func:`shard_looped_lm` after ``configure_model`` and before the optimizer is built; model code
-    is untouched. The data-parallel rank and size come from the mesh.
+    is untouched. The data-parallel rank and size come from the mesh. A model built on the meta
+    device (``ELRModule(meta_init=True)``) is materialised after sharding, each rank allocating its
+    shard only, and initialised with ``LoopedLM.init_weights``.
 
     Every rank must reduce-scatter the same parameters at every step, whatever k it runs. At setup
     the strategy probes the unsharded model at k = 1..``arch.max_loops`` (conditioner as it is and
@@ -142,7 +144,29 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
                 reshard_after_forward=self.reshard_after_forward,
                 reduce_scatter_unused_params=self.reduce_scatter_unused_params,
             )
+            if any(p.is_meta for p in model.parameters()):
+                # Built with meta_init: give each rank's shard memory, then the model's own init.
+                # Done here, not by Lightning's materialisation below, which would empty the whole
+                # LightningModule (metrics, buffers) and run nn.Linear's reset_parameters instead.
+                model.to_empty(device=self.root_device)
+                self._init_shards(model)
         super().setup(trainer)
+
+    def _init_shards(self, model: LoopedLM) -> None:
+        """Run ``model.init_weights()`` on the materialised shards.
+
+        On CUDA-like meshes DTensor draws every shard from one stream shared by the ranks. It has no
+        such support on CPU: each rank would draw its shard from the same generator state, so all
+        shards would be equal. There each rank draws from its own seed (``initial_seed + rank``),
+        leaving the global generator as it was.
+        """
+        mesh = self.device_mesh["data_parallel"]
+        if mesh.device_type != "cpu":
+            model.init_weights()
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(torch.initial_seed() + mesh.get_local_rank())
+            model.init_weights()
 
     def _require_loop_independent_parameters(self, model: LoopedLM) -> None:
         dependent = loop_dependent_parameters(model, range(1, model.config.max_loops + 1))
