@@ -287,6 +287,19 @@ def test_load_model_round_trip(checkpoint: tuple[Path, ELRModule]) -> None:
         torch.testing.assert_close(model(ids, 3), trained.model.eval()(ids, 3))
 
 
+def test_load_model_of_a_meta_init_run_has_real_weights(checkpoint: tuple[Path, ELRModule], tmp_path: Path) -> None:
+    path, trained = checkpoint
+    raw = torch.load(path, weights_only=False)
+    raw["hyper_parameters"]["meta_init"] = True  # as saved by an FSDP run with meta_init: true
+    meta_path = tmp_path / "meta.ckpt"
+    torch.save(raw, meta_path)
+    model, _ = load_model(str(meta_path))
+    assert not any(p.is_meta for p in model.parameters())
+    ids = torch.randint(0, 256, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, 3), trained.model.eval()(ids, 3))
+
+
 def test_load_model_errors_name_the_path(tmp_path: Path) -> None:
     missing = tmp_path / "nope.ckpt"
     with pytest.raises(FileNotFoundError, match="nope.ckpt"):
