@@ -137,8 +137,8 @@ class LoopConditioner(Conditioner):
         self.reset_buffers()
         set_module_role(self.mlp, group="conditioning")
 
-    @torch.no_grad()
     @override
+    @torch.no_grad()
     def reset_buffers(self) -> None:
         """Also compute the sinusoid frequencies ``2^j pi``, ``j < n_freqs``, in place."""
         super().reset_buffers()
