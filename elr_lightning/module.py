@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -22,6 +21,7 @@ from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
 from elr_lightning.optim import param_groups, warmup_cosine
+from elr_lightning.roles import copy_with_roles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.updates import StateUpdate
 
@@ -145,7 +145,7 @@ class ELRModule(LightningModule):
             )
         # Plug-in objects are copied: the caller's (or, on load, the unpickled hparams') instances may
         # share storage with other tensors, and the model's init routine writes into what it owns.
-        update, conditioner = copy.deepcopy(update), copy.deepcopy(conditioner)
+        update, conditioner = copy_with_roles(update), copy_with_roles(conditioner)
         if meta_init:  # only the model: metrics and buffers below stay real
             with torch.device("meta"):
                 # .to: the conditioner was built (and copied) outside, on the host

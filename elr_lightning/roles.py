@@ -10,9 +10,12 @@ their names. Nothing needs to know any implementation.
 
 from __future__ import annotations
 
-from typing import Optional
+import copy
+from typing import Optional, TypeVar
 
 from torch import nn
+
+ModuleT = TypeVar("ModuleT", bound=Optional[nn.Module])
 
 _INIT_ATTR = "_elr_init"
 _GROUP_ATTR = "_elr_group"
@@ -66,3 +69,14 @@ Role = tuple[Optional[str], str]
 def role_table(module: nn.Module) -> dict[str, Role]:
     """``{name: (init, group)}`` for every parameter of ``module``, read from the tags."""
     return {name: (init_of(p), group_of(p)) for name, p in module.named_parameters()}
+
+
+def copy_with_roles(module: ModuleT) -> ModuleT:
+    """``copy.deepcopy(module)`` that keeps the role tags, which ``Parameter.__deepcopy__`` drops."""
+    copied = copy.deepcopy(module)
+    if module is not None:
+        for (_, source), (_, target) in zip(module.named_parameters(), copied.named_parameters()):
+            for attr in (_INIT_ATTR, _GROUP_ATTR):
+                if hasattr(source, attr):
+                    setattr(target, attr, getattr(source, attr))
+    return copied

@@ -206,3 +206,14 @@ def test_roles_survive_replaced_parameter_objects():
     assert any(p is gate.weight for p in groups["gate"]["params"])
     assert any(p is film.weight for p in groups["conditioning"]["params"])
     assert any(p is film.weight for p in model.parameters_with_role("conditioning", init="zeros"))
+
+
+def test_conditioner_keeps_its_roles_through_the_plugin_copy():
+    """ELRModule copies its plug-ins; Parameter.__deepcopy__ drops attributes, the roles must not go."""
+    conditioner = LoopConditioner(d_cond=8, rank=2)
+    module = ELRModule(arch=tiny_config(), conditioner=conditioner)
+    assert module.model.conditioner is not conditioner
+    groups = {g["name"]: {id(p) for p in g["params"]} for g in param_groups(module.model, 0.1)}
+    mlp = list(module.model.conditioner.mlp.parameters())
+    assert mlp and all(id(p) in groups["conditioning"] for p in mlp)
+    assert all(module.model.roles[n][1] == "conditioning" for n, _ in module.model.named_parameters() if "mlp.0" in n)
