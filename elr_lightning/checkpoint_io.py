@@ -11,7 +11,7 @@ never a mix.
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 import zipfile
 from typing import IO, Any, Callable, Optional
 
@@ -39,31 +39,45 @@ def fsync_folder(folder: str) -> None:
         os.close(fd)
 
 
-def write_atomically(path: str, write: Callable[[IO[bytes]], None]) -> None:
-    """Write ``path`` through a temporary file in its folder and ``os.replace`` it into place.
+def replace_atomically(path: str, fill: Callable[[str], None]) -> None:
+    """Make ``path`` anew through a temporary path in its folder, then ``os.replace`` it into place.
 
-    If ``write`` raises (or the process dies) the temporary file is the only thing affected:
-    ``path`` keeps its previous contents.
+    If ``fill`` raises (or the process dies) only the temporary path is affected: ``path`` keeps
+    its previous contents. The folder is flushed after the rename.
+
+    Args:
+        path: The destination.
+        fill: Creates the complete new contents at the (not yet existing) temporary path it is given.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    try:
+        fill(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
+    fsync_folder(folder)
+
+
+def write_atomically(path: str, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` with :func:`replace_atomically`, the temporary file flushed to disk first.
 
     Args:
         path: The destination file.
         write: Writes the whole contents to the binary file object it is given.
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def fill(tmp: str) -> None:
+        with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    fsync_folder(folder)
+
+    replace_atomically(path, fill)
 
 
 def is_intact(path: str) -> bool:

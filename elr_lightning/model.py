@@ -12,7 +12,7 @@ from typing_extensions import override
 from elr_lightning.cache import KVCache
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
-from elr_lightning.layers import AttentionInputs, Block, Rotary
+from elr_lightning.layers import AttentionInputs, Block, Modulator, Rotary
 from elr_lightning.roles import Role, role_table
 from elr_lightning.updates import AdaptiveDelta, NonRecurrent, StateUpdate
 
@@ -58,7 +58,7 @@ class RecurrentCore(nn.Module):
         return self.layers
 
 
-def _modulators(conditioner: Optional[Conditioner], config: ModelConfig):
+def _modulators(conditioner: Optional[Conditioner], config: ModelConfig) -> Optional[tuple[Modulator, Modulator]]:
     if conditioner is None:
         return None
     return conditioner.make_modulator(config.d_model), conditioner.make_modulator(config.d_model)

@@ -207,11 +207,14 @@ class ELRModule(LightningModule):
         step = self.trainer.global_step if step is None else step
         return self.sampler.schedule(self.seed, step, self.num_shards())
 
+    def local_shards(self) -> slice:
+        """This rank's shards among all ``num_shards()`` of a step."""
+        first = self.data_parallel_layout()[0] * self.virtual_ranks
+        return slice(first, first + self.virtual_ranks)
+
     def local_loops(self, step: Optional[int] = None) -> list[int]:
         """The k of this rank's ``virtual_ranks`` shards."""
-        rank, _ = self.data_parallel_layout()
-        first = rank * self.virtual_ranks
-        return self.step_schedule(step)[first : first + self.virtual_ranks]
+        return self.step_schedule(step)[self.local_shards()]
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @override
@@ -273,14 +276,14 @@ class ELRModule(LightningModule):
 
     @override
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        loops = self.local_loops()
+        schedule = self.step_schedule()
+        loops = schedule[self.local_shards()]
         loss = self.shard_loss(batch, loops)
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"train/loss is {loss.item()} at step {self.trainer.global_step} (loops {loops}); "
                 "lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
             )
-        schedule = self.step_schedule()
         self._loop_log.extend(schedule)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         self.log("train/loops_mean", sum(schedule) / len(schedule))

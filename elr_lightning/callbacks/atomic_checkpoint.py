@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -13,7 +12,7 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from elr_lightning.checkpoint_io import AtomicCheckpointIO, fsync_folder
+from elr_lightning.checkpoint_io import AtomicCheckpointIO, replace_atomically
 
 
 class AtomicModelCheckpoint(ModelCheckpoint):
@@ -59,19 +58,14 @@ class AtomicModelCheckpoint(ModelCheckpoint):
             ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
             return
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            folder = os.path.dirname(os.path.abspath(linkpath))
-            tmp = os.path.join(folder, f".{os.path.basename(linkpath)}.{uuid.uuid4().hex}.tmp")
-            try:
+
+            def link(tmp: str) -> None:
                 try:
                     os.link(filepath, tmp)
                 except OSError:
                     shutil.copy2(filepath, tmp)
                 if os.path.isdir(linkpath) and not os.path.islink(linkpath):
                     shutil.rmtree(linkpath)
-                os.replace(tmp, linkpath)
-            except BaseException:
-                if os.path.lexists(tmp):
-                    os.remove(tmp)
-                raise
-            fsync_folder(folder)
+
+            replace_atomically(linkpath, link)
         trainer.strategy.barrier()
