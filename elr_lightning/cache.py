@@ -1,25 +1,39 @@
-"""KV-cache policies for generation: what each attention layer keeps between decode steps."""
+"""Cache policies for generation: what each layer keeps between decode steps (attention KV, recurrent state)."""
 
 from __future__ import annotations
 
-from typing import Hashable, Optional
+from typing import Hashable, Optional, Union
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from elr_lightning.layers import KVSlot
+from elr_lightning.config import ModelConfig
 
 
-class _Store:
-    """One preallocated key/value buffer ``[B, H_kv, max_len, hd]``, written at the cache offset."""
+
+class LayerStore:
+    """What one cache key holds between forward calls: attention keys/values and recurrent state.
+
+    * Keys and values: a preallocated ``[B, H_kv, max_len, hd]`` buffer pair, written at the cache
+      offset by :meth:`update`, which returns every cached position up to the new ones.
+    * Recurrent state (e.g. a linear-attention state and its convolution window): named tensors.
+      :meth:`state` returns the state after the tokens cached before this forward pass;
+      :meth:`set_state` records the state after the new tokens, which becomes visible at
+      :meth:`KVCache.advance`. So under a policy that shares one store across loops, loop i of a new
+      token reads the previous token's state and its write replaces the earlier loops', exactly as
+      for keys and values.
+    """
 
     def __init__(self, cache: "KVCache") -> None:
         self.cache = cache
         self.k: Optional[Tensor] = None
         self.v: Optional[Tensor] = None
+        self._state: dict[str, Tensor] = {}
+        self._pending: dict[str, Tensor] = {}
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new ``[B, H_kv, T, hd]`` keys/values; return the keys/values to attend to."""
         if self.k is None:
             shape = (k.shape[0], k.shape[1], self.cache.max_len, k.shape[3])
             self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
@@ -31,18 +45,37 @@ class _Store:
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def state(self, name: str) -> Optional[Tensor]:
+        """The recurrent tensor ``name`` after the previously cached tokens, or ``None`` before any."""
+        return self._state.get(name)
+
+    def set_state(self, name: str, value: Tensor) -> None:
+        """Record the recurrent tensor ``name`` after this forward pass's new tokens."""
+        self._pending[name] = value
+
+    def commit(self) -> None:
+        """Make the states recorded in this forward pass the ones :meth:`state` returns."""
+        self._state.update(self._pending)
+        self._pending.clear()
+
     def nbytes(self) -> int:
+        """Bytes of the allocated keys and values."""
         if self.k is None or self.v is None:
             return 0
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def state_nbytes(self) -> int:
+        """Bytes of the recurrent state."""
+        return sum(t.numel() * t.element_size() for t in self._state.values())
 
 
 class KVCache:
     """Seam contract for a KV-cache policy.
 
-    The model asks for ``slot(layer, loop)`` once per attention call: ``layer`` is the layer's
-    index in the whole stack (input, recurrent, output), ``loop`` is ``1..k`` inside the recurrent
-    block and ``0`` elsewhere. A policy decides which calls share storage by the key it returns
+    The model's mixers ask for ``slot(layer, loop)`` (through
+    :meth:`~elr_lightning.context.LoopContext.cached`): ``layer`` is the layer's number in the whole
+    stack (:meth:`~elr_lightning.config.ModelConfig.layer_index`), ``loop`` is ``1..k`` inside the
+    recurrent block and ``0`` elsewhere. A policy decides which calls share storage by the key it returns
     from :meth:`key`. After every forward pass the caller advances :attr:`offset` by the number of
     new tokens with :meth:`advance`.
 
@@ -59,22 +92,24 @@ class KVCache:
             raise ValueError(f"max_len={max_len} must be >= 1")
         self.max_len = max_len
         self.offset = 0
-        self._stores: dict[Hashable, _Store] = {}
+        self._stores: dict[Hashable, LayerStore] = {}
 
     def key(self, layer: int, loop: int) -> Hashable:
         """Storage key for attention layer ``layer`` at loop ``loop``."""
         raise NotImplementedError
 
-    def slot(self, layer: int, loop: int) -> KVSlot:
-        """The store that attention layer ``layer`` uses at loop ``loop``."""
+    def slot(self, layer: int, loop: int) -> LayerStore:
+        """The store that layer ``layer`` uses at loop ``loop``."""
         key = self.key(layer, loop)
         if key not in self._stores:
-            self._stores[key] = _Store(self)
+            self._stores[key] = LayerStore(self)
         return self._stores[key]
 
     def advance(self, n: int) -> None:
-        """Record that ``n`` new tokens were written by the last forward pass."""
+        """Record that ``n`` new tokens were written by the last forward pass (commits recurrent state)."""
         self.offset += n
+        for store in self._stores.values():
+            store.commit()
 
     @property
     def dtype(self) -> Optional[torch.dtype]:
@@ -88,6 +123,10 @@ class KVCache:
         """Bytes held by the keys and values: of the ``offset`` tokens written, or allocated."""
         total = sum(store.nbytes() for store in self._stores.values())
         return total * self.offset // self.max_len if used else total
+
+    def state_nbytes(self) -> int:
+        """Bytes held by recurrent state (linear-attention and convolution state); independent of length."""
+        return sum(store.state_nbytes() for store in self._stores.values())
 
 
 class PerLoopCache(KVCache):
@@ -108,3 +147,102 @@ class LastLoopCache(KVCache):
     @override
     def key(self, layer: int, loop: int) -> Hashable:
         return layer
+
+
+#: Cache policies by the name ``elr generate --kv_cache`` accepts.
+CACHE_POLICIES: dict[str, type[KVCache]] = {"per_loop": PerLoopCache, "last_loop": LastLoopCache}
+
+PolicyLike = Union[str, type[KVCache]]
+
+
+def resolve_policy(policy: PolicyLike) -> type[KVCache]:
+    """The :class:`KVCache` subclass that ``policy`` names.
+
+    Raises:
+        ValueError: ``policy`` is neither a known name nor a :class:`KVCache` subclass.
+    """
+    if isinstance(policy, str):
+        if policy not in CACHE_POLICIES:
+            raise ValueError(f"unknown KV-cache policy {policy!r}; choose one of {sorted(CACHE_POLICIES)}")
+        return CACHE_POLICIES[policy]
+    if isinstance(policy, type) and issubclass(policy, KVCache):
+        return policy
+    raise ValueError(f"kv_cache={policy!r} must be one of {sorted(CACHE_POLICIES)} or a KVCache subclass")
+
+
+def _stores(config: ModelConfig, loops: int, policy: PolicyLike) -> dict[Hashable, str]:
+    """The distinct stores ``policy`` keeps at ``loops``, each with the token mixer of its first layer call."""
+    cache = resolve_policy(policy)(max_len=1)
+    stores: dict[Hashable, str] = {}
+    for layer, loop, mixer in config.layer_calls(loops):
+        stores.setdefault(cache.key(layer, loop), mixer)
+    return stores
+
+
+def _mixer_bytes(config: ModelConfig, names: set[str], dtype: torch.dtype) -> dict[str, tuple[int, int]]:
+    """``(per_token, fixed)`` cache bytes of each named token mixer, built on the meta device."""
+    with torch.device("meta"):
+        built = {name: config.build_mixer(name).cache_bytes(dtype) for name in names}
+    return {name: (b.per_token, b.fixed) for name, b in built.items()}
+
+
+def layer_caches(config: ModelConfig, loops: int, policy: PolicyLike) -> int:
+    """Number of layer caches (distinct stores) ``policy`` keeps at loop count ``loops``.
+
+    Counts the distinct :meth:`KVCache.key` values over the layer calls of one forward pass
+    (:meth:`~elr_lightning.config.ModelConfig.layer_calls`: input layers at loop 0, recurrent layers
+    at loops ``1..k``, output layers at loop 0). ``PerLoopCache`` gives
+    ``D_eff(k) = L_in + k L_rec + L_out`` (eq. 1), ``LastLoopCache`` gives ``D_eff(1)``.
+
+    Args:
+        config: The architecture.
+        loops: The loop count k.
+        policy: A policy name or :class:`KVCache` subclass.
+    """
+    return len(_stores(config, loops, policy))
+
+
+def kv_cache_bytes(
+    config: ModelConfig,
+    loops: int,
+    policy: PolicyLike,
+    tokens: int,
+    dtype: torch.dtype = torch.float32,
+    batch: int = 1,
+) -> int:
+    """Attention KV bytes ``policy`` holds for ``tokens`` tokens of ``batch`` sequences.
+
+    Per store, the token mixer's per-token cache bytes (``2 * n_kv_heads * head_dim`` elements of
+    ``dtype`` for attention, none for a recurrent mixer), summed over the :func:`layer_caches`
+    stores (all ``D_eff(k)`` for per-loop, ``D_eff(1)`` for last-loop on an all-attention model).
+
+    Args:
+        config: The architecture.
+        loops: The loop count k.
+        policy: A policy name or :class:`KVCache` subclass.
+        tokens: Cached positions per sequence (prompt, padding included, plus decoded tokens).
+        dtype: Dtype of the cached keys and values.
+        batch: Sequences in the batch.
+    """
+    stores = _stores(config, loops, policy)
+    per_mixer = _mixer_bytes(config, set(stores.values()), dtype)
+    return sum(per_mixer[m][0] for m in stores.values()) * tokens * batch
+
+
+def recurrent_state_bytes(
+    config: ModelConfig, loops: int, policy: PolicyLike, dtype: torch.dtype = torch.float32, batch: int = 1
+) -> int:
+    """Recurrent-state bytes (linear-attention and convolution state) ``policy`` holds, at any length.
+
+    Per store, the token mixer's fixed cache bytes (zero for attention), summed over the stores.
+
+    Args:
+        config: The architecture.
+        loops: The loop count k.
+        policy: A policy name or :class:`KVCache` subclass.
+        dtype: Dtype of the activations (a mixer may keep its recurrent state in float32 regardless).
+        batch: Sequences in the batch.
+    """
+    stores = _stores(config, loops, policy)
+    per_mixer = _mixer_bytes(config, set(stores.values()), dtype)
+    return sum(per_mixer[m][1] for m in stores.values()) * batch

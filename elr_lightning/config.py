@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Union
+
+#: Mixer names every config knows; ``arch.mixers`` adds more or overrides these.
+BUILTIN_MIXERS: dict[str, str] = {
+    "attention": "elr_lightning.mixers.Attention",
+    "gdp": "elr_lightning.mixers.GatedDeltaProduct",
+    "swiglu": "elr_lightning.mixers.SwiGLU",
+}
+
+#: The three blocks of a looped LM, in stack order.
+BLOCKS = ("in", "rec", "out")
 
 
 @dataclass
@@ -32,6 +43,14 @@ class ModelConfig:
         tie_embeddings: Share the embedding matrix with the LM head.
         norm_eps: RMSNorm epsilon.
         init_std: Standard deviation of the normal init of every matrix (see ``LoopedLM.init_weights``).
+        token_pattern: Token mixer of each layer, repeated within every block: layer ``j`` of a block
+            uses ``token_pattern[j % len(token_pattern)]``, so each block's layer count must be a
+            multiple of its length. ``[gdp, gdp, gdp, attention]`` is a 3:1 GDP-Hybrid.
+        channel_pattern: Channel mixer of each layer, repeated the same way.
+        mixers: Named mixers the patterns may use besides (or instead of) the built-in
+            ``attention``, ``gdp`` and ``swiglu``: ``{name: class_path}`` or
+            ``{name: {class_path: ..., init_args: {...}}}``. A pattern entry may also be a class
+            path itself. Each mixer is built as ``cls(config, **init_args)``.
     """
 
     vocab_size: int = 256
@@ -49,6 +68,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    token_pattern: list[str] = field(default_factory=lambda: ["attention"])
+    channel_pattern: list[str] = field(default_factory=lambda: ["swiglu"])
+    mixers: dict[str, Union[str, dict[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -83,6 +105,90 @@ class ModelConfig:
             raise ValueError(f"arch.d_ff={self.d_ff} must be >= 1 (or null for the 8/3 d default)")
         if self.init_std <= 0 or self.norm_eps <= 0 or self.rope_base <= 1:
             raise ValueError("arch.init_std and arch.norm_eps must be > 0 and arch.rope_base > 1")
+        self._check_patterns()
+
+    def _check_patterns(self) -> None:
+        from elr_lightning.mixers.base import ChannelMixer, TokenMixer
+
+        if not isinstance(self.mixers, dict):
+            raise ValueError(f"arch.mixers={self.mixers!r} must be a mapping {{name: class_path or {{class_path, init_args}}}}")
+        for field_name, base in (("token_pattern", TokenMixer), ("channel_pattern", ChannelMixer)):
+            pattern = getattr(self, field_name)
+            if isinstance(pattern, str) or not pattern or not all(isinstance(n, str) for n in pattern):
+                raise ValueError(f"arch.{field_name}={pattern!r} must be a non-empty list of mixer names")
+            for block, n in zip(BLOCKS, (self.n_in, self.n_rec, self.n_out)):
+                if n % len(pattern):
+                    raise ValueError(
+                        f"arch.{field_name} has {len(pattern)} entries, which does not divide arch.n_{block}={n}; "
+                        f"make every block's layer count a multiple of the pattern length"
+                    )
+            for name in pattern:
+                cls, _ = self.mixer_spec(name)
+                if not (isinstance(cls, type) and issubclass(cls, base)):
+                    raise ValueError(
+                        f"arch.{field_name} entry {name!r} resolves to {cls!r}, which is not a {base.__name__}; "
+                        f"name a {base.__name__} subclass there"
+                    )
+
+    def mixer_spec(self, name: str) -> tuple[type, dict[str, Any]]:
+        """The class and ``init_args`` a pattern entry ``name`` stands for.
+
+        Raises:
+            ValueError: ``name`` is neither a known mixer name nor an importable class path.
+        """
+        spec: Union[str, dict[str, Any]] = self.mixers.get(name, BUILTIN_MIXERS.get(name, name))
+        if isinstance(spec, str):
+            spec = {"class_path": spec}
+        if not isinstance(spec, dict) or set(spec) - {"class_path", "init_args"} or "class_path" not in spec:
+            raise ValueError(
+                f"arch.mixers.{name}={spec!r} must be a class path or {{class_path: ..., init_args: {{...}}}}"
+            )
+        path, init_args = spec["class_path"], dict(spec.get("init_args") or {})
+        module_name, _, attr = str(path).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr) if module_name else None
+        except (ImportError, AttributeError):
+            cls = None
+        if cls is None:
+            raise ValueError(
+                f"unknown mixer {name!r} (class path {path!r}) in arch.token_pattern/channel_pattern; use one of "
+                f"{sorted({**BUILTIN_MIXERS, **self.mixers})} or an importable class path, or declare it in arch.mixers"
+            )
+        return cls, init_args
+
+    def build_mixer(self, name: str) -> Any:
+        """Build the mixer a pattern entry names as ``cls(self, **init_args)``.
+
+        Raises:
+            ValueError: an ``init_args`` entry is unknown to the class or has a bad value; the
+                message names ``arch.mixers.<name>.init_args``.
+        """
+        cls, init_args = self.mixer_spec(name)
+        try:
+            return cls(self, **init_args)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"arch.mixers.{name}.init_args={init_args}: {err}") from err
+
+    def layer_index(self, block: str, j: int) -> int:
+        """The number of layer ``j`` of ``block`` (``in``, ``rec``, ``out``) in the whole stack.
+
+        The one numbering of layers: ``LoopContext`` stores and every cache policy key by it.
+        """
+        return {"in": 0, "rec": self.n_in, "out": self.n_in + self.n_rec}[block] + j
+
+    def layer_mixers(self, block: str, j: int) -> tuple[str, str]:
+        """``(token mixer, channel mixer)`` pattern entries of layer ``j`` of ``block``."""
+        return self.token_pattern[j % len(self.token_pattern)], self.channel_pattern[j % len(self.channel_pattern)]
+
+    def layer_calls(self, loops: int) -> Iterator[tuple[int, int, str]]:
+        """``(layer, loop, token mixer)`` of every layer call of one forward pass at loop count ``loops``.
+
+        Loop is ``1..k`` in the recurrent block and ``0`` in the input and output blocks.
+        """
+        for block, n in zip(BLOCKS, (self.n_in, self.n_rec, self.n_out)):
+            for loop in range(1, loops + 1) if block == "rec" else (0,):
+                for j in range(n):
+                    yield self.layer_index(block, j), loop, self.layer_mixers(block, j)[0]
 
     @property
     def head_dim(self) -> int:

@@ -7,15 +7,17 @@ constants. With ``A = up.weight`` ``[d, r]``, ``B = down.weight`` ``[r, d]``, ``
 
     x^ = M h + m,   M = (I + A diag(g) B) diag(1 + lambda),   m = (I + A diag(g) B) mu,
 
-so a sublayer's first linear map ``W`` (attention ``q`` and ``kv``, MLP ``up``) becomes
-``W M`` with the bias ``W m``, and the exit gate ``(1 + omega) * (W_o y)`` becomes
-``diag(1 + omega) W_o`` (attention ``o``, MLP ``down``). The folded layers are plain
-:class:`~elr_lightning.layers.Block` s, so a folded model runs the op sequence of the
-non-recurrent baseline plus the state update.
+so each mixer's input linear maps ``W`` (attention ``q`` and ``kv``, MLP ``up``; a mixer names
+them in ``fold_inputs``) become ``W M`` with the bias ``W m``, and the exit gate
+``(1 + omega) * (W_o y)`` becomes ``diag(1 + omega) W_o`` (attention ``o``, MLP ``down``; its
+``fold_outputs``). Each mixer folds itself (:meth:`~elr_lightning.mixers.TokenMixer.folded`). The
+folded layers are unmodulated :class:`~elr_lightning.layers.Block` s, so a folded model runs the op
+sequence of the non-recurrent baseline plus the state update.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -38,7 +40,7 @@ class _FoldedCore(nn.Module):
 
     def __init__(self, source: RecurrentCore, per_loop: list[list[Block]]) -> None:
         super().__init__()
-        self.config, self.first_layer, self.update = source.config, source.first_layer, source.update
+        self.config, self.update = source.config, source.update
         self.conditioner = None
         self.per_loop = nn.ModuleList(nn.ModuleList(layers) for layers in per_loop)
 
@@ -51,7 +53,7 @@ class FoldedLM(nn.Module):
     """An inference-only :class:`LoopedLM` at one loop count k, with conditioning folded in.
 
     ``forward(input_ids, loops, attention_mask, cache)`` is :meth:`LoopedLM.forward` at
-    ``loops == k`` over the folded layers: the same state update, injection and KV slots
+    ``loops == k`` over the folded layers: the same state update, injection and cache slots
     ``(layer, loop)``. The embedding, input layers, final norm, head and RoPE tables are the
     source's own modules, shared, not copied. Build it with :func:`fold_conditioning`.
 
@@ -62,8 +64,9 @@ class FoldedLM(nn.Module):
         output_layers: The ``n_out`` plain output blocks (folded with c_k).
     """
 
-    #: RoPE tables and the causal/padding mask, exactly as :meth:`LoopedLM.attention_inputs`.
-    attention_inputs = LoopedLM.attention_inputs
+    #: RoPE tables, the causal/padding mask and the loop context, exactly as :class:`LoopedLM`'s.
+    positions = LoopedLM.positions
+    loop_context = LoopedLM.loop_context
 
     def __init__(
         self, source: LoopedLM, loops: int, recurrent_layers: list[list[Block]], output_layers: list[Block]
@@ -93,32 +96,13 @@ class FoldedLM(nn.Module):
         return LoopedLM.forward(self, input_ids, loops, attention_mask, cache)
 
 
-def _fold_block(config: ModelConfig, block: Block, c: Tensor) -> Block:
-    """A plain block computing ``block`` under the context ``c``: q, kv and up gain biases."""
-    attn_m, attn_b, attn_gate = block.attn_mod.affine(c)
-    mlp_m, mlp_b, mlp_gate = block.mlp_mod.affine(c)
-    state: dict[str, Tensor] = {
-        "attn_norm.weight": block.attn_norm.weight,
-        "mlp_norm.weight": block.mlp_norm.weight,
-        "attn.o.weight": attn_gate[:, None] * block.attn.o.weight.double(),
-        "mlp.down.weight": mlp_gate[:, None] * block.mlp.down.weight.double(),
-    }
-    for name, linear, pre, bias in (
-        ("attn.q", block.attn.q, attn_m, attn_b),
-        ("attn.kv", block.attn.kv, attn_m, attn_b),
-        ("mlp.up", block.mlp.up, mlp_m, mlp_b),
-    ):
-        w = linear.weight.double()
-        state[f"{name}.weight"], state[f"{name}.bias"] = w @ pre, w @ bias
-    dtype = block.attn.q.weight.dtype
-    state = {name: t.detach().to(dtype).clone() for name, t in state.items()}
-    with torch.device("meta"):
-        folded = Block(config)
-        d, attn = config.d_model, folded.attn
-        attn.q = nn.Linear(d, attn.q.out_features, bias=True)
-        attn.kv = nn.Linear(d, attn.kv.out_features, bias=True)
-        folded.mlp.up = nn.Linear(d, folded.mlp.up.out_features, bias=True)
-    folded.load_state_dict(state, assign=True)
+def _fold_block(block: Block, c: Tensor) -> Block:
+    """An unmodulated copy of ``block`` computing it under the context ``c``; the mixers fold themselves."""
+    folded = copy.copy(block)
+    folded._modules = {name: copy.deepcopy(block._modules[name]) for name in ("attn_norm", "mlp_norm")}
+    folded.attn = block.attn.folded(*block.attn_mod.affine(c))
+    folded.mlp = block.mlp.folded(*block.mlp_mod.affine(c))
+    folded.attn_mod, folded.mlp_mod = None, None
     return folded.requires_grad_(False).eval()
 
 
@@ -155,7 +139,7 @@ def fold_conditioning(model: LoopedLM, loops: int) -> FoldedLM:
     def fold(blocks: nn.ModuleList, c: Optional[Tensor]) -> list[Block]:
         if c is None:
             return list(blocks)
-        return [_fold_block(config, block, c.double()) for block in blocks]
+        return [_fold_block(block, c.double()) for block in blocks]
 
     contexts = [
         None if conditioner is None else conditioner(i, loops, config.max_loops, like) for i in range(1, loops + 1)

@@ -31,7 +31,17 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch import Tensor
 
-from elr_lightning.cache import KVCache, LastLoopCache, PerLoopCache
+from elr_lightning.cache import (
+    CACHE_POLICIES,
+    KVCache,
+    LastLoopCache,
+    PerLoopCache,
+    PolicyLike,
+    kv_cache_bytes,
+    layer_caches,
+    recurrent_state_bytes,
+    resolve_policy,
+)
 from elr_lightning.config import ModelConfig
 from elr_lightning.fold import FoldedLM, fold_conditioning
 from elr_lightning.model import LoopedLM
@@ -52,80 +62,13 @@ __all__ = [
     "layer_caches",
     "left_pad",
     "load_model",
+    "recurrent_state_bytes",
     "resolve_policy",
     "sample_next",
     "stream_generate",
 ]
 
-#: KV-cache policies by the name ``elr generate --kv_cache`` accepts.
-CACHE_POLICIES: dict[str, type[KVCache]] = {"per_loop": PerLoopCache, "last_loop": LastLoopCache}
-
-PolicyLike = Union[str, type[KVCache]]
 PromptLike = Union[Tensor, Sequence[Sequence[int]]]
-
-
-def resolve_policy(policy: PolicyLike) -> type[KVCache]:
-    """The :class:`KVCache` subclass that ``policy`` names.
-
-    Args:
-        policy: A key of :data:`CACHE_POLICIES` or a :class:`KVCache` subclass.
-
-    Raises:
-        ValueError: ``policy`` is neither.
-    """
-    if isinstance(policy, str):
-        if policy not in CACHE_POLICIES:
-            raise ValueError(f"unknown KV-cache policy {policy!r}; choose one of {sorted(CACHE_POLICIES)}")
-        return CACHE_POLICIES[policy]
-    if isinstance(policy, type) and issubclass(policy, KVCache):
-        return policy
-    raise ValueError(f"kv_cache={policy!r} must be one of {sorted(CACHE_POLICIES)} or a KVCache subclass")
-
-
-def layer_caches(config: ModelConfig, loops: int, policy: PolicyLike) -> int:
-    """Number of layer caches (distinct stores) ``policy`` keeps at loop count ``loops``.
-
-    Counts the distinct :meth:`KVCache.key` values over the attention calls of one forward pass, in
-    the model's numbering: input layers at loop 0, recurrent layers at loops ``1..k``, output
-    layers at loop 0. ``PerLoopCache`` gives ``D_eff(k) = L_in + k L_rec + L_out`` (eq. 1),
-    ``LastLoopCache`` gives ``D_eff(1)``.
-
-    Args:
-        config: The architecture.
-        loops: The loop count k.
-        policy: A policy name or :class:`KVCache` subclass.
-    """
-    cache = resolve_policy(policy)(max_len=1)
-    first_out = config.n_in + config.n_rec
-    calls = [(j, 0) for j in range(config.n_in)]
-    calls += [(config.n_in + j, i) for i in range(1, loops + 1) for j in range(config.n_rec)]
-    calls += [(first_out + j, 0) for j in range(config.n_out)]
-    return len({cache.key(layer, loop) for layer, loop in calls})
-
-
-def kv_cache_bytes(
-    config: ModelConfig,
-    loops: int,
-    policy: PolicyLike,
-    tokens: int,
-    dtype: torch.dtype = torch.float32,
-    batch: int = 1,
-) -> int:
-    """Attention KV bytes ``policy`` holds for ``tokens`` tokens of ``batch`` sequences.
-
-    Per layer cache and token: keys and values, ``2 * n_kv_heads * head_dim`` elements of
-    ``dtype``; times :func:`layer_caches` (``D_eff(k)`` for per-loop, ``D_eff(1)`` for last-loop).
-
-    Args:
-        config: The architecture.
-        loops: The loop count k.
-        policy: A policy name or :class:`KVCache` subclass.
-        tokens: Cached positions per sequence (prompt, padding included, plus decoded tokens).
-        dtype: Dtype of the cached keys and values.
-        batch: Sequences in the batch.
-    """
-    per_token = 2 * config.kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
-    return layer_caches(config, loops, policy) * per_token * tokens * batch
 
 
 def left_pad(

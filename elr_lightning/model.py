@@ -12,7 +12,8 @@ from typing_extensions import override
 from elr_lightning.cache import KVCache
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
-from elr_lightning.layers import AttentionInputs, Block, Modulator, Rotary
+from elr_lightning.context import LoopContext, Positions
+from elr_lightning.layers import Block, Modulator, Rotary
 from elr_lightning.roles import Role, role_table
 from elr_lightning.updates import AdaptiveDelta, NonRecurrent, StateUpdate
 
@@ -25,31 +26,29 @@ class RecurrentCore(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, update: StateUpdate, conditioner: Optional[Conditioner], first_layer: int
+        self, config: ModelConfig, update: StateUpdate, conditioner: Optional[Conditioner]
     ) -> None:
         super().__init__()
         self.config = config
-        self.first_layer = first_layer
         self.update = update
         self.conditioner = conditioner
-        self.layers = nn.ModuleList(Block(config, _modulators(conditioner, config)) for _ in range(config.n_rec))
+        self.layers = _blocks(config, "rec", conditioner)
 
-    def forward(
-        self, h_in: Tensor, loops: int, attn: AttentionInputs, cache: Optional[KVCache] = None
-    ) -> tuple[Tensor, Optional[Tensor]]:
-        """Run ``loops`` passes (DESIGN §2); return the final state s_k and the last context c_k.
+    def forward(self, h_in: Tensor, ctx: LoopContext) -> tuple[Tensor, Optional[Tensor]]:
+        """Run ``ctx.loops`` passes (DESIGN §2); return the final state s_k and the last context c_k.
 
         c_k is returned as a fresh tensor, not a view, since sharding wrappers refuse views as outputs.
         """
         s = self.update.init(h_in)
         c = None
-        for i in range(1, loops + 1):
+        for i in range(1, ctx.loops + 1):
             if self.conditioner is not None:
-                c = self.conditioner(i, loops, self.config.max_loops, h_in)
+                c = self.conditioner(i, ctx.loops, ctx.max_loops, h_in)
             s_tilde = self.update.inject(s, h_in)
             r = s_tilde
-            for j, layer in enumerate(self.layers_at(i)):
-                r = layer(r, attn, c, None if cache is None else cache.slot(self.first_layer + j, i))
+            loop_ctx = ctx.at(i, c)
+            for layer in self.layers_at(i):
+                r = layer(r, loop_ctx)
             s = self.update(s, r, s_tilde)
         return s, None if c is None else c.clone()
 
@@ -62,6 +61,15 @@ def _modulators(conditioner: Optional[Conditioner], config: ModelConfig) -> Opti
     if conditioner is None:
         return None
     return conditioner.make_modulator(config.d_model), conditioner.make_modulator(config.d_model)
+
+
+def _blocks(config: ModelConfig, block: str, conditioner: Optional[Conditioner]) -> nn.ModuleList:
+    """The layers of ``block`` (``in``, ``rec``, ``out``) with their mixers from the patterns."""
+    n = {"in": config.n_in, "rec": config.n_rec, "out": config.n_out}[block]
+    return nn.ModuleList(
+        Block(config, config.layer_index(block, j), *config.layer_mixers(block, j), _modulators(conditioner, config))
+        for j in range(n)
+    )
 
 
 class LoopedLM(nn.Module):
@@ -87,11 +95,9 @@ class LoopedLM(nn.Module):
         update = AdaptiveDelta() if update is None else update
         update.build(config.d_model)
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.input_layers = nn.ModuleList(Block(config) for _ in range(config.n_in))
-        self.core = RecurrentCore(config, update, conditioner, first_layer=config.n_in)
-        self.output_layers = nn.ModuleList(
-            Block(config, _modulators(conditioner, config)) for _ in range(config.n_out)
-        )
+        self.input_layers = _blocks(config, "in", None)
+        self.core = RecurrentCore(config, update, conditioner)
+        self.output_layers = _blocks(config, "out", conditioner)
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -147,11 +153,13 @@ class LoopedLM(nn.Module):
            ``scaled_normal``): normal(0, ``init_std / sqrt(2 D_eff(1))``), so the residual stream's
            variance at init does not grow with depth.
         3. RMSNorm weights: one.
-        4. Parameters tagged ``zeros`` by their seam: zero. These are the adaptive-delta gate
+        4. Parameters tagged ``module`` by their seam: the owning module's ``init_parameter``
+           (e.g. the decay rates of a linear-attention mixer).
+        5. Parameters tagged ``zeros`` by their seam: zero. These are the adaptive-delta gate
            ``W_beta, b_beta, gamma`` (beta starts at 0.5 ln 2, eq. 2) and every conditioning head
            (lambda, mu, g, omega), so a modulated layer equals the plain one exactly (eq. 4).
            The adapter matrices A, B stay normal so the zero-init gate g still receives gradient.
-        5. Buffers derived from the config (RoPE tables, conditioning frequencies and flag, scratch):
+        6. Buffers derived from the config (RoPE tables, conditioning frequencies and flag, scratch):
            recomputed by every submodule's ``reset_buffers()``.
 
         Tags are read from the role table :attr:`roles`, by name, so this also initialises a model
@@ -169,7 +177,9 @@ class LoopedLM(nn.Module):
                 if id(p) in decided:
                     continue
                 tag = self.roles[f"{prefix}.{name}" if prefix else name][0]
-                if tag == "zeros":
+                if tag == "module":
+                    module.init_parameter(name, p)
+                elif tag == "zeros":
                     nn.init.zeros_(p)
                 elif tag == "ones" or isinstance(module, nn.RMSNorm):
                     nn.init.ones_(p)
@@ -187,10 +197,10 @@ class LoopedLM(nn.Module):
         missing = [n for n, p in self.named_parameters() if id(p) not in decided]
         assert not missing, f"init_weights has no decision for parameters {missing}; tag them with set_role"
 
-    def attention_inputs(
+    def positions(
         self, batch: int, length: int, device: torch.device, attention_mask: Optional[Tensor], offset: int
-    ) -> AttentionInputs:
-        """RoPE tables and the causal/padding mask for ``length`` new tokens after ``offset`` cached ones."""
+    ) -> Positions:
+        """RoPE tables, causal/padding mask and padding for ``length`` new tokens after ``offset`` cached ones."""
         end = offset + length
         if end > self.config.max_seq_len:
             raise ValueError(
@@ -199,7 +209,7 @@ class LoopedLM(nn.Module):
             )
         cos, sin = self.rotary(offset, length)
         if attention_mask is None and offset == 0:
-            return AttentionInputs(cos, sin, None, True)
+            return Positions(cos, sin, None, True, None, offset)
         q_pos = torch.arange(offset, end, device=device)[:, None]
         k_pos = torch.arange(end, device=device)[None, :]
         mask = (k_pos <= q_pos)[None, None]
@@ -211,7 +221,18 @@ class LoopedLM(nn.Module):
                 )
             mask = mask & attention_mask.bool()[:, None, None, :]
             mask = mask | (k_pos == q_pos)[None, None]
-        return AttentionInputs(cos, sin, mask, False)
+            padding = attention_mask[:, offset:].bool()
+            return Positions(cos, sin, mask, False, None if bool(padding.all()) else padding, offset)
+        return Positions(cos, sin, mask, False, None, offset)
+
+    def loop_context(
+        self, input_ids: Tensor, loops: int, attention_mask: Optional[Tensor] = None, cache: Optional[KVCache] = None
+    ) -> LoopContext:
+        """The loop context of a forward pass over ``input_ids`` at loop ``0`` (the input block)."""
+        b, t = input_ids.shape
+        offset = 0 if cache is None else cache.offset
+        positions = self.positions(b, t, input_ids.device, attention_mask, offset)
+        return LoopContext(positions, loops, self.config.max_loops, cache=cache)
 
     def forward(
         self,
@@ -219,6 +240,7 @@ class LoopedLM(nn.Module):
         loops: int = 1,
         attention_mask: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
+        aux_losses: Optional[dict[str, Tensor]] = None,
     ) -> Tensor:
         """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]`` at loop count ``loops``.
 
@@ -226,20 +248,21 @@ class LoopedLM(nn.Module):
             input_ids: Token ids.
             loops: The loop count k >= 1 (k above ``arch.max_loops`` extrapolates the budget).
             attention_mask: ``[B, T_cached + T]`` with 1 for real tokens and 0 for padding.
-            cache: A KV-cache policy for incremental decoding; its offset is advanced here.
+            cache: A cache policy for incremental decoding; its offset is advanced here.
+            aux_losses: A dict that receives the auxiliary losses the mixers added (by name).
         """
         if loops < 1:
             raise ValueError(f"loops={loops} must be >= 1")
-        b, t = input_ids.shape
-        offset = 0 if cache is None else cache.offset
-        attn = self.attention_inputs(b, t, input_ids.device, attention_mask, offset)
+        ctx = self.loop_context(input_ids, loops, attention_mask, cache)
         x = self.embed(input_ids)
-        for j, layer in enumerate(self.input_layers):
-            x = layer(x, attn, None, None if cache is None else cache.slot(j, 0))
-        s, c = self.core(x, loops, attn, cache)
-        first_out = self.config.n_in + self.config.n_rec
-        for j, layer in enumerate(self.output_layers):
-            s = layer(s, attn, c, None if cache is None else cache.slot(first_out + j, 0))
+        for layer in self.input_layers:
+            x = layer(x, ctx)
+        s, c = self.core(x, ctx)
+        out_ctx = ctx.at(0, c)
+        for layer in self.output_layers:
+            s = layer(s, out_ctx)
         if cache is not None:
-            cache.advance(t)
+            cache.advance(input_ids.shape[1])
+        if aux_losses is not None:
+            aux_losses.update(ctx.aux_losses)
         return self.head(self.norm(s))

@@ -20,8 +20,9 @@ ModuleT = TypeVar("ModuleT", bound=Optional[nn.Module])
 _INIT_ATTR = "_elr_init"
 _GROUP_ATTR = "_elr_group"
 
-#: Initialisations a parameter may ask for.
-INITS = ("normal", "zeros", "ones", "scaled_normal")
+#: Initialisations a parameter may ask for. ``module``: the owning module's
+#: ``init_parameter(name, param)`` initialises it (in place, with ops that also work on DTensors).
+INITS = ("normal", "zeros", "ones", "scaled_normal", "module")
 #: Named optimizer groups. ``decay`` gets weight decay; the others do not.
 GROUPS = ("decay", "no_decay", "gate", "conditioning")
 

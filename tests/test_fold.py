@@ -137,6 +137,7 @@ def test_cli_generate_fold_streams_the_same_text(tmp_path: Path, capsys: pytest.
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(torch.randint(0, 256, (4, 9)), batch_size=4))
     with torch.no_grad():

@@ -93,10 +93,10 @@ def test_gate_adds_d_squared_plus_2d_parameters(tiny):
 def test_baseline_is_a_plain_stack(tiny):
     base = LoopedLM.baseline(tiny)
     x = torch.randint(0, tiny.vocab_size, (2, 7))
-    attn = base.attention_inputs(2, 7, x.device, None, 0)
+    ctx = base.loop_context(x, 1)
     h = base.embed(x)
     for layer in [*base.input_layers, *base.core.layers, *base.output_layers]:
-        h = layer(h, attn)
+        h = layer(h, ctx)
     assert torch.allclose(base(x, 1), base.head(base.norm(h)))
 
 
@@ -119,9 +119,9 @@ def test_adaptive_delta_at_k1_from_paper():
     cfg = tiny_config(n_in=0, n_out=0)
     model = LoopedLM(cfg)
     h_in = torch.randn(1, 4, cfg.d_model)
-    attn = model.attention_inputs(1, 4, h_in.device, None, 0)
-    s, _ = model.core(h_in, 1, attn)
-    r = model.core.layers[0](2 * h_in, attn)
+    ctx = model.loop_context(torch.zeros(1, 4, dtype=torch.long), 1)
+    s, _ = model.core(h_in, ctx)
+    r = model.core.layers[0](2 * h_in, ctx.at(1, None))
     assert torch.allclose(s, h_in + BETA_INIT * (r - h_in), atol=1e-6)
 
 

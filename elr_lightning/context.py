@@ -1,0 +1,114 @@
+"""The per-forward loop context: loop index, loop count, budget, conditioning and the layer stores.
+
+One :class:`LoopContext` is built per forward pass of :class:`~elr_lightning.model.LoopedLM` and
+handed to every layer, and through it to every token and channel mixer. It carries
+
+* the loop index ``i`` (``1..k`` inside the recurrent block, ``0`` in the input and output blocks),
+  the loop count ``k`` and the budget ``K`` (DESIGN §2);
+* the conditioning context ``c_i`` of eq. (4) (``c_k`` in the output block; ``None`` without
+  conditioning or while it is switched off);
+* the positions of the new tokens (RoPE tables, causal/padding mask, the padding itself);
+* the stores a mixer may read or write, keyed by ``(layer, loop)`` in one place:
+
+  - :meth:`LoopContext.cached`: the generation cache (attention keys and values, linear-attention
+    recurrent and convolution state), kept across forward calls; a
+    :class:`~elr_lightning.cache.KVCache` policy maps ``(layer, loop)`` to storage;
+  - :meth:`LoopContext.scratch`: tensors kept for this forward pass only, e.g. the expert routes a
+    mixture-of-experts channel mixer computes at loop 1 and replays at loops 2..k;
+  - :meth:`LoopContext.add_aux_loss`: auxiliary losses (e.g. a router balance loss), collected by
+    the caller of ``LoopedLM.forward(..., aux_losses=...)``.
+
+Layer numbers are those of :meth:`~elr_lightning.config.ModelConfig.layer_index`: input layers
+first, then the recurrent layers, then the output layers, each unique layer once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from elr_lightning.cache import KVCache, LayerStore
+
+
+@dataclass
+class Positions:
+    """Where the new tokens of this forward pass sit.
+
+    Attributes:
+        cos: RoPE cosine table for the new positions, ``[T, head_dim / 2]``.
+        sin: RoPE sine table for the new positions.
+        mask: Boolean attention mask ``[B or 1, 1, T, T_cached + T]`` (True attends), or ``None``
+            with ``is_causal``.
+        is_causal: Plain causal attention over the new tokens only (no cache, no padding).
+        padding: ``[B, T]`` bool, True for the real tokens among the new ones; ``None`` when no
+            new token is padding. Recurrent mixers must leave their state untouched at padding.
+        offset: Tokens already cached before the new ones.
+    """
+
+    cos: Tensor
+    sin: Tensor
+    mask: Optional[Tensor]
+    is_causal: bool
+    padding: Optional[Tensor] = None
+    offset: int = 0
+
+
+@dataclass
+class LoopContext:
+    """Everything a layer may need about the current forward pass and loop (see the module docstring).
+
+    The model builds one per forward pass with :meth:`at` deriving the per-loop views; the views
+    share the cache, the scratch stores and the auxiliary losses.
+
+    Attributes:
+        positions: The new tokens' positions and masks.
+        loops: The loop count k of this forward pass.
+        max_loops: The loop budget K (``arch.max_loops``).
+        loop: The loop index i: ``1..k`` in the recurrent block, ``0`` in the input and output blocks.
+        cond: The conditioning context c_i of eq. (4), or ``None``.
+        cache: The generation cache policy, or ``None`` (training, cache-free inference).
+    """
+
+    positions: Positions
+    loops: int
+    max_loops: int
+    loop: int = 0
+    cond: Optional[Tensor] = None
+    cache: Optional["KVCache"] = None
+    _scratch: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict, repr=False)
+    _aux: dict[str, Tensor] = field(default_factory=dict, repr=False)
+
+    def at(self, loop: int, cond: Optional[Tensor]) -> "LoopContext":
+        """The view of this context at loop ``loop`` with context ``cond``; stores are shared."""
+        return dataclasses.replace(self, loop=loop, cond=cond)
+
+    def cached(self, layer: int) -> Optional["LayerStore"]:
+        """The generation-cache store of ``(layer, self.loop)``, or ``None`` without a cache.
+
+        What persists between forward calls: attention keys and values
+        (:meth:`~elr_lightning.cache.LayerStore.update`) and recurrent state
+        (:meth:`~elr_lightning.cache.LayerStore.state` / :meth:`~elr_lightning.cache.LayerStore.set_state`).
+        The policy decides which ``(layer, loop)`` pairs share storage.
+        """
+        return None if self.cache is None else self.cache.slot(layer, self.loop)
+
+    def scratch(self, layer: int, loop: Optional[int] = None) -> dict[str, Any]:
+        """A dict private to ``(layer, loop)`` for this forward pass (``loop`` defaults to this loop).
+
+        A mixer may write at one loop and read at a later one, e.g. routes computed at
+        ``scratch(layer, 1)`` and replayed at loops 2..k. Gradients flow through stored tensors.
+        """
+        return self._scratch.setdefault((layer, self.loop if loop is None else loop), {})
+
+    def add_aux_loss(self, name: str, value: Tensor) -> None:
+        """Add ``value`` to the auxiliary loss ``name`` of this forward pass (summed over layers and loops)."""
+        self._aux[name] = value if name not in self._aux else self._aux[name] + value
+
+    @property
+    def aux_losses(self) -> dict[str, Tensor]:
+        """The auxiliary losses added so far, by name."""
+        return self._aux

@@ -1,0 +1,86 @@
+"""Causal softmax attention: RoPE, grouped-query attention, torch SDPA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from typing_extensions import override
+
+from elr_lightning.config import ModelConfig
+from elr_lightning.context import LoopContext
+from elr_lightning.mixers.base import CacheBytes, TokenMixer
+from elr_lightning.roles import set_role
+
+
+class Rotary(nn.Module):
+    """Rotary position tables, derived from the config (not saved in checkpoints)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim, self.rope_base = config.head_dim, config.rope_base
+        shape = (config.max_seq_len, config.head_dim // 2)
+        self.register_buffer("cos", torch.empty(shape), persistent=False)
+        self.register_buffer("sin", torch.empty(shape), persistent=False)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Compute the tables in place, on their device (also after ``to_empty`` from the meta device)."""
+        hd, device = self.head_dim, self.cos.device
+        inv = 1.0 / self.rope_base ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
+        angles = torch.outer(torch.arange(self.cos.shape[0], dtype=torch.float32, device=device), inv)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    @override
+    def forward(self, start: int, length: int) -> tuple[Tensor, Tensor]:
+        """Tables for positions ``start .. start + length - 1``."""
+        return self.cos[start : start + length], self.sin[start : start + length]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` of shape ``[B, H, T, hd]`` (half-split convention), computed in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class Attention(TokenMixer):
+    """Causal grouped-query attention with RoPE through ``F.scaled_dot_product_attention``.
+
+    Heads and widths come from ``arch`` (``n_heads``, ``n_kv_heads``, ``d_model``). Caches its
+    rotated keys and values: ``2 n_kv_heads head_dim`` elements per token.
+    """
+
+    fold_inputs = ("q", "kv")
+    fold_outputs = ("o",)
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.n_heads, self.n_kv, self.hd = config.n_heads, config.kv_heads, config.head_dim
+        self.q = nn.Linear(config.d_model, self.n_heads * self.hd, bias=False)
+        self.kv = nn.Linear(config.d_model, 2 * self.n_kv * self.hd, bias=False)
+        self.o = nn.Linear(self.n_heads * self.hd, config.d_model, bias=False)
+        set_role(self.o.weight, init="scaled_normal")
+
+    @override
+    def forward(self, x: Tensor, ctx: LoopContext, layer: int) -> Tensor:
+        b, t, _ = x.shape
+        pos = ctx.positions
+        q = self.q(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, self.n_kv, self.hd).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, pos.cos, pos.sin), apply_rope(k, pos.cos, pos.sin)
+        store = ctx.cached(layer)
+        if store is not None:
+            k, v = store.update(k, v)
+        if self.n_kv != self.n_heads:
+            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=pos.mask, is_causal=pos.is_causal)
+        return self.o(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
+
+    @override
+    def cache_bytes(self, dtype: torch.dtype) -> CacheBytes:
+        size = torch.empty((), dtype=dtype).element_size()
+        return CacheBytes(per_token=2 * self.n_kv * self.hd * size)

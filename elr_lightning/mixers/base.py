@@ -1,0 +1,132 @@
+"""The two seams a layer is made of: a token mixer, then a channel mixer (DESIGN §3).
+
+A layer computes ``x + T(norm(x))`` then ``x + C(norm(x))``, each optionally modulated by the loop
+context (eq. 4). The model builds every mixer from ``arch`` (see
+:meth:`~elr_lightning.config.ModelConfig.mixer_spec`) as ``cls(config, **init_args)`` and never
+looks at which class it got.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from elr_lightning.config import ModelConfig
+from elr_lightning.context import LoopContext
+
+
+@dataclass(frozen=True)
+class CacheBytes:
+    """Generation-cache memory of one mixer for one sequence.
+
+    Attributes:
+        per_token: Bytes that grow with every cached token (attention keys and values).
+        fixed: Bytes held whatever the length (recurrent and convolution state).
+    """
+
+    per_token: int = 0
+    fixed: int = 0
+
+
+class _Mixer(nn.Module):
+    """What token and channel mixers share: construction, folding and cache accounting."""
+
+    #: Names of the ``nn.Linear`` submodules that read the (modulated) mixer input: folding
+    #: eq. (4)'s affine pre-map multiplies into these. Empty means the mixer cannot be folded.
+    fold_inputs: tuple[str, ...] = ()
+    #: Names of the ``nn.Linear`` submodules whose output is the mixer output: folding scales their rows
+    #: by the exit gate.
+    fold_outputs: tuple[str, ...] = ()
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, x: Tensor, ctx: LoopContext, layer: int) -> Tensor:
+        """Map the normalised (and modulated) input ``x`` ``[B, T, d]`` to ``[B, T, d]``.
+
+        Args:
+            x: The sublayer input.
+            ctx: The loop context of this forward pass and loop.
+            layer: This layer's number, the key under which it reads and writes ``ctx``'s stores.
+        """
+        raise NotImplementedError
+
+    def cache_bytes(self, dtype: torch.dtype) -> CacheBytes:
+        """Generation-cache memory of this mixer per cache slot and sequence (nothing by default)."""
+        return CacheBytes()
+
+    @torch.no_grad()
+    def folded(self, pre: Tensor, shift: Tensor, gate: Tensor) -> "_Mixer":
+        """A copy computing ``gate * self(pre @ h + shift)``, for serving at a fixed loop count.
+
+        ``pre`` ``[d, d]``, ``shift`` ``[d]`` and ``gate`` ``[d]`` are in float64 (see
+        :mod:`elr_lightning.fold`). The default multiplies ``pre`` and ``shift`` into every Linear
+        named in :attr:`fold_inputs` (which gain a bias) and ``gate`` into the rows of every Linear
+        named in :attr:`fold_outputs`; it is exact when the mixer reads its input only through those
+        maps and writes its output only through those. Override it otherwise.
+
+        Raises:
+            NotImplementedError: the mixer names no ``fold_inputs``.
+        """
+        if not self.fold_inputs or not self.fold_outputs:
+            raise NotImplementedError(
+                f"{type(self).__name__} names no fold_inputs/fold_outputs; it cannot be folded (serve it unfolded)"
+            )
+        out = copy.deepcopy(self)
+        for name in self.fold_inputs:
+            source: nn.Linear = getattr(self, name)
+            w = source.weight.double()
+            folded = nn.Linear(source.in_features, source.out_features, bias=True, device=w.device)
+            bias = w @ shift + (source.bias.double() if source.bias is not None else 0.0)
+            folded.weight.copy_(w @ pre)
+            folded.bias.copy_(bias)
+            setattr(out, name, folded.to(source.weight.dtype))
+        for name in self.fold_outputs:
+            linear: nn.Linear = getattr(out, name)
+            linear.weight.copy_(gate[:, None] * linear.weight.double())
+            if linear.bias is not None:
+                linear.bias.copy_(gate * linear.bias.double())
+        return out.requires_grad_(False).eval()
+
+
+class TokenMixer(_Mixer):
+    """Seam contract for what mixes information across positions (attention, linear attention).
+
+    Construction: ``cls(config, **init_args)`` with the model's :class:`ModelConfig` and the
+    ``init_args`` of its ``arch.mixers`` entry. Declare the init and optimizer group of parameters
+    that need more than the defaults with :func:`~elr_lightning.roles.set_role` (output projections:
+    ``init="scaled_normal"``; parameters with ``init="module"`` are initialised by the mixer's own
+    ``init_parameter(name, param)``).
+
+    ``forward(x, ctx, layer)`` must be causal: position t depends on positions <= t only. It must
+    respect the padding in ``ctx.positions`` (padding neither attends nor feeds any state). For
+    incremental decoding, a mixer keeps what later tokens need in ``ctx.cached(layer)`` (``None``
+    when there is no cache): attention appends keys and values with ``store.update``; a
+    recurrent mixer reads the state before the new tokens with ``store.state(name)`` and writes the
+    state after them with ``store.set_state(name, tensor)``. Then a forward over a prompt followed
+    by one over the next token equals one forward over both (the per-loop policy is exact).
+    Report that memory in :meth:`cache_bytes`.
+    """
+
+
+class ChannelMixer(_Mixer):
+    """Seam contract for the per-token feed-forward (SwiGLU, mixture of experts).
+
+    Construction as for :class:`TokenMixer`. ``forward(x, ctx, layer)`` maps each position on its
+    own: no information may flow between positions.
+
+    A channel mixer may keep per-token state across the loops of one forward pass in
+    ``ctx.scratch(layer, loop)``: e.g. a mixture of experts computes its routes at loop 1
+    (``ctx.scratch(layer)["routes"] = routes`` when ``ctx.loop == 1``) and replays them at loops
+    2..k (``ctx.scratch(layer, 1)["routes"]``). Scratch stores live for one forward pass; under
+    incremental decoding each forward pass covers the new tokens only, which is what per-token
+    routes need. A mixer may add an auxiliary loss with ``ctx.add_aux_loss(name, value)``; the
+    caller collects it with ``LoopedLM.forward(..., aux_losses=dict)``.
+
+    Every parameter should take part in every forward pass at every k (multiply by a zero gate
+    rather than skip), or DDP needs ``find_unused_parameters`` and FSDP refuses (DESIGN §6).
+    """
