@@ -44,9 +44,11 @@ class ModelConfig:
         norm_eps: RMSNorm epsilon.
         init_std: Standard deviation of the normal init of every matrix (see ``LoopedLM.init_weights``).
         token_pattern: Token mixer of each layer, repeated within every block: layer ``j`` of a block
-            uses ``token_pattern[j % len(token_pattern)]``, so each block's layer count must be a
-            multiple of its length. ``[gdp, gdp, gdp, attention]`` is a 3:1 GDP-Hybrid.
-        channel_pattern: Channel mixer of each layer, repeated the same way.
+            uses ``pattern[j % len(pattern)]``, so each block's layer count must be a multiple of the
+            pattern's length. ``[gdp, gdp, gdp, attention]`` is a 3:1 GDP-Hybrid. A mapping
+            ``{in: [...], rec: [...], out: [...]}`` gives each block its own pattern (a block left
+            out uses ``[attention]``).
+        channel_pattern: Channel mixer of each layer, as ``token_pattern`` (default ``[swiglu]``).
         mixers: Named mixers the patterns may use besides (or instead of) the built-in
             ``attention``, ``gdp`` and ``swiglu``: ``{name: class_path}`` or
             ``{name: {class_path: ..., init_args: {...}}}``. A pattern entry may also be a class
@@ -68,8 +70,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
     init_std: float = 0.02
-    token_pattern: list[str] = field(default_factory=lambda: ["attention"])
-    channel_pattern: list[str] = field(default_factory=lambda: ["swiglu"])
+    token_pattern: Union[list[str], dict[str, list[str]]] = field(default_factory=lambda: ["attention"])
+    channel_pattern: Union[list[str], dict[str, list[str]]] = field(default_factory=lambda: ["swiglu"])
     mixers: dict[str, Union[str, dict[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -113,16 +115,23 @@ class ModelConfig:
         if not isinstance(self.mixers, dict):
             raise ValueError(f"arch.mixers={self.mixers!r} must be a mapping {{name: class_path or {{class_path, init_args}}}}")
         for field_name, base in (("token_pattern", TokenMixer), ("channel_pattern", ChannelMixer)):
-            pattern = getattr(self, field_name)
-            if isinstance(pattern, str) or not pattern or not all(isinstance(n, str) for n in pattern):
-                raise ValueError(f"arch.{field_name}={pattern!r} must be a non-empty list of mixer names")
+            value = getattr(self, field_name)
+            if isinstance(value, dict) and set(value) - set(BLOCKS):
+                raise ValueError(
+                    f"arch.{field_name} has keys {sorted(set(value) - set(BLOCKS))}; a per-block pattern takes keys {list(BLOCKS)}"
+                )
             for block, n in zip(BLOCKS, (self.n_in, self.n_rec, self.n_out)):
+                where = f"arch.{field_name}.{block}" if isinstance(value, dict) else f"arch.{field_name}"
+                pattern = self._pattern(field_name, block)
+                if isinstance(pattern, str) or not pattern or not all(isinstance(p, str) for p in pattern):
+                    raise ValueError(f"{where}={pattern!r} must be a non-empty list of mixer names")
                 if n % len(pattern):
                     raise ValueError(
-                        f"arch.{field_name} has {len(pattern)} entries, which does not divide arch.n_{block}={n}; "
-                        f"make every block's layer count a multiple of the pattern length"
+                        f"{where} has {len(pattern)} entries, which does not divide arch.n_{block}={n}; "
+                        f"make the block's layer count a multiple of the pattern length"
                     )
-            for name in pattern:
+            names = {p for block in BLOCKS for p in self._pattern(field_name, block)}
+            for name in sorted(names):
                 cls, _ = self.mixer_spec(name)
                 if not (isinstance(cls, type) and issubclass(cls, base)):
                     raise ValueError(
@@ -176,9 +185,16 @@ class ModelConfig:
         """
         return {"in": 0, "rec": self.n_in, "out": self.n_in + self.n_rec}[block] + j
 
+    def _pattern(self, field_name: str, block: str) -> list[str]:
+        value = getattr(self, field_name)
+        if isinstance(value, dict):
+            return value.get(block, ["attention" if field_name == "token_pattern" else "swiglu"])
+        return value
+
     def layer_mixers(self, block: str, j: int) -> tuple[str, str]:
         """``(token mixer, channel mixer)`` pattern entries of layer ``j`` of ``block``."""
-        return self.token_pattern[j % len(self.token_pattern)], self.channel_pattern[j % len(self.channel_pattern)]
+        token, channel = self._pattern("token_pattern", block), self._pattern("channel_pattern", block)
+        return token[j % len(token)], channel[j % len(channel)]
 
     def layer_calls(self, loops: int) -> Iterator[tuple[int, int, str]]:
         """``(layer, loop, token mixer)`` of every layer call of one forward pass at loop count ``loops``.

@@ -16,7 +16,7 @@ from jsonargparse import ArgumentParser
 from torch import nn
 
 from elr_lightning.flops import compute_multiplier, forward_flops_per_token
-from elr_lightning.generation import CACHE_POLICIES, kv_cache_bytes
+from elr_lightning.generation import CACHE_POLICIES, kv_cache_bytes, recurrent_state_bytes
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 
@@ -85,6 +85,15 @@ def cost_report(path: str, loops: Optional[list[int]] = None) -> dict[str, Any]:
             k: {policy: kv_cache_bytes(arch, k, policy, 1, torch.bfloat16) for policy in CACHE_POLICIES}
             for k in loops
         },
+        # Recurrent (linear-attention and conv) state per sequence: fixed, it does not grow with tokens.
+        "recurrent_state_bytes_bf16": {
+            k: {policy: recurrent_state_bytes(arch, k, policy, torch.bfloat16) for policy in CACHE_POLICIES}
+            for k in loops
+        },
+        "layer_pattern": {
+            block: [arch.layer_mixers(block, j)[0] for j in range(n)]
+            for block, n in (("in", arch.n_in), ("rec", arch.n_rec), ("out", arch.n_out))
+        },
         "sampler": repr(module.sampler),
     }
     for name in ("expected_p1", "expected_mean_loops"):
@@ -104,10 +113,13 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("effective depth D_eff(k) = L_in + k L_rec + L_out (eq. 1):")
     d1 = report["effective_depth"][min(report["effective_depth"])]
     lines += [f"  k={k:<3} {d:>4} layers  {d / d1:5.2f}x" for k, d in report["effective_depth"].items()]
-    lines.append("forward GFLOPs per token, attention KV bytes per token (bf16) per policy:")
+    lines.append("token mixers: " + "  ".join(f"{b}: {' '.join(p)}" for b, p in report["layer_pattern"].items() if p))
+    lines.append("forward GFLOPs per token; attention KV bytes per token and recurrent-state bytes per sequence")
+    lines.append("(bf16) per cache policy:")
     for k, gflops in report["forward_gflops_per_token"].items():
         kv = "  ".join(f"{policy} {n:,}" for policy, n in report["kv_bytes_per_token_bf16"][k].items())
-        lines.append(f"  k={k:<3} {gflops:8.3f} GFLOPs   {kv}")
+        state = "  ".join(f"{policy} {n:,}" for policy, n in report["recurrent_state_bytes_bf16"][k].items())
+        lines.append(f"  k={k:<3} {gflops:8.3f} GFLOPs   KV/token: {kv}   state: {state}")
     if "expected_p1" in report:
         lines.append(f"eq. 3: p_1 = {report['expected_p1']:.4f}, mean k = {report['expected_mean_loops']:.4f}")
         eq5 = report["eq5_multiplier"]

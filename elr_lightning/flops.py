@@ -5,7 +5,8 @@ Two levels of precision:
 * :func:`compute_multiplier` is eq. (5) of the paper,
   ``(1 - rho) + rho * D_eff(mean_k) / D_eff(1)``, which counts layers only (eq. 1).
 * :func:`forward_flops_per_token` / :func:`train_flops_per_token` count the matrix multiplies of
-  every layer (attention projections, attention scores and values over the causal context, SwiGLU),
+  every layer, as each mixer reports them (attention projections, attention scores and values over
+  the causal context, SwiGLU, a linear-attention recurrence),
   the adaptive-delta gate once per loop, the conditioning adapters while conditioning is on, and the
   LM head once. :func:`flops_multiplier` is eq. (5) with these counts in place of layer counts; it
   is a little below eq. (5) because the LM head does not repeat with k.
@@ -18,7 +19,11 @@ loop count, so a fractional mean loop count gives the mean cost.
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+import json
+from typing import Any, Optional
+
+import torch
 
 from elr_lightning.config import ModelConfig
 
@@ -55,13 +60,56 @@ def compute_multiplier(config: ModelConfig, rho: float, mean_loops: float) -> fl
     return (1.0 - rho) + rho * depth_k / depth_1
 
 
-def layer_flops_per_token(config: ModelConfig, seq_len: Optional[int] = None, adapter_rank: int = 0) -> float:
-    """Forward FLOPs per token of one transformer layer.
+def _mixer_flops(config: ModelConfig, name: str, context: float) -> float:
+    """Forward FLOPs per token of the mixer a pattern entry names, built on the meta device."""
+    key = (json.dumps(dataclasses.asdict(config), sort_keys=True, default=str), name)
+    if key not in _MIXERS:
+        with torch.device("meta"):
+            _MIXERS[key] = config.build_mixer(name)
+    return _MIXERS[key].flops_per_token(context)
 
-    ``2 x`` the weights of the attention projections and the SwiGLU MLP, plus ``4 d c`` for the
-    attention scores and the weighted values, where ``c = (T + 1) / 2`` is the mean causal context
-    of a sequence of ``T`` tokens; plus ``2 x 2 d r`` per sublayer for an eq. (4) low-rank adapter
-    of rank ``r`` (``adapter_rank``; 0 while conditioning is off).
+
+#: Mixers built on the meta device for counting, by (config, name): counting runs every step.
+_MIXERS: dict[tuple[str, str], Any] = {}
+
+
+def block_flops_per_token(
+    config: ModelConfig, block: str, seq_len: Optional[int] = None, adapter_rank: int = 0
+) -> float:
+    """Forward FLOPs per token of all layers of ``block`` (``in``, ``rec``, ``out``), one pass.
+
+    Each layer counts its token and channel mixers' :meth:`~elr_lightning.mixers.TokenMixer.flops_per_token`
+    at the mean causal context ``c = (T + 1) / 2`` of a sequence of ``T`` tokens (for attention:
+    ``2 x`` its projection weights plus ``4 n_heads head_dim c``; for SwiGLU ``2 x 3 d d_ff``),
+    plus ``2 x 2 d r`` per sublayer for an eq. (4) low-rank adapter of rank ``r``.
+
+    Args:
+        config: The architecture.
+        block: Which block.
+        seq_len: Sequence length T; ``config.max_seq_len`` by default.
+        adapter_rank: Rank of the conditioning adapters, 0 for none.
+    """
+    t = config.max_seq_len if seq_len is None else seq_len
+    if t < 1 or adapter_rank < 0:
+        raise ValueError(f"seq_len={t} must be >= 1 and adapter_rank={adapter_rank} >= 0")
+    context = (t + 1) / 2
+    adapters = 2.0 * 2 * (2 * config.d_model * adapter_rank)
+    n = {"in": config.n_in, "rec": config.n_rec, "out": config.n_out}[block]
+    total = 0.0
+    for j in range(n):
+        token, channel = config.layer_mixers(block, j)
+        total += _mixer_flops(config, token, context) + _mixer_flops(config, channel, context) + adapters
+    return total
+
+
+def layer_flops_per_token(config: ModelConfig, seq_len: Optional[int] = None, adapter_rank: int = 0) -> float:
+    """Forward FLOPs per token of the mean recurrent layer (every layer, for a single-mixer model).
+
+    For attention and SwiGLU: ``2 x`` the weights of the attention projections and the SwiGLU MLP,
+    plus ``4 d c`` for the attention scores and the weighted values, where ``c = (T + 1) / 2`` is the
+    mean causal context of a sequence of ``T`` tokens; plus ``2 x 2 d r`` per sublayer for an eq. (4)
+    low-rank adapter of rank ``r`` (``adapter_rank``; 0 while conditioning is off). See
+    :func:`block_flops_per_token`.
 
     Args:
         config: The architecture.
@@ -71,15 +119,7 @@ def layer_flops_per_token(config: ModelConfig, seq_len: Optional[int] = None, ad
     Returns:
         Forward FLOPs per token.
     """
-    d, hd = config.d_model, config.head_dim
-    t = config.max_seq_len if seq_len is None else seq_len
-    if t < 1 or adapter_rank < 0:
-        raise ValueError(f"seq_len={t} must be >= 1 and adapter_rank={adapter_rank} >= 0")
-    attn_weights = d * config.n_heads * hd * 2 + d * 2 * config.kv_heads * hd
-    mlp_weights = 3 * d * config.ff_dim
-    adapters = 2 * (2 * d * adapter_rank)
-    context = (t + 1) / 2
-    return 2.0 * (attn_weights + mlp_weights + adapters) + 4.0 * config.n_heads * hd * context
+    return block_flops_per_token(config, "rec", seq_len, adapter_rank) / config.n_rec
 
 
 def forward_flops_per_token(
@@ -92,7 +132,8 @@ def forward_flops_per_token(
 ) -> float:
     """Forward FLOPs per token at loop count ``loops``.
 
-    ``(L_in + L_out) F_layer + k (L_rec F_layer + F_gate) + F_head`` where ``F_gate = 2 d^2`` is
+    ``F_in + k (F_rec + F_gate) + F_out + F_head`` (each ``F_block`` is :func:`block_flops_per_token`,
+    ``(L_in + L_out) F_layer + k (L_rec F_layer + F_gate) + F_head`` for a single-mixer model) where ``F_gate = 2 d^2`` is
     the adaptive-delta gate ``W_beta`` (eq. 2) and ``F_head = 2 d V`` the LM head. Adapters
     (``adapter_rank > 0``) are counted on the recurrent and output layers, which carry them (eq. 4).
 
@@ -107,11 +148,10 @@ def forward_flops_per_token(
         Forward FLOPs per token.
     """
     _check(loops=loops)
-    plain = layer_flops_per_token(config, seq_len)
-    modulated = layer_flops_per_token(config, seq_len, adapter_rank)
     gate_flops = 2.0 * config.d_model**2 if gate else 0.0
     head = 2.0 * config.d_model * config.vocab_size
-    return config.n_in * plain + loops * (config.n_rec * modulated + gate_flops) + config.n_out * modulated + head
+    blocks = {b: block_flops_per_token(config, b, seq_len, 0 if b == "in" else adapter_rank) for b in ("in", "rec", "out")}
+    return blocks["in"] + loops * (blocks["rec"] + gate_flops) + blocks["out"] + head
 
 
 def train_flops_per_token(

@@ -713,13 +713,15 @@ def _print_stats(
 
     lines = [
         f"loops k={loops}  D_eff={config.effective_depth(loops)}  kv_cache={policy}  dtype={dtype}",
-        f"KV cache: {mib(cache.nbytes())} used for {cache.offset} tokens, {mib(cache.nbytes(used=False))} allocated",
+        f"KV cache: attention {mib(cache.nbytes())} used for {cache.offset} tokens, "
+        f"{mib(cache.nbytes(used=False))} allocated; recurrent state {mib(cache.state_nbytes())}",
     ]
     for name in CACHE_POLICIES:
         n = kv_cache_bytes(config, loops, name, tokens, dtype)
+        state = recurrent_state_bytes(config, loops, name, dtype)
         lines.append(
-            f"  {name:9s}: {layer_caches(config, loops, name)} layer caches, {n // tokens} B/token, "
-            f"{mib(n)} for {tokens} tokens"
+            f"  {name:9s}: {layer_caches(config, loops, name)} layer caches, KV {n // tokens} B/token, "
+            f"{mib(n)} for {tokens} tokens; recurrent state {mib(state)}"
         )
     prefill_rate = prompt_tokens / max(prefill_s, 1e-9)
     lines.append(f"prefill: {prompt_tokens} tokens in {prefill_s:.3f} s ({prefill_rate:.1f} tok/s)")

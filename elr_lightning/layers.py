@@ -54,8 +54,8 @@ class Block(nn.Module):
     Args:
         config: The architecture.
         index: This layer's number in the stack (:meth:`~elr_lightning.config.ModelConfig.layer_index`).
-        token: Pattern entry of the token mixer (``None``: the first of ``arch.token_pattern``).
-        channel: Pattern entry of the channel mixer (``None``: the first of ``arch.channel_pattern``).
+        token: Pattern entry of the token mixer (``None``: that of input layer 0).
+        channel: Pattern entry of the channel mixer (``None``: that of input layer 0).
         modulators: ``(token mixer's, channel mixer's)`` modulators, or ``None`` for a plain layer.
     """
 
@@ -70,9 +70,10 @@ class Block(nn.Module):
         super().__init__()
         self.index = index
         self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn: TokenMixer = config.build_mixer(token or config.token_pattern[0])
+        default_token, default_channel = config.layer_mixers("in", 0)
+        self.attn: TokenMixer = config.build_mixer(token or default_token)
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp: ChannelMixer = config.build_mixer(channel or config.channel_pattern[0])
+        self.mlp: ChannelMixer = config.build_mixer(channel or default_channel)
         self.attn_mod, self.mlp_mod = modulators if modulators is not None else (None, None)
 
     def forward(self, x: Tensor, ctx: LoopContext) -> Tensor:

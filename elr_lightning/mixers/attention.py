@@ -84,3 +84,8 @@ class Attention(TokenMixer):
     def cache_bytes(self, dtype: torch.dtype) -> CacheBytes:
         size = torch.empty((), dtype=dtype).element_size()
         return CacheBytes(per_token=2 * self.n_kv * self.hd * size)
+
+    @override
+    def flops_per_token(self, context: float) -> float:
+        """The projections plus ``4 n_heads head_dim context`` for the scores and weighted values."""
+        return super().flops_per_token(context) + 4.0 * self.n_heads * self.hd * context

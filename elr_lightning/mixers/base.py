@@ -59,6 +59,15 @@ class _Mixer(nn.Module):
         """Generation-cache memory of this mixer per cache slot and sequence (nothing by default)."""
         return CacheBytes()
 
+    def flops_per_token(self, context: float) -> float:
+        """Forward FLOPs per token at a mean causal context of ``context`` positions.
+
+        The default counts ``2 x`` the elements of every weight with two or more dimensions (each
+        multiplied once per token); mixers that do more (attention scores, a recurrence) or less
+        (a mixture of experts runs a few experts) override it.
+        """
+        return 2.0 * sum(p.numel() for p in self.parameters() if p.ndim >= 2)
+
     @torch.no_grad()
     def folded(self, pre: Tensor, shift: Tensor, gate: Tensor) -> "_Mixer":
         """A copy computing ``gate * self(pre @ h + shift)``, for serving at a fixed loop count.

@@ -112,7 +112,7 @@ class GatedDeltaProduct(TokenMixer):
             window = x.new_zeros(b, self.conv_size - 1, ch)
         full = torch.cat((window.to(x.dtype), x), dim=1)
         y = F.conv1d(full.transpose(1, 2), self.conv_weight.to(x.dtype), groups=ch).transpose(1, 2)
-        return F.silu(y), full[:, full.shape[1] - (self.conv_size - 1) :]
+        return F.silu(y), full[:, full.shape[1] - (self.conv_size - 1) :].clone()
 
     @override
     def forward(self, x: Tensor, ctx: LoopContext, layer: int) -> Tensor:
@@ -157,3 +157,9 @@ class GatedDeltaProduct(TokenMixer):
         size = torch.empty((), dtype=dtype).element_size()
         channels = self.conv_weight.shape[0]
         return CacheBytes(fixed=self.heads * self.dk * self.dv * 4 + (self.conv_size - 1) * channels * size)
+
+    @override
+    def flops_per_token(self, context: float) -> float:
+        """The projections and conv, plus the recurrence: per head, ``n`` steps of ``k^T S`` and a rank-one
+        update (``4 d_k d_v`` each) and the read-out ``S^T q`` (``2 d_k d_v``); independent of ``context``."""
+        return super().flops_per_token(context) + 2.0 * self.heads * self.dk * self.dv * (2 * self.n + 1)
