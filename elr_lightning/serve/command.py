@@ -10,7 +10,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from elr_lightning.config import ModelConfig
-from elr_lightning.tokenizers import Tokenizer, load_tokenizer
+from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, choose_tokenizer
 
 
 def _parser() -> Any:
@@ -29,7 +29,12 @@ def _parser() -> Any:
     parser.add_argument(
         "--loops_max", type=Optional[int], default=None, help="Largest k served; default the checkpoint's max_loops."
     )
-    parser.add_argument("--tokenizer", type=Optional[str], default=None, help="'byte' or a tokenizer.json path.")
+    parser.add_argument(
+        "--tokenizer",
+        type=Optional[str],
+        default=None,
+        help="'byte' or a tokenizer.json path; default: the one saved in the checkpoint (bytes if none).",
+    )
     parser.add_argument("--accelerator", type=str, default="auto", help="LitServe accelerator: auto, cpu or cuda.")
     parser.add_argument("--dtype", type=Literal["float32", "bfloat16"], default="float32", help="Autocast dtype.")
     parser.add_argument("--log_level", type=str, default="warning", help="Server log level.")
@@ -45,7 +50,8 @@ def checkpoint_arch(raw: Mapping[str, Any], ckpt_path: str) -> ModelConfig:
     hparams = raw.get("hyper_parameters")
     if not isinstance(hparams, Mapping):
         raise ValueError(f"checkpoint {ckpt_path!r} has no hyper_parameters; use one written by `elr fit`")
-    arch = hparams.get("arch")
+    saved = raw.get("elr")
+    arch = saved.get("arch") if isinstance(saved, Mapping) and saved.get("arch") else hparams.get("arch")
     if arch is None:
         return ModelConfig()
     if isinstance(arch, ModelConfig):
@@ -56,14 +62,8 @@ def checkpoint_arch(raw: Mapping[str, Any], ckpt_path: str) -> ModelConfig:
 
 
 def serving_tokenizer(raw: Mapping[str, Any], override: Optional[str], config: ModelConfig) -> Tokenizer:
-    """The tokenizer to serve with: ``--tokenizer`` if given, else the byte tokenizer."""
-    tokenizer = load_tokenizer(override or "byte")
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(
-            f"--tokenizer has {tokenizer.vocab_size} ids but the checkpoint's arch.vocab_size is {config.vocab_size}; "
-            "use the tokenizer the model was trained with"
-        )
-    return tokenizer
+    """The tokenizer to serve with: ``--tokenizer`` if given, else the checkpoint's, else bytes."""
+    return choose_tokenizer(checkpoint_tokenizer(raw), override, config.vocab_size)
 
 
 def serve_command(argv: list[str]) -> None:
