@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.module import ELRModule
+from elr_lightning.tokenizers import Tokenizer
 from elr_lightning.updates import StateUpdate
 
 #: A byte-vocabulary model with GQA, two shared layers and the eq. 4 conditioning.
@@ -21,9 +22,16 @@ SERVE_ARCH = ModelConfig(
 
 
 def write_checkpoint(
-    path: Path, arch: ModelConfig = SERVE_ARCH, update: Optional[StateUpdate] = None, conditioned: bool = True
+    path: Path,
+    arch: ModelConfig = SERVE_ARCH,
+    update: Optional[StateUpdate] = None,
+    conditioned: bool = True,
+    tokenizer: Optional[Tokenizer] = None,
 ) -> ELRModule:
-    """Train one step, perturb every parameter (so gates and heads act and k matters), save with a Trainer."""
+    """Train one step, perturb every parameter (so gates and heads act and k matters), save with a Trainer.
+
+    ``tokenizer`` is saved in the checkpoint as the training tokenizer.
+    """
     torch.manual_seed(0)
     module = ELRModule(
         arch=arch, update=update, conditioner=LoopConditioner(d_cond=8, rank=2, n_freqs=2) if conditioned else None
@@ -36,5 +44,6 @@ def write_checkpoint(
     with torch.no_grad():
         for p in module.parameters():
             p.add_(0.2 * torch.randn_like(p))
+    module.tokenizer = tokenizer
     trainer.save_checkpoint(path)
     return module.eval()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,11 +20,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from _bpe import train_bpe
 from _elr_ckpt import SERVE_ARCH, write_checkpoint
 from elr_lightning.generation import generate, load_model
 from elr_lightning.serve.api import CompletionsSpec, RequestError, relative_costs
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine, _StopText
-from elr_lightning.tokenizers import ByteTokenizer
+from elr_lightning.serve.command import checkpoint_arch, serving_tokenizer
+from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOK = ByteTokenizer()
@@ -41,13 +44,16 @@ def model(checkpoint: Path):
     return load_model(str(checkpoint))[0]
 
 
-def reference(model, request: CompletionRequest, policy: str) -> str:
+def reference(model, request: CompletionRequest, policy: str, tokenizer: Tokenizer = TOK) -> str:
     """What ``elr generate`` prints for the request (its prompt, k, seed and sampling), stop strings applied."""
     out = generate(
         model, [list(request.prompt_ids)], loops=request.loops, max_new_tokens=request.max_tokens, kv_cache=policy,
-        temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+        temperature=request.temperature, top_p=request.top_p, seed=request.seed, eos_id=tokenizer.eos_id,
     )
-    text = TOK.decode(out.new_tokens[0].tolist())
+    ids = out.new_tokens[0].tolist()
+    if tokenizer.eos_id in ids:
+        ids = ids[: ids.index(tokenizer.eos_id)]
+    text = tokenizer.decode(ids)
     cuts = [i for i in (text.find(s) for s in request.stop) if i >= 0]
     return text[: min(cuts)] if cuts else text
 
@@ -104,6 +110,22 @@ def test_engine_stop_strings_and_text_before_them(model) -> None:
     request = CompletionRequest(free.prompt_ids, 2, 24, 1.0, None, 5, (stop, "\x00never"))
     texts, finish = run_engine(DecodeEngine(model, TOK, "last_loop"), {"s": request})
     assert texts["s"] == text[: text.find(stop)] and finish["s"] == "stop"
+
+
+def test_serving_uses_the_checkpoint_tokenizer_and_detokenises_bpe(tmp_path: Path) -> None:
+    bpe = HFTokenizer(str(train_bpe(tmp_path / "bpe.json", vocab_size=300)))
+    path = tmp_path / "bpe.ckpt"
+    write_checkpoint(path, dataclasses.replace(SERVE_ARCH, vocab_size=320), tokenizer=bpe)
+    raw = torch.load(path, weights_only=False)
+    tokenizer = serving_tokenizer(raw, None, checkpoint_arch(raw, str(path)))
+    assert tokenizer.fingerprint() == bpe.fingerprint() and tokenizer.eos_id is not None
+    assert isinstance(serving_tokenizer(raw, "byte", checkpoint_arch(raw, str(path))), ByteTokenizer)
+    model = load_model(str(path))[0]
+    requests = {f"r{k}": CompletionRequest(tuple(bpe.encode("def decode(self, s):")), k, 16, 1.0, None, k) for k in (1, 2, 3)}
+    texts, finish = run_engine(DecodeEngine(model, tokenizer, "per_loop"), requests)
+    for uid, request in requests.items():
+        assert texts[uid] == reference(model, request, "per_loop", tokenizer)
+        assert finish[uid] in ("stop", "length")
 
 
 @given(st.text(alphabet="ab\n", max_size=30), st.lists(st.text(alphabet="ab\n", min_size=1, max_size=3), max_size=3),
@@ -255,3 +277,14 @@ def test_server_answers_concurrent_k_like_generate_and_shuts_down_cleanly(checkp
                 os.killpg(server.pid, signal.SIGKILL)
             server.stderr.close()
     assert not stray, "processes of the server were left running after SIGTERM"
+
+
+def test_serve_command_refuses_bad_flags_before_starting(checkpoint: Path, tmp_path: Path) -> None:
+    from elr_lightning.cli import main
+
+    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+        main(["serve", "--ckpt_path", str(tmp_path / "missing.ckpt")])
+    with pytest.raises(ValueError, match="--loops_default 4 must be in 1..--loops_max"):
+        main(["serve", "--ckpt_path", str(checkpoint), "--loops_default", "4"])
+    with pytest.raises(ValueError, match="--max_batch_size 0"):
+        main(["serve", "--ckpt_path", str(checkpoint), "--max_batch_size", "0"])

@@ -103,8 +103,12 @@ def serve_command(argv: list[str]) -> None:
     api = ELRServeAPI(args.ckpt_path, spec, args.kv_cache, args.max_batch_size, args.dtype)
     server = ls.LitServer(api, accelerator=args.accelerator, devices=1, workers_per_device=1, timeout=False)
 
+    main_pid = os.getpid()
+
     def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt  # LitServer shuts its workers down on KeyboardInterrupt
+        if os.getpid() == main_pid:
+            raise KeyboardInterrupt  # LitServer shuts its workers down on KeyboardInterrupt
+        raise SystemExit(0)  # a forked HTTP worker that LitServer is terminating: exit quietly
 
     signal.signal(signal.SIGTERM, stop)
     server.run(
