@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
@@ -92,6 +93,11 @@ def serve_command(argv: list[str]) -> None:
     loops_max = config.max_loops if args.loops_max is None else args.loops_max
     if loops_max < 1:
         raise ValueError(f"--loops_max {loops_max} must be >= 1")
+    if loops_max > config.max_loops:
+        warnings.warn(
+            f"--loops_max {loops_max} is above the checkpoint's arch.max_loops={config.max_loops}, the loop budget it "
+            "was trained for; loops above it extrapolate"
+        )
     if not 1 <= args.loops_default <= loops_max:
         raise ValueError(f"--loops_default {args.loops_default} must be in 1..--loops_max ({loops_max})")
     if args.max_batch_size < 1:
