@@ -288,3 +288,11 @@ def test_serve_command_refuses_bad_flags_before_starting(checkpoint: Path, tmp_p
         main(["serve", "--ckpt_path", str(checkpoint), "--loops_default", "4"])
     with pytest.raises(ValueError, match="--max_batch_size 0"):
         main(["serve", "--ckpt_path", str(checkpoint), "--max_batch_size", "0"])
+
+
+def test_engine_reset_drops_every_request(model) -> None:
+    engine = DecodeEngine(model, TOK, "last_loop")
+    engine.submit("a", REQUESTS["a"])
+    engine.step()
+    engine.submit("b", REQUESTS["b"])
+    assert sorted(engine.reset()) == ["a", "b"] and engine.active == 0 and engine.step() == []

@@ -181,6 +181,8 @@ class ELRCore(nn.Module):
 
 
 class ELRPreTrainedModel(PreTrainedModel):
+    """Hugging Face plumbing shared by the trunk and the LM: the config class and weight init."""
+
     config_class = ELRConfig
     base_model_prefix = "model"
     _no_split_modules = ["ELRBlock"]

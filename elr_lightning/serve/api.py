@@ -240,16 +240,27 @@ class ELRServeAPI(ls.LitAPI):
         """Hand a validated request to the engine (called by the loop between steps)."""
         self.engine.submit(uid, request)
 
+    @override
     def has_active_requests(self) -> bool:
         return self.engine is not None and self.engine.active > 0
 
+    @override
     def has_capacity(self) -> bool:
         return self.engine.active < self.max_batch_size
 
     def step(self, prev_outputs: Optional[list[Output]]) -> list[Output]:
-        """One engine step: every request's new text, then a finish marker for each that ended."""
+        """One engine step: every request's new text, then a finish marker for each that ended.
+
+        If the step fails, the engine drops every request before the error reaches LitServe's loop,
+        which answers all requests in flight with an error; the server then serves new ones.
+        """
+        try:
+            events = self.engine.step()
+        except Exception:
+            self.engine.reset()
+            raise
         outputs = []
-        for event in self.engine.step():
+        for event in events:
             piece = {"text": event.text, "finish_reason": event.finish_reason,
                      "completion_tokens": event.completion_tokens}
             outputs.append(Output(event.uid, piece, LitAPIStatus.OK))

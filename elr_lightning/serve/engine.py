@@ -158,6 +158,14 @@ class DecodeEngine:
         with self._lock:
             self._pending.append((uid, request))
 
+    def reset(self) -> list[str]:
+        """Drop every queued and running request (after a failed step); return their ids."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        dropped = [uid for uid, _ in pending] + [r.uid for c in self._cohorts for r in c.rows if not r.done]
+        self._cohorts = []
+        return dropped
+
     @property
     def active(self) -> int:
         """Requests queued or running."""
