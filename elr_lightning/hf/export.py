@@ -67,7 +67,12 @@ def _check_dense(config: ModelConfig) -> None:
         if name in DENSE_FIELDS:
             continue
         f = defaults[name]
-        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
         if value != default:
             raise ValueError(
                 f"arch.{name}={value!r}: the Hugging Face export supports dense attention models only; hybrid "
