@@ -13,7 +13,9 @@ from typing_extensions import override
 from elr_lightning.cost import main as cost_main
 from elr_lightning.data import TextDataModule, resolve_sources
 from elr_lightning.generation import generate_command
+from elr_lightning.hf.export import export_command, import_command
 from elr_lightning.module import ELRModule
+from elr_lightning.serve.command import serve_command
 from elr_lightning.tokenizers import load_tokenizer
 
 
@@ -32,7 +34,13 @@ class ELRCLI(LightningCLI):
 
 
 #: Subcommands that are not Lightning's; each takes the remaining arguments.
-EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {"cost": cost_main, "generate": generate_command}
+EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
+    "cost": cost_main,
+    "export": export_command,
+    "generate": generate_command,
+    "import": import_command,
+    "serve": serve_command,
+}
 
 
 def main(args: Optional[list[str]] = None) -> None:

@@ -1,0 +1,310 @@
+"""``elr export`` and ``elr import``: a checkpoint to a Hugging Face model directory and back.
+
+An export holds ``model.safetensors`` (the LM head left out when tied to the embedding, as Hugging
+Face expects), ``config.json`` (``model_type: elr``, ``auto_map``, every architecture field, and the
+``ModelConfig`` verbatim under ``elr_arch``), the tokenizer files, and the self-contained
+``configuration_elr.py`` / ``modeling_elr.py``, so ``AutoModelForCausalLM.from_pretrained(DIR,
+trust_remote_code=True)`` loads it with only ``transformers`` installed. An import rebuilds the
+:class:`~elr_lightning.module.ELRModule` and writes a Lightning checkpoint whose weights equal the
+exported ones bit for bit.
+
+Supported: the dense attention model with any of the library's state-update rules and the eq. 4
+loop conditioning. Anything else (hybrid token mixers, MoE channel mixers, other plug-ins) is
+refused with a message naming what the export does not know yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.config import ModelConfig
+from elr_lightning.model import LoopedLM
+from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, choose_tokenizer
+from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
+
+#: ``ModelConfig`` fields the modeling file implements; a field outside it must keep its default.
+DENSE_FIELDS = (
+    "vocab_size", "d_model", "n_heads", "n_kv_heads", "n_in", "n_rec", "n_out", "d_ff", "ff_multiple_of",
+    "max_seq_len", "rope_base", "max_loops", "tie_embeddings", "norm_eps", "init_std",
+)
+
+#: State-update rules by their name in ``config.json``; matched on the exact class.
+UPDATE_RULES: dict[str, type[StateUpdate]] = {
+    "adaptive_delta": AdaptiveDelta,
+    "fixed_delta": FixedDelta,
+    "residual": Residual,
+    "replace": Replace,
+    "non_recurrent": NonRecurrent,
+}
+
+REMOTE_CODE = ("configuration_elr.py", "modeling_elr.py")
+_ACTIVE_FLAG = "core.conditioner.active_flag"
+
+
+def _hf():
+    try:
+        import safetensors.torch
+        import transformers
+    except ImportError as err:
+        raise ImportError(
+            'Hugging Face export and import need transformers and safetensors; pip install "elr-lightning[hf]"'
+        ) from err
+    return transformers, safetensors.torch
+
+
+def _check_dense(config: ModelConfig) -> None:
+    defaults = {f.name: f for f in dataclasses.fields(config)}
+    for name, value in dataclasses.asdict(config).items():
+        if name in DENSE_FIELDS:
+            continue
+        f = defaults[name]
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        if value != default:
+            raise ValueError(
+                f"arch.{name}={value!r}: the Hugging Face export supports dense attention models only; hybrid "
+                "(linear-attention) and MoE models are refused until the modeling file implements them"
+            )
+
+
+def hf_config_fields(model: LoopedLM) -> dict[str, Any]:
+    """The ``config.json`` fields of ``model``'s export (``ELRConfig`` arguments and ``elr_arch``).
+
+    Raises:
+        ValueError: A hybrid or MoE architecture, or a state-update rule or conditioner the
+            modeling file does not implement.
+    """
+    config = model.config
+    _check_dense(config)
+    rule = next((name for name, cls in UPDATE_RULES.items() if type(model.update) is cls), None)
+    if rule is None:
+        raise ValueError(
+            f"model.update: {type(model.update).__name__} has no Hugging Face counterpart; the export supports "
+            f"{', '.join(cls.__name__ for cls in UPDATE_RULES.values())}"
+        )
+    conditioner = model.conditioner
+    if conditioner is not None and type(conditioner) is not LoopConditioner:
+        raise ValueError(
+            f"model.conditioner: {type(conditioner).__name__} has no Hugging Face counterpart; the export "
+            "supports LoopConditioner (eq. 4) or none"
+        )
+    return {
+        "vocab_size": config.vocab_size,
+        "d_model": config.d_model,
+        "n_heads": config.n_heads,
+        "n_kv_heads": config.kv_heads,
+        "n_in": config.n_in,
+        "n_rec": config.n_rec,
+        "n_out": config.n_out,
+        "d_ff": config.ff_dim,
+        "max_seq_len": config.max_seq_len,
+        "rope_base": config.rope_base,
+        "max_loops": config.max_loops,
+        "norm_eps": config.norm_eps,
+        "init_std": config.init_std,
+        "state_update": rule,
+        "fixed_delta_beta": float(model.update.beta) if rule == "fixed_delta" else 0.5,
+        "conditioning": None
+        if conditioner is None
+        else {"d_cond": conditioner.d_cond, "rank": conditioner.rank, "n_freqs": conditioner.n_freqs},
+        "conditioning_active": bool(conditioner.active) if conditioner is not None else False,
+        "tie_word_embeddings": config.tie_embeddings,
+        "elr_arch": dataclasses.asdict(config),
+    }
+
+
+def hf_state_dict(model: LoopedLM) -> dict[str, Tensor]:
+    """``model``'s weights under their Hugging Face names: ``model.`` + our name; ``lm_head`` untied only."""
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name == _ACTIVE_FLAG:
+            continue  # a config field (conditioning_active) in the export
+        if name == "head.weight":
+            if not model.config.tie_embeddings:
+                tensors["lm_head.weight"] = tensor
+            continue
+        tensors[f"model.{name}"] = tensor
+    return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+
+
+def byte_tokenizer_json() -> str:
+    """A HF ``tokenizers`` byte tokenizer: id b is byte b (BPE without merges over the byte-level alphabet)."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from elr_lightning.tokenizers import _byte_level_alphabet
+
+    vocab = {char: byte for char, byte in _byte_level_alphabet().items()}
+    tok = HFTok(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
+def _write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+    transformers, _ = _hf()
+    from tokenizers import Tokenizer as HFTok
+
+    if isinstance(tokenizer, ByteTokenizer):
+        raw = byte_tokenizer_json()
+    elif isinstance(tokenizer, HFTokenizer):
+        raw = tokenizer.to_json()
+    else:
+        raise ValueError(f"tokenizer: a {type(tokenizer).__name__} cannot be exported; use a HF tokenizer.json")
+    eos = tokenizer.eos_id
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTok.from_str(raw))
+    if eos is not None:
+        fast.eos_token = fast.convert_ids_to_tokens(eos)
+    fast.save_pretrained(str(out))
+    (out / "tokenizer.json").write_text(raw, encoding="utf-8")  # the training tokenizer's exact file
+
+
+def export_hf(model: LoopedLM, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
+    """Write ``model`` and ``tokenizer`` as a Hugging Face model directory ``out``.
+
+    Returns:
+        The directory.
+
+    Raises:
+        ValueError: An architecture or plug-in the export does not support, or parameters the
+            modeling file does not know.
+        ImportError: ``transformers`` or ``safetensors`` is not installed.
+    """
+    transformers, st = _hf()
+    from elr_lightning.hf.configuration_elr import ELRConfig
+    from elr_lightning.hf.modeling_elr import ELRForCausalLM
+
+    fields = hf_config_fields(model)
+    fields["elr_tokenizer"] = "byte" if isinstance(tokenizer, ByteTokenizer) else "hf"
+    config = ELRConfig(**fields)
+    tensors = hf_state_dict(model)
+    with torch.device("meta"):
+        expected = ELRForCausalLM(config).state_dict()
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise ValueError(
+            f"the model has {len(unknown)} parameter(s) the Hugging Face modeling file does not know ({unknown[:4]}); "
+            "hybrid, MoE or custom layers cannot be exported yet"
+        )
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ValueError(f"the export lacks parameter(s) {missing[:4]} that the modeling file needs")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config.auto_map = {
+        "AutoConfig": "configuration_elr.ELRConfig",
+        "AutoModelForCausalLM": "modeling_elr.ELRForCausalLM",
+    }
+    config.architectures = ["ELRForCausalLM"]
+    config.dtype = str(model.embed.weight.dtype).removeprefix("torch.")
+    config.save_pretrained(str(out))
+    st.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    here = Path(__file__).parent
+    for name in REMOTE_CODE:
+        shutil.copyfile(here / name, out / name)
+    _write_tokenizer(tokenizer, out)
+    return out
+
+
+def import_hf(directory: str | os.PathLike) -> Any:
+    """Rebuild an :class:`~elr_lightning.module.ELRModule` from an export (weights bit for bit).
+
+    Raises:
+        FileNotFoundError: No ``config.json`` or ``model.safetensors`` in ``directory``.
+        ValueError: The directory is not an ELR export.
+    """
+    _, st = _hf()
+    from elr_lightning.module import ELRModule
+
+    directory = Path(directory)
+    for name in ("config.json", "model.safetensors"):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"--hf {str(directory)!r} has no {name}; give the directory `elr export` wrote")
+    fields = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    if fields.get("model_type") != "elr":
+        raise ValueError(f"--hf {str(directory)!r}: model_type is {fields.get('model_type')!r}, not 'elr'")
+    arch = ModelConfig(**fields["elr_arch"])
+    rule = fields["state_update"]
+    if rule not in UPDATE_RULES:
+        raise ValueError(f"--hf config.json: state_update={rule!r} is not one of {sorted(UPDATE_RULES)}")
+    update = FixedDelta(fields["fixed_delta_beta"]) if rule == "fixed_delta" else UPDATE_RULES[rule]()
+    cond = fields.get("conditioning")
+    conditioner = LoopConditioner(**cond) if cond else None
+    module = ELRModule(arch=arch, update=update, conditioner=conditioner)
+    state = {}
+    for name, tensor in st.load_file(str(directory / "model.safetensors")).items():
+        state[name.removeprefix("model.") if name.startswith("model.") else name.replace("lm_head.", "head.")] = tensor
+    if arch.tie_embeddings:
+        state["head.weight"] = state["embed.weight"]
+    if conditioner is not None:
+        state[_ACTIVE_FLAG] = torch.tensor(bool(fields.get("conditioning_active", True)))
+    module.model.load_state_dict(state, strict=True)
+    if fields.get("elr_tokenizer") == "byte":
+        module.tokenizer = ByteTokenizer()
+    elif (directory / "tokenizer.json").is_file():
+        module.tokenizer = HFTokenizer.from_json((directory / "tokenizer.json").read_text(encoding="utf-8"))
+    return module
+
+
+def save_module_checkpoint(module: Any, path: str | os.PathLike) -> None:
+    """Write ``module`` as a Lightning checkpoint that ``ELRModule.load_from_checkpoint`` reads (no optimizer)."""
+    import lightning
+
+    checkpoint: dict[str, Any] = {
+        "epoch": 0,
+        "global_step": 0,
+        "pytorch-lightning_version": lightning.__version__,
+        "state_dict": module.state_dict(),
+        "hparams_name": "kwargs",
+        "hyper_parameters": dict(module.hparams),
+    }
+    module.on_save_checkpoint(checkpoint)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, path)
+
+
+def export_command(argv: list[str]) -> None:
+    """``elr export --ckpt_path X --out DIR [--tokenizer T]``."""
+    from jsonargparse import ArgumentParser
+
+    from elr_lightning.generation import load_model
+
+    parser = ArgumentParser(prog="elr export", description="Write a checkpoint as a Hugging Face model directory.")
+    parser.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
+    parser.add_argument("--out", type=str, required=True, help="Directory to write.")
+    parser.add_argument(
+        "--tokenizer", type=Optional[str], default=None, help="Override the checkpoint's saved tokenizer."
+    )
+    args = parser.parse_args(argv)
+    _hf()
+    model, module = load_model(args.ckpt_path)
+    tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, model.config.vocab_size)
+    out = export_hf(model, tokenizer, args.out)
+    print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+
+
+def import_command(argv: list[str]) -> None:
+    """``elr import --hf DIR --out X.ckpt``."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog="elr import", description="Turn an `elr export` directory back into a checkpoint.")
+    parser.add_argument("--hf", type=str, required=True, help="Directory written by `elr export`.")
+    parser.add_argument("--out", type=str, required=True, help="Checkpoint file to write.")
+    args = parser.parse_args(argv)
+    save_module_checkpoint(import_hf(args.hf), args.out)
+    print(f"wrote {args.out}")

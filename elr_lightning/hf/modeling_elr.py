@@ -1,0 +1,330 @@
+"""Hugging Face modeling of an Elastic Latent Recurrence (ELR) looped language model.
+
+Written by ``elr export``; self-contained (imports only ``torch`` and ``transformers``). Computes
+what ``elr_lightning``'s ``LoopedLM`` computes, with the same parameter names under ``model.``:
+
+    tokens - embed - input block (n_in layers) -> h_in;  s_0 = h_in
+    for i in 1..k:  c_i = MLP([phi(i/k); phi(k/K)])            (eq. 4, when conditioned)
+                    s~_i = s_{i-1} + h_in;  r_i = R(s~_i, c_i)  (n_rec shared layers)
+                    s_i = s_{i-1} + beta_i (r_i - s_{i-1})      (eq. 2, adaptive delta)
+    logits = head(norm(O(s_k, c_k)))                            (n_out output layers)
+
+``forward(input_ids, loops=k)`` and ``generate(input_ids, loops=k)`` choose the loop count per call.
+The KV cache is Hugging Face's ``DynamicCache`` with **per-loop caching**: one cache layer per
+attention call, ``n_in + k n_rec + n_out`` of them (eq. 1). It reproduces the cache-free forward
+exactly; ``elr_lightning``'s last-loop cache, which overwrites one cache per layer at every loop,
+has no counterpart among the Hugging Face cache classes, which only append.
+"""
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_elr import ELRConfig
+
+#: The output field of the cache: ``cache`` in recent transformers, ``past_key_values`` before.
+_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+
+
+def _rope(x: Tensor, start: int, base: float) -> Tensor:
+    """Rotate ``x`` ``[B, H, T, hd]`` at positions ``start..start+T-1`` (half-split), in fp32."""
+    hd, t = x.shape[-1], x.shape[-2]
+    inv = 1.0 / base ** (torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)
+    angles = torch.outer(torch.arange(start, start + t, dtype=torch.float32, device=x.device), inv)
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class ELRAttention(nn.Module):
+    """Causal grouped-query attention with RoPE through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, config: ELRConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = config.n_heads, config.n_kv_heads, config.d_model // config.n_heads
+        self.rope_base = config.rope_base
+        self.q = nn.Linear(config.d_model, self.n_heads * self.hd, bias=False)
+        self.kv = nn.Linear(config.d_model, 2 * self.n_kv * self.hd, bias=False)
+        self.o = nn.Linear(self.n_heads * self.hd, config.d_model, bias=False)
+
+    def forward(self, x: Tensor, start: int, mask: Optional[Tensor], cache: Optional[Cache], idx: int) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, self.n_kv, self.hd).permute(2, 0, 3, 1, 4)
+        q, k = _rope(q, start, self.rope_base), _rope(k, start, self.rope_base)
+        if cache is not None:
+            k, v = cache.update(k, v, idx)
+        if self.n_kv != self.n_heads:
+            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0)
+        return self.o(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
+
+
+class ELRMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate) * up)`` with gate and up from one projection."""
+
+    def __init__(self, config: ELRConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)
+        self.down = nn.Linear(config.d_ff, config.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class ELRModulator(nn.Module):
+    """Eq. (4) for one sublayer: FiLM ``(lambda, mu)``, low-rank adapter ``A diag(g) B``, exit gate ``omega``."""
+
+    def __init__(self, d_model: int, d_cond: int, rank: int) -> None:
+        super().__init__()
+        self.film = nn.Linear(d_cond, 2 * d_model)
+        self.g = nn.Linear(d_cond, rank)
+        self.omega = nn.Linear(d_cond, d_model)
+        self.down = nn.Linear(d_model, rank, bias=False)
+        self.up = nn.Linear(rank, d_model, bias=False)
+
+    def pre(self, h: Tensor, c: Tensor) -> Tensor:
+        scale, shift = self.film(c).chunk(2, dim=-1)
+        h = torch.addcmul(shift, h, 1 + scale)
+        return h + self.up(self.g(c) * self.down(h))
+
+    def post(self, y: Tensor, c: Tensor) -> Tensor:
+        return (1 + self.omega(c)) * y
+
+
+class ELRBlock(nn.Module):
+    """One pre-norm layer; recurrent and output layers carry two modulators when conditioned."""
+
+    def __init__(self, config: ELRConfig, modulated: bool) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attn = ELRAttention(config)
+        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.mlp = ELRMLP(config)
+        cond = config.conditioning
+        self.attn_mod = ELRModulator(config.d_model, cond["d_cond"], cond["rank"]) if modulated and cond else None
+        self.mlp_mod = ELRModulator(config.d_model, cond["d_cond"], cond["rank"]) if modulated and cond else None
+
+    def forward(
+        self, x: Tensor, c: Optional[Tensor], start: int, mask: Optional[Tensor], cache: Optional[Cache], idx: int
+    ) -> Tensor:
+        h = self.attn_norm(x)
+        if c is not None and self.attn_mod is not None:
+            x = x + self.attn_mod.post(self.attn(self.attn_mod.pre(h, c), start, mask, cache, idx), c)
+        else:
+            x = x + self.attn(h, start, mask, cache, idx)
+        h = self.mlp_norm(x)
+        if c is not None and self.mlp_mod is not None:
+            return x + self.mlp_mod.post(self.mlp(self.mlp_mod.pre(h, c)), c)
+        return x + self.mlp(h)
+
+
+class ELRUpdate(nn.Module):
+    """The state update s_i = Update(s_{i-1}, r_i, s~_i); eq. (2) for ``adaptive_delta``."""
+
+    def __init__(self, config: ELRConfig) -> None:
+        super().__init__()
+        self.rule, self.beta = config.state_update, config.fixed_delta_beta
+        if self.rule == "adaptive_delta":
+            self.gate = nn.Linear(config.d_model, config.d_model)
+            self.gamma = nn.Parameter(torch.zeros(config.d_model))
+
+    def inject(self, s: Tensor, h_in: Tensor) -> Tensor:
+        return s if self.rule == "non_recurrent" else s + h_in
+
+    def forward(self, s: Tensor, r: Tensor, s_tilde: Tensor) -> Tensor:
+        if self.rule == "adaptive_delta":
+            beta = torch.sigmoid(self.gate(s_tilde)) * F.softplus(self.gamma)
+            return torch.lerp(s, r.to(s.dtype), beta.to(s.dtype))
+        if self.rule == "fixed_delta":
+            return s + self.beta * (r - s)
+        if self.rule == "residual":
+            return s + (r - s_tilde)
+        return r
+
+
+class ELRConditioner(nn.Module):
+    """c_i = MLP([phi(tau_i); phi(kappa)]), tau_i = i / k, kappa = k / K; phi = [sin(f x), cos(f x)], f = 2^j pi."""
+
+    def __init__(self, d_cond: int, n_freqs: int, **_: int) -> None:
+        super().__init__()
+        self.n_freqs = n_freqs
+        self.mlp = nn.Sequential(nn.Linear(4 * n_freqs, d_cond), nn.SiLU(), nn.Linear(d_cond, d_cond))
+
+    def forward(self, loop: int, loops: int, max_loops: int) -> Tensor:
+        device = self.mlp[0].weight.device
+        freqs = math.pi * 2.0 ** torch.arange(self.n_freqs, dtype=torch.float32, device=device)
+
+        def phi(x: float) -> Tensor:
+            return torch.cat(((freqs * x).sin(), (freqs * x).cos()))
+
+        return self.mlp(torch.cat((phi(loop / loops), phi(loops / max_loops))).to(self.mlp[0].weight.dtype))
+
+
+class ELRCore(nn.Module):
+    """The shared recurrent block with its state update and conditioner."""
+
+    def __init__(self, config: ELRConfig) -> None:
+        super().__init__()
+        self.update = ELRUpdate(config)
+        self.conditioner = ELRConditioner(**config.conditioning) if config.conditioning else None
+        self.layers = nn.ModuleList(ELRBlock(config, modulated=True) for _ in range(config.n_rec))
+
+
+class ELRPreTrainedModel(PreTrainedModel):
+    """Hugging Face plumbing shared by the trunk and the LM: the config class and weight init."""
+
+    config_class = ELRConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["ELRBlock"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Normal(0, init_std) matrices, zero biases, unit norms; the eq. 2 gate and eq. 4 heads at zero."""
+        std = self.config.init_std
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.RMSNorm):
+            nn.init.ones_(module.weight)
+        if isinstance(module, ELRUpdate) and module.rule == "adaptive_delta":
+            nn.init.zeros_(module.gate.weight)
+            nn.init.zeros_(module.gate.bias)
+            nn.init.zeros_(module.gamma)
+        elif isinstance(module, ELRModulator):
+            for head in (module.film, module.g, module.omega):
+                nn.init.zeros_(head.weight)
+                nn.init.zeros_(head.bias)
+
+
+class ELRModel(ELRPreTrainedModel):
+    """The looped trunk: embedding, input block, recurrent core, output block, final norm."""
+
+    def __init__(self, config: ELRConfig) -> None:
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.input_layers = nn.ModuleList(ELRBlock(config, modulated=False) for _ in range(config.n_in))
+        self.core = ELRCore(config)
+        self.output_layers = nn.ModuleList(ELRBlock(config, modulated=True) for _ in range(config.n_out))
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed = value
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        loops: int,
+        attention_mask: Optional[Tensor] = None,
+        past_key_values: Optional[Cache] = None,
+    ) -> Tensor:
+        """The final hidden states ``[B, T, d]`` at loop count ``loops``."""
+        cfg, cache = self.config, past_key_values
+        b, t = input_ids.shape
+        start = cache.get_seq_length() if cache is not None else 0
+        if start + t > cfg.max_seq_len:
+            raise ValueError(f"sequence of {start + t} tokens exceeds max_seq_len={cfg.max_seq_len}")
+        if isinstance(cache, DynamicCache):
+            while len(cache.layers) < cfg.effective_depth(loops):  # per-loop caching: one layer per call
+                cache.layers.append(DynamicLayer())
+        mask = None
+        if start > 0 or (attention_mask is not None and not bool(attention_mask.all())):
+            q_pos = torch.arange(start, start + t, device=input_ids.device)[:, None]
+            k_pos = torch.arange(start + t, device=input_ids.device)[None, :]
+            mask = (k_pos <= q_pos)[None, None]
+            if attention_mask is not None:
+                mask = (mask & attention_mask.bool()[:, None, None, :]) | (k_pos == q_pos)[None, None]
+        x = self.embed(input_ids)
+        for j, layer in enumerate(self.input_layers):
+            x = layer(x, None, start, mask, cache, j)
+        core, h_in = self.core, x
+        s, c = h_in, None
+        for i in range(1, loops + 1):
+            if core.conditioner is not None and cfg.conditioning_active:
+                c = core.conditioner(i, loops, cfg.max_loops)
+            s_tilde = core.update.inject(s, h_in)
+            r = s_tilde
+            for j, layer in enumerate(core.layers):
+                r = layer(r, c, start, mask, cache, cfg.n_in + (i - 1) * cfg.n_rec + j)
+            s = core.update(s, r, s_tilde)
+        first_out = cfg.n_in + loops * cfg.n_rec
+        for j, layer in enumerate(self.output_layers):
+            s = layer(s, c, start, mask, cache, first_out + j)
+        return self.norm(s)
+
+
+class ELRForCausalLM(ELRPreTrainedModel, GenerationMixin):
+    """ELR looped LM with a language-model head; ``loops`` picks the loop count k per call."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed.weight"}
+
+    def __init__(self, config: ELRConfig) -> None:
+        super().__init__(config)
+        self.model = ELRModel(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        cache: Optional[Cache] = None,
+        loops: Optional[int] = None,
+        labels: Optional[Tensor] = None,
+        use_cache: Optional[bool] = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Logits at loop count ``loops`` (default ``config.default_loops``); any k >= 1.
+
+        Args:
+            input_ids: ``[B, T]`` token ids.
+            attention_mask: ``[B, past + T]``, 1 on tokens and 0 on (left) padding.
+            cache: A ``DynamicCache`` (per-loop caching), or ``None``; older transformers pass it
+                as ``past_key_values``.
+            loops: The loop count k.
+            labels: Targets for the shifted next-token cross-entropy, -100 ignored.
+            use_cache: Create a ``DynamicCache`` when none is given.
+            logits_to_keep: Compute logits for the last this-many positions only (0: all).
+        """
+        loops = self.config.default_loops if loops is None else int(loops)
+        if loops < 1:
+            raise ValueError(f"loops={loops} must be >= 1")
+        cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        hidden = self.model(input_ids, loops, attention_mask, cache)
+        logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})

@@ -1,0 +1,273 @@
+"""``elr serve``: an OpenAI-compatible completions server over one checkpoint, with a per-request k.
+
+Built on LitServe (``pip install "elr-lightning[serve]"``). The HTTP side (:class:`CompletionsSpec`)
+validates every request before it is queued, so a bad request gets a 400 with an OpenAI-style JSON
+error naming the field and never reaches the model. The inference worker (:class:`ELRServeAPI`)
+runs LitServe's continuous-batching loop over a :class:`~elr_lightning.serve.engine.DecodeEngine`:
+requests of the same k that arrive together are decoded as one batch, and batches of different k
+advance side by side, one token per step.
+
+Endpoints: ``POST /v1/completions`` (``prompt``, ``max_tokens``, ``temperature``, ``top_p``,
+``stop``, ``stream``, ``seed`` and ``loops``), ``GET /v1/models`` (the loop counts served and their
+relative cost D_eff(k) / D_eff(1), eq. 1) and LitServe's ``GET /health``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any, Optional, Union
+
+import litserve as ls
+import torch
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from litserve.loops.continuous_batching_loop import ContinuousBatchingLoop, Output
+from litserve.specs.base import LitSpec
+from litserve.utils import LitAPIStatus, ResponseBufferItem
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing_extensions import override
+
+from elr_lightning.config import ModelConfig
+from elr_lightning.serve.engine import CompletionRequest, DecodeEngine
+from elr_lightning.tokenizers import Tokenizer
+
+
+class CompletionBody(BaseModel):
+    """The JSON body of ``POST /v1/completions``: OpenAI's completion fields plus ``loops``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    model: Optional[str] = None
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    seed: Optional[int] = None
+    loops: Optional[int] = None
+    n: int = Field(1, ge=1, le=1)
+    user: Optional[str] = None
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP ``status`` with an OpenAI error body naming ``param``."""
+
+    def __init__(self, message: str, param: Optional[str], status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": None}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def relative_costs(config: ModelConfig, loops_max: int) -> dict[str, float]:
+    """D_eff(k) / D_eff(1) for k = 1..``loops_max`` (eq. 1), keyed by ``str(k)``."""
+    return {str(k): config.effective_depth(k) / config.effective_depth(1) for k in range(1, loops_max + 1)}
+
+
+class CompletionsSpec(LitSpec):
+    """The HTTP side: request validation, ``/v1/completions`` (JSON or SSE) and ``/v1/models``.
+
+    Args:
+        config: The served model's architecture (for the loop range, costs and length limit).
+        tokenizer: Encodes prompts (to check their length) before they are queued.
+        model_name: The id ``/v1/models`` lists and responses carry.
+        loops_default: k for requests that give no ``loops``.
+        loops_max: Largest k served.
+    """
+
+    def __init__(
+        self, config: ModelConfig, tokenizer: Tokenizer, model_name: str, loops_default: int, loops_max: int
+    ) -> None:
+        super().__init__()
+        self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
+        self.loops_default, self.loops_max = loops_default, loops_max
+        self.api_path = "/v1/completions"
+        self.add_endpoint(self.api_path, self.completions, ["POST"])
+        self.add_endpoint("/v1/models", self.models, ["GET"])
+
+    @property
+    @override
+    def stream(self) -> bool:
+        return True
+
+    @override
+    def decode_request(self, request: Any, context_kwargs: Optional[dict] = None) -> Any:
+        return request
+
+    @override
+    def encode_response(self, output: Any, context_kwargs: Optional[dict] = None) -> Any:
+        return output
+
+    async def models(self) -> dict[str, Any]:
+        """``GET /v1/models``: the one model, with the loop counts it serves and their relative cost."""
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "elr-lightning",
+                    "loops": list(range(1, self.loops_max + 1)),
+                    "loops_default": self.loops_default,
+                    "max_loops_trained": self.config.max_loops,
+                    "relative_cost": relative_costs(self.config, self.loops_max),
+                    "max_seq_len": self.config.max_seq_len,
+                }
+            ],
+        }
+
+    def parse(self, raw: bytes) -> tuple[CompletionBody, CompletionRequest]:
+        """Validate a request body; raise :class:`RequestError` naming the first bad field."""
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise RequestError(f"the request body is not valid JSON ({err}); send a JSON object", "body") from err
+        if not isinstance(data, dict):
+            raise RequestError("the request body must be a JSON object", "body")
+        try:
+            body = CompletionBody.model_validate(data)
+        except ValidationError as err:
+            first = err.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or "body"
+            raise RequestError(f"{param}: {first['msg']}", param) from err
+        loops = self.loops_default if body.loops is None else body.loops
+        if not 1 <= loops <= self.loops_max:
+            raise RequestError(f"loops={loops} is out of range; this server serves loops 1..{self.loops_max}", "loops")
+        ids = tuple(self.tokenizer.encode(body.prompt))
+        need = len(ids) + body.max_tokens - 1
+        if need > self.config.max_seq_len:
+            param = "prompt" if len(ids) > self.config.max_seq_len else "max_tokens"
+            raise RequestError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens={body.max_tokens} needs {need} positions, more than "
+                f"the model's max_seq_len={self.config.max_seq_len}; shorten the prompt or lower max_tokens",
+                param,
+            )
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if len(stop) > 4 or not all(stop):
+            raise RequestError("stop must be a non-empty string or a list of at most 4 non-empty strings", "stop")
+        top_p = None if body.top_p == 1.0 else body.top_p
+        return body, CompletionRequest(ids, loops, body.max_tokens, body.temperature, top_p, body.seed, stop)
+
+    async def completions(self, request: Request) -> Any:
+        """``POST /v1/completions``."""
+        try:
+            body, job = self.parse(await request.body())
+        except RequestError as err:
+            return err.response()
+        uid = str(uuid.uuid4())
+        queue: deque = deque()
+        event = asyncio.Event()
+        self.response_buffer[uid] = ResponseBufferItem(response_queue=queue, event=event)
+        self.request_queue.put((self.response_queue_id, uid, time.monotonic(), job))
+        pieces = self.data_streamer(queue, event, send_status=True)
+        head = {"id": f"cmpl-{uid}", "object": "text_completion", "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            return StreamingResponse(self._sse(head, pieces), media_type="text/event-stream")
+        text, finish, used = [], None, 0
+        async for data, status in pieces:
+            if status == LitAPIStatus.ERROR:
+                return JSONResponse({"error": {"message": "inference failed", "type": "server_error"}}, 500)
+            piece = json.loads(data)
+            text.append(piece["text"])
+            finish, used = piece["finish_reason"], piece["completion_tokens"]
+        return {
+            **head,
+            "loops": job.loops,
+            "choices": [{"text": "".join(text), "index": 0, "logprobs": None, "finish_reason": finish}],
+            "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": used,
+                      "total_tokens": len(job.prompt_ids) + used},
+        }
+
+    async def _sse(self, head: dict[str, Any], pieces: AsyncIterator) -> AsyncIterator[str]:
+        async for data, status in pieces:
+            if status == LitAPIStatus.ERROR:
+                yield "data: " + json.dumps({"error": {"message": "inference failed", "type": "server_error"}}) + "\n\n"
+                return
+            piece = json.loads(data)
+            choice = {"text": piece["text"], "index": 0, "logprobs": None, "finish_reason": piece["finish_reason"]}
+            yield "data: " + json.dumps({**head, "choices": [choice]}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+
+class _CohortLoop(ContinuousBatchingLoop):
+    """LitServe's continuous-batching loop, resting briefly while idle instead of spinning a core."""
+
+    @override
+    async def run(self, lit_api: ls.LitAPI, *args: Any, **kwargs: Any) -> None:
+        if not lit_api.has_active_requests():
+            await asyncio.sleep(0.002)
+            return
+        await super().run(lit_api, *args, **kwargs)
+
+
+class ELRServeAPI(ls.LitAPI):
+    """The inference worker: loads the checkpoint and steps a :class:`DecodeEngine`.
+
+    Args:
+        ckpt_path: The checkpoint to serve.
+        spec: The HTTP side.
+        kv_cache: KV-cache policy name (``"last_loop"`` or ``"per_loop"``).
+        max_batch_size: Most requests decoded at once, all k together; more wait in the queue.
+        dtype: ``"float32"``, or ``"bfloat16"`` to run under autocast.
+    """
+
+    def __init__(
+        self, ckpt_path: str, spec: CompletionsSpec, kv_cache: str, max_batch_size: int, dtype: str = "float32"
+    ) -> None:
+        super().__init__(max_batch_size=max_batch_size, stream=True, spec=spec, loop=_CohortLoop())
+        self.ckpt_path, self.kv_cache, self.dtype = ckpt_path, kv_cache, dtype
+        self.engine: Optional[DecodeEngine] = None
+
+    @override
+    def setup(self, device: str) -> None:
+        from elr_lightning.generation import load_model
+
+        torch.set_flush_denormal(True)
+        model, _ = load_model(self.ckpt_path, map_location=device)
+        autocast = torch.bfloat16 if self.dtype == "bfloat16" else None
+        self.engine = DecodeEngine(model, self.spec.tokenizer, self.kv_cache, autocast)
+
+    def add_request(self, uid: str, request: CompletionRequest) -> None:
+        """Hand a validated request to the engine (called by the loop between steps)."""
+        self.engine.submit(uid, request)
+
+    @override
+    def has_active_requests(self) -> bool:
+        return self.engine is not None and self.engine.active > 0
+
+    @override
+    def has_capacity(self) -> bool:
+        return self.engine.active < self.max_batch_size
+
+    def step(self, prev_outputs: Optional[list[Output]]) -> list[Output]:
+        """One engine step: every request's new text, then a finish marker for each that ended.
+
+        If the step fails, the engine drops every request before the error reaches LitServe's loop,
+        which answers all requests in flight with an error; the server then serves new ones.
+        """
+        try:
+            events = self.engine.step()
+        except Exception:
+            self.engine.reset()
+            raise
+        outputs = []
+        for event in events:
+            piece = {"text": event.text, "finish_reason": event.finish_reason,
+                     "completion_tokens": event.completion_tokens}
+            outputs.append(Output(event.uid, piece, LitAPIStatus.OK))
+            if event.finish_reason is not None:
+                outputs.append(Output(event.uid, "", LitAPIStatus.FINISH_STREAMING))
+        return outputs
+
+    @override
+    def encode_response(self, output: Any, **kwargs: Any) -> Any:
+        return output

@@ -1,0 +1,122 @@
+"""The ``elr serve`` command: parse the flags, read the checkpoint's architecture, run LitServe."""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal, Optional
+
+import torch
+
+from elr_lightning.config import ModelConfig
+from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, choose_tokenizer
+
+
+def _parser() -> Any:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(
+        prog="elr serve",
+        description="Serve a checkpoint over an OpenAI-compatible /v1/completions with a per-request loop count.",
+    )
+    parser.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port.")
+    parser.add_argument("--host", type=Literal["127.0.0.1", "0.0.0.0"], default="127.0.0.1", help="Interface.")
+    parser.add_argument("--max_batch_size", type=int, default=8, help="Most requests decoded at once, all k together.")
+    parser.add_argument("--kv_cache", type=Literal["last_loop", "per_loop"], default="last_loop", help="KV policy.")
+    parser.add_argument("--loops_default", type=int, default=1, help="k of requests that give no `loops`.")
+    parser.add_argument(
+        "--loops_max", type=Optional[int], default=None, help="Largest k served; default the checkpoint's max_loops."
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=Optional[str],
+        default=None,
+        help="'byte' or a tokenizer.json path; default: the one saved in the checkpoint (bytes if none).",
+    )
+    parser.add_argument("--accelerator", type=str, default="auto", help="LitServe accelerator: auto, cpu or cuda.")
+    parser.add_argument("--dtype", type=Literal["float32", "bfloat16"], default="float32", help="Autocast dtype.")
+    parser.add_argument("--log_level", type=str, default="warning", help="Server log level.")
+    return parser
+
+
+def checkpoint_arch(raw: Mapping[str, Any], ckpt_path: str) -> ModelConfig:
+    """The :class:`ModelConfig` saved in a loaded Lightning checkpoint's hyperparameters.
+
+    Raises:
+        ValueError: The checkpoint holds no ELRModule hyperparameters.
+    """
+    hparams = raw.get("hyper_parameters")
+    if not isinstance(hparams, Mapping):
+        raise ValueError(f"checkpoint {ckpt_path!r} has no hyper_parameters; use one written by `elr fit`")
+    saved = raw.get("elr")
+    arch = saved.get("arch") if isinstance(saved, Mapping) and saved.get("arch") else hparams.get("arch")
+    if arch is None:
+        return ModelConfig()
+    if isinstance(arch, ModelConfig):
+        return arch
+    if isinstance(arch, Mapping):
+        return ModelConfig(**dict(arch))
+    raise ValueError(f"checkpoint {ckpt_path!r}: hyper_parameters.arch is a {type(arch).__name__}, not a ModelConfig")
+
+
+def serving_tokenizer(raw: Mapping[str, Any], override: Optional[str], config: ModelConfig) -> Tokenizer:
+    """The tokenizer to serve with: ``--tokenizer`` if given, else the checkpoint's, else bytes."""
+    return choose_tokenizer(checkpoint_tokenizer(raw), override, config.vocab_size)
+
+
+def serve_command(argv: list[str]) -> None:
+    """``elr serve``: run the completions server until SIGINT or SIGTERM.
+
+    Raises:
+        ImportError: LitServe is not installed.
+        ValueError: A bad flag, or a checkpoint that is not an ELR checkpoint.
+        FileNotFoundError: No file at ``--ckpt_path``.
+    """
+    args = _parser().parse_args(argv)
+    try:
+        import litserve as ls
+    except ImportError as err:
+        raise ImportError('elr serve needs LitServe; install it with pip install "elr-lightning[serve]"') from err
+    from elr_lightning.serve.api import CompletionsSpec, ELRServeAPI
+
+    if not os.path.isfile(args.ckpt_path):
+        raise FileNotFoundError(f"--ckpt_path {args.ckpt_path!r} does not exist")
+    raw = torch.load(args.ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"--ckpt_path {args.ckpt_path!r} is not a Lightning checkpoint")
+    config = checkpoint_arch(raw, args.ckpt_path)
+    tokenizer = serving_tokenizer(raw, args.tokenizer, config)
+    del raw
+    loops_max = config.max_loops if args.loops_max is None else args.loops_max
+    if loops_max < 1:
+        raise ValueError(f"--loops_max {loops_max} must be >= 1")
+    if loops_max > config.max_loops:
+        warnings.warn(
+            f"--loops_max {loops_max} is above the checkpoint's arch.max_loops={config.max_loops}, the loop budget it "
+            "was trained for; loops above it extrapolate"
+        )
+    if not 1 <= args.loops_default <= loops_max:
+        raise ValueError(f"--loops_default {args.loops_default} must be in 1..--loops_max ({loops_max})")
+    if args.max_batch_size < 1:
+        raise ValueError(f"--max_batch_size {args.max_batch_size} must be >= 1")
+    if not 1024 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in 1024..65535")
+    name = os.path.splitext(os.path.basename(args.ckpt_path))[0]
+    spec = CompletionsSpec(config, tokenizer, name, args.loops_default, loops_max)
+    api = ELRServeAPI(args.ckpt_path, spec, args.kv_cache, args.max_batch_size, args.dtype)
+    server = ls.LitServer(api, accelerator=args.accelerator, devices=1, workers_per_device=1, timeout=False)
+
+    main_pid = os.getpid()
+
+    def stop(signum: int, frame: Any) -> None:
+        if os.getpid() == main_pid:
+            raise KeyboardInterrupt  # LitServer shuts its workers down on KeyboardInterrupt
+        raise SystemExit(0)  # a forked HTTP worker that LitServer is terminating: exit quietly
+
+    signal.signal(signal.SIGTERM, stop)
+    server.run(
+        host=args.host, port=args.port, num_api_servers=1, generate_client_file=False, log_level=args.log_level
+    )

@@ -1,0 +1,298 @@
+"""Tests of ``elr serve``: the batching engine against ``generate``, request validation, the real server."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from _bpe import train_bpe
+from _elr_ckpt import SERVE_ARCH, write_checkpoint
+from elr_lightning.generation import generate, load_model
+from elr_lightning.serve.api import CompletionsSpec, RequestError, relative_costs
+from elr_lightning.serve.engine import CompletionRequest, DecodeEngine, _StopText
+from elr_lightning.serve.command import checkpoint_arch, serving_tokenizer
+from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("serve") / "tiny.ckpt"
+    write_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint: Path):
+    return load_model(str(checkpoint))[0]
+
+
+def reference(model, request: CompletionRequest, policy: str, tokenizer: Tokenizer = TOK) -> str:
+    """What ``elr generate`` prints for the request (its prompt, k, seed and sampling), stop strings applied."""
+    out = generate(
+        model, [list(request.prompt_ids)], loops=request.loops, max_new_tokens=request.max_tokens, kv_cache=policy,
+        temperature=request.temperature, top_p=request.top_p, seed=request.seed, eos_id=tokenizer.eos_id,
+    )
+    ids = out.new_tokens[0].tolist()
+    if tokenizer.eos_id in ids:
+        ids = ids[: ids.index(tokenizer.eos_id)]
+    text = tokenizer.decode(ids)
+    cuts = [i for i in (text.find(s) for s in request.stop) if i >= 0]
+    return text[: min(cuts)] if cuts else text
+
+
+def run_engine(engine: DecodeEngine, requests: dict[str, CompletionRequest]) -> tuple[dict[str, str], dict[str, str]]:
+    texts, finish = {u: "" for u in requests}, {}
+    for uid, request in requests.items():
+        engine.submit(uid, request)
+    while engine.active:
+        for event in engine.step():
+            assert event.uid not in finish, "an event after the request finished"
+            texts[event.uid] += event.text
+            if event.finish_reason is not None:
+                finish[event.uid] = event.finish_reason
+    return texts, finish
+
+
+REQUESTS = {
+    "a": CompletionRequest(tuple(TOK.encode("def f(x):")), 1, 12, 0.0),
+    "b": CompletionRequest(tuple(TOK.encode("import os")), 2, 10, 1.0, 0.9, 7),
+    "c": CompletionRequest(tuple(TOK.encode("ab")), 3, 14, 0.8, None, 3),
+    "d": CompletionRequest(tuple(TOK.encode("class A:\n")), 2, 9, 1.0, None, 11),
+    "e": CompletionRequest(tuple(TOK.encode("x = 1")), 3, 12, 0.0),
+}
+
+
+@pytest.mark.parametrize("policy", ["last_loop", "per_loop"])
+def test_engine_equals_generate_for_mixed_k(model, policy: str) -> None:
+    engine = DecodeEngine(model, TOK, policy)
+    texts, finish = run_engine(engine, REQUESTS)
+    for uid, request in REQUESTS.items():
+        assert texts[uid] == reference(model, request, policy), uid
+        assert finish[uid] == "length"
+    assert len({texts["a"], texts["e"]}) == 2
+
+
+def test_engine_batches_same_k_together(model) -> None:
+    engine = DecodeEngine(model, TOK, "last_loop")
+    for uid, request in REQUESTS.items():
+        engine.submit(uid, request)
+    engine.step()
+    assert sorted(engine.cohort_sizes()) == [(1, 1), (2, 2), (3, 2)]
+    late = CompletionRequest(tuple(TOK.encode("late")), 2, 3, 0.0)
+    engine.submit("late", late)
+    events = engine.step()
+    assert {e.uid for e in events} == set(REQUESTS) | {"late"}
+    assert sorted(engine.cohort_sizes()) == [(1, 1), (2, 1), (2, 2), (3, 2)]
+
+
+def test_engine_stop_strings_and_text_before_them(model) -> None:
+    free = CompletionRequest(tuple(TOK.encode("def f(x):")), 2, 24, 1.0, None, 5)
+    text = reference(model, free, "last_loop")
+    stop = text[5:7]
+    request = CompletionRequest(free.prompt_ids, 2, 24, 1.0, None, 5, (stop, "\x00never"))
+    texts, finish = run_engine(DecodeEngine(model, TOK, "last_loop"), {"s": request})
+    assert texts["s"] == text[: text.find(stop)] and finish["s"] == "stop"
+
+
+def test_serving_uses_the_checkpoint_tokenizer_and_detokenises_bpe(tmp_path: Path) -> None:
+    bpe = HFTokenizer(str(train_bpe(tmp_path / "bpe.json", vocab_size=300)))
+    path = tmp_path / "bpe.ckpt"
+    write_checkpoint(path, dataclasses.replace(SERVE_ARCH, vocab_size=320), tokenizer=bpe)
+    raw = torch.load(path, weights_only=False)
+    tokenizer = serving_tokenizer(raw, None, checkpoint_arch(raw, str(path)))
+    assert tokenizer.fingerprint() == bpe.fingerprint() and tokenizer.eos_id is not None
+    assert isinstance(serving_tokenizer(raw, "byte", checkpoint_arch(raw, str(path))), ByteTokenizer)
+    model = load_model(str(path))[0]
+    requests = {f"r{k}": CompletionRequest(tuple(bpe.encode("def decode(self, s):")), k, 16, 1.0, None, k) for k in (1, 2, 3)}
+    texts, finish = run_engine(DecodeEngine(model, tokenizer, "per_loop"), requests)
+    for uid, request in requests.items():
+        assert texts[uid] == reference(model, request, "per_loop", tokenizer)
+        assert finish[uid] in ("stop", "length")
+
+
+@given(st.text(alphabet="ab\n", max_size=30), st.lists(st.text(alphabet="ab\n", min_size=1, max_size=3), max_size=3),
+       st.integers(1, 4))
+def test_stop_text_releases_exactly_the_text_before_the_first_stop(text: str, stops: list[str], chunk: int) -> None:
+    gate, out, stopped = _StopText(stops), "", False
+    for i in range(0, len(text), chunk):
+        piece, stopped = gate.feed(text[i : i + chunk])
+        out += piece
+        if stopped:
+            break
+    if not stopped:
+        out += gate.flush()
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    assert out == (text[: min(cuts)] if cuts else text)
+    assert stopped == bool(cuts)
+
+
+@pytest.fixture(scope="module")
+def spec() -> CompletionsSpec:
+    return CompletionsSpec(SERVE_ARCH, TOK, "tiny", loops_default=1, loops_max=3)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b'{"prompt": "x"', "body"),
+        (b'["x"]', "body"),
+        (b'{"prompt": ""}', "prompt"),
+        (b'{"max_tokens": 3}', "prompt"),
+        (b'{"prompt": "x", "loops": 0}', "loops"),
+        (b'{"prompt": "x", "loops": 4}', "loops"),
+        (b'{"prompt": "x", "max_tokens": -2}', "max_tokens"),
+        (b'{"prompt": "x", "max_tokens": 65}', "max_tokens"),
+        (('{"prompt": "' + "y" * 65 + '"}').encode(), "prompt"),
+        (b'{"prompt": "x", "temperature": -1}', "temperature"),
+        (b'{"prompt": "x", "top_p": 0}', "top_p"),
+        (b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
+        (b'{"prompt": "x", "n": 2}', "n"),
+        (b'{"prompt": "x", "frequency_penalty": 1}', "frequency_penalty"),
+    ],
+)
+def test_bad_requests_name_the_field(spec: CompletionsSpec, body: bytes, param: str) -> None:
+    with pytest.raises(RequestError) as info:
+        spec.parse(body)
+    assert info.value.param == param and info.value.status == 400
+    assert json.loads(info.value.response().body)["error"]["param"] == param
+
+
+def test_good_request_parses_with_defaults(spec: CompletionsSpec) -> None:
+    _, job = spec.parse(b'{"prompt": "hi", "stop": "\\n", "top_p": 1.0}')
+    assert job == CompletionRequest((104, 105), 1, 16, 1.0, None, None, ("\n",))
+    assert relative_costs(SERVE_ARCH, 3) == {"1": 1.0, "2": 6 / 4, "3": 8 / 4}
+
+
+# ---- the real server, over HTTP --------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def post(url: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.slow
+def test_server_answers_concurrent_k_like_generate_and_shuts_down_cleanly(checkpoint: Path, model) -> None:
+    openai = pytest.importorskip("openai")
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "elr_lightning.cli", "serve", "--ckpt_path", str(checkpoint), "--port", str(port),
+         "--max_batch_size", "8", "--accelerator", "cpu"],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()[-2000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not become healthy in 90 s"
+            time.sleep(0.5)
+
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=60, max_retries=0)
+        listed = client.models.list().data[0].model_dump()
+        assert listed["loops"] == [1, 2, 3] and listed["relative_cost"] == relative_costs(SERVE_ARCH, 3)
+
+        prompts = ["def main(", "import sys", "class Foo"]
+        jobs = [(p, k, stream, seed) for p, seed in zip(prompts, (1, 2, 3)) for k in (1, 2, 3) for stream in (False, True)]
+
+        def ask(job):
+            prompt, k, stream, seed = job
+            kwargs = dict(model="tiny", prompt=prompt, max_tokens=10, temperature=0.9, seed=seed, extra_body={"loops": k})
+            if not stream:
+                choice = client.completions.create(**kwargs).choices[0]
+                return choice.text, choice.finish_reason
+            chunks = list(client.completions.create(stream=True, **kwargs))
+            return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            answers = list(pool.map(ask, jobs))
+        for (prompt, k, _, seed), (text, finish) in zip(jobs, answers):
+            request = CompletionRequest(tuple(TOK.encode(prompt)), k, 10, 0.9, None, seed)
+            assert text == reference(model, request, "last_loop"), (prompt, k)
+            assert finish == "length"
+        by_k = {k: text for (p, k, s, _), (text, _) in zip(jobs, answers) if p == prompts[0] and not s}
+        assert len(set(by_k.values())) > 1, "every k gave the same text; the loop count is not reaching the model"
+
+        for body, param in [(b'{"prompt": "x", "loops": 9}', "loops"), (b'{"prompt": ""}', "prompt"),
+                            (b"{not json", "body"), (b'{"prompt": "x", "max_tokens": -1}', "max_tokens")]:
+            status, answer = post(f"{base}/v1/completions", body)
+            assert status == 400 and answer["error"]["param"] == param
+        with pytest.raises(openai.BadRequestError, match="loops"):
+            client.completions.create(model="tiny", prompt="x", extra_body={"loops": 0})
+        status, answer = post(f"{base}/v1/completions", b'{"prompt": "def", "max_tokens": 3, "loops": 2}')
+        assert status == 200 and answer["usage"]["completion_tokens"] == 3, "the server stopped serving"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        finally:
+            deadline = time.monotonic() + 30
+            while group_alive(server.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            stray = group_alive(server.pid)
+            if stray:
+                os.killpg(server.pid, signal.SIGKILL)
+            server.stderr.close()
+    assert not stray, "processes of the server were left running after SIGTERM"
+
+
+def test_serve_command_refuses_bad_flags_before_starting(checkpoint: Path, tmp_path: Path) -> None:
+    from elr_lightning.cli import main
+
+    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+        main(["serve", "--ckpt_path", str(tmp_path / "missing.ckpt")])
+    with pytest.raises(ValueError, match="--loops_default 4 must be in 1..--loops_max"):
+        main(["serve", "--ckpt_path", str(checkpoint), "--loops_default", "4"])
+    with pytest.raises(ValueError, match="--max_batch_size 0"):
+        main(["serve", "--ckpt_path", str(checkpoint), "--max_batch_size", "0"])
+
+
+def test_engine_reset_drops_every_request(model) -> None:
+    engine = DecodeEngine(model, TOK, "last_loop")
+    engine.submit("a", REQUESTS["a"])
+    engine.step()
+    engine.submit("b", REQUESTS["b"])
+    assert sorted(engine.reset()) == ["a", "b"] and engine.active == 0 and engine.step() == []
