@@ -13,6 +13,7 @@ from typing_extensions import override
 from elr_lightning.cost import main as cost_main
 from elr_lightning.data import TextDataModule, resolve_sources
 from elr_lightning.generation import generate_command
+from elr_lightning.errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, report_errors
 from elr_lightning.module import ELRModule
 from elr_lightning.tokenizers import load_tokenizer
 
@@ -36,16 +37,30 @@ EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {"cost": cost_main, "ge
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """Entry point of the ``elr`` console script."""
+    """Entry point of the ``elr`` console script.
+
+    A failure prints one line naming the field or file and exits with status 1; ``--debug`` (or
+    ``ELR_DEBUG=1``) shows the traceback instead (see :mod:`elr_lightning.errors`).
+    """
+    debug, argv = debug_requested(sys.argv[1:] if args is None else list(args))
+    if args is None:
+        sys.argv[1:] = argv  # Lightning's launchers re-run sys.argv for the other ranks
+    with report_errors(debug):
+        run(argv if args is not None else None)
+
+
+def run(args: Optional[list[str]] = None) -> None:
+    """Run one ``elr`` command (``args``, else ``sys.argv[1:]``); exceptions propagate to ``main``."""
+    argv = sys.argv[1:] if args is None else list(args)
     torch.set_flush_denormal(True)  # subnormals slowed CPU backward passes several-fold mid-run
     # Lightning's own use of a deprecated torch pytree API; nothing a user can act on.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    argv = sys.argv[1:] if args is None else list(args)
     if argv and argv[0] in EXTRA_COMMANDS:
         EXTRA_COMMANDS[argv[0]](argv[1:])
         return
     if not argv or argv[0] in ("-h", "--help"):
         print(f"ELR commands besides Lightning's: {', '.join(sorted(EXTRA_COMMANDS))} (elr COMMAND --help)")
+        print(f"{DEBUG_FLAG} (or {DEBUG_ENV}=1) shows the traceback of a failure")
     ELRCLI(
         ELRModule,
         TextDataModule,
@@ -53,6 +68,7 @@ def main(args: Optional[list[str]] = None) -> None:
         subclass_mode_data=True,
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"exit_on_error": False},
         args=args,
     )
 

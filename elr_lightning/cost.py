@@ -117,7 +117,9 @@ def format_report(report: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> None:
     """``elr cost --config FILE [--json]``."""
-    parser = ArgumentParser(prog="elr cost", description="Parameters and compute per loop count of a config.")
+    parser = ArgumentParser(
+        prog="elr cost", description="Parameters and compute per loop count of a config.", exit_on_error=False
+    )
     parser.add_argument("--config", type=str, required=True, help="An `elr fit` YAML file.")
     parser.add_argument("--loops", type=Optional[list[int]], default=None, help="Loop counts to report.")
     parser.add_argument("--json", type=bool, default=False, help="Print JSON instead of a table.")

@@ -133,16 +133,21 @@ class ELRModule(LightningModule):
         arch = ModelConfig() if arch is None else arch
         self.sampler = _checked_sampler(OneLoopOverride(arch.max_loops, 0.15) if sampler is None else sampler, arch)
         if virtual_ranks < 1:
-            raise ValueError(f"virtual_ranks={virtual_ranks} must be >= 1")
+            raise ValueError(f"model.init_args.virtual_ranks={virtual_ranks} must be >= 1")
         self.virtual_ranks = virtual_ranks
         self.val_loops = list(range(1, arch.max_loops + 1)) if val_loops is None else sorted(set(val_loops))
         if not self.val_loops or min(self.val_loops) < 1:
-            raise ValueError(f"val_loops={val_loops} must be a non-empty list of loop counts >= 1")
-        if lr <= 0 or weight_decay < 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0:
             raise ValueError(
-                f"need lr > 0 (got {lr}), weight_decay >= 0 (got {weight_decay}), "
-                f"warmup_steps >= 0 (got {warmup_steps}) and min_lr_ratio in [0, 1] (got {min_lr_ratio})"
+                f"model.init_args.val_loops={val_loops} must be a non-empty list of loop counts >= 1, e.g. [1, 2]"
             )
+        for name, value, ok, rule in (
+            ("lr", lr, lr > 0, "> 0"),
+            ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
+            ("warmup_steps", warmup_steps, warmup_steps >= 0, ">= 0"),
+            ("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]"),
+        ):
+            if not ok:
+                raise ValueError(f"model.init_args.{name}={value} must be {rule}")
         # Plug-in objects are copied: the caller's (or, on load, the unpickled hparams') instances may
         # share storage with other tensors, and the model's init routine writes into what it owns.
         update, conditioner = copy_with_roles(update), copy_with_roles(conditioner)

@@ -18,7 +18,7 @@ from elr_lightning.callbacks import ComputeAccounting, DelayedMixedDepth, Delaye
 from elr_lightning.callbacks.delayed_mixed_depth import load_weights_where_present
 from elr_lightning.callbacks.switch import SwitchPoint
 from elr_lightning.callbacks.zero_init_conditioning import conditioning_parameters, zero_heads
-from elr_lightning.cli import main
+from elr_lightning.cli import run
 from conftest import SWITCH_ARCH, switch_module
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
@@ -354,7 +354,7 @@ def test_yaml_fragment_adds_the_callbacks_to_a_config(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["elr"])
     fragment = str(ROOT / "callbacks/delayed_mixed_depth.yaml")
     with pytest.raises(SystemExit):
-        main(["fit", "--config", str(ROOT / "config/quickstart.yaml"), "--config", fragment, "--print_config"])
+        run(["fit", "--config", str(ROOT / "config/quickstart.yaml"), "--config", fragment, "--print_config"])
     callbacks = yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]
     names = [cb["class_path"].rsplit(".", 1)[-1] for cb in callbacks]
     assert names[-3:] == ["DelayedMixedDepth", "ZeroInitConditioning", "ComputeAccounting"]

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from conftest import GQA_CONFIG, perturbed_model
 from elr_lightning.cache import KVCache, LastLoopCache, PerLoopCache
-from elr_lightning.cli import main
+from elr_lightning.cli import run
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.fold import FoldedLM, fold_conditioning
 from elr_lightning.generation import generate, layer_caches
@@ -137,6 +137,7 @@ def test_cli_generate_fold_streams_the_same_text(tmp_path: Path, capsys: pytest.
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(torch.randint(0, 256, (4, 9)), batch_size=4))
     with torch.no_grad():
@@ -146,9 +147,9 @@ def test_cli_generate_fold_streams_the_same_text(tmp_path: Path, capsys: pytest.
     trainer.save_checkpoint(path)
     args = ["generate", "--ckpt_path", str(path), "--prompt", "hi", "--loops", "2", "--max_new_tokens", "10",
             "--temperature", "0", "--tokenizer", "byte"]  # fmt: skip
-    main(args)
+    run(args)
     plain = capsys.readouterr().out
-    main([*args, "--fold"])
+    run([*args, "--fold"])
     assert capsys.readouterr().out == plain
 
 

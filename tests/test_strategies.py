@@ -26,7 +26,7 @@ from torch import nn
 
 import _dist_worker
 from conftest import tiny_config
-from elr_lightning.cli import main as cli_main
+from elr_lightning.cli import run as cli_main
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
