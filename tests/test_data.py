@@ -438,3 +438,20 @@ def test_lightning_resume_is_exact(tmp_path: Path, corpus: Path) -> None:
     for step in (3, 4, 6):  # mid-epoch, at the epoch boundary, mid-way through the second epoch
         resumed = _fit(tmp_path, corpus, 10, None, str(ckpts / f"step={step}.ckpt"))
         assert resumed == full[step:], f"resume from step {step}"
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"\x7fELF\x02\x01\x01\x00\x00\x00 an executable", r"'.*prog' is not a text file \(NUL byte at offset 7\)"),
+        (b"caf\xe9 au lait", r"'.*prog' is not UTF-8 text \(byte 3"),
+    ],
+)
+def test_binary_or_non_utf8_sources_are_refused_by_name(
+    tmp_path: Path, corpus: Path, content: bytes, match: str
+) -> None:
+    (tmp_path / "prog").write_bytes(content)
+    dm = make_dm(tmp_path, sources=[str(corpus / "a.txt"), str(tmp_path / "prog")])
+    with pytest.raises(ValueError, match=match):
+        dm.prepare_data()
+    assert [p for p in os.listdir(tmp_path / "cache") if p.endswith((".bin", ".json"))] == []

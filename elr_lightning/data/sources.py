@@ -97,11 +97,34 @@ def resolve_sources(sources: Optional[Sequence[str]]) -> list[str]:
     return list(dict.fromkeys(files))
 
 
+def read_text(path: str) -> str:
+    """The contents of ``path`` as UTF-8 text, refusing binary files by name.
+
+    Raises:
+        ValueError: The file holds a NUL byte (a binary file, e.g. an executable) or bytes that are not
+            UTF-8.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(
+            f"data.sources: {path!r} is not a text file (NUL byte at offset {nul}); remove it from data.sources"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"data.sources: {path!r} is not UTF-8 text (byte {err.start}: {err.reason}); convert it to UTF-8 "
+            "or remove it from data.sources"
+        ) from err
+
+
 def iter_documents(files: Sequence[str], text_field: str = "text") -> Iterator[str]:
     """Yield the documents of the corpus: one per plain file, one per ``.jsonl`` record.
 
-    Plain files are read as UTF-8 with invalid bytes replaced. Each non-blank line of a ``.jsonl``
-    file must be a JSON object whose ``text_field`` is a string.
+    Every file must be UTF-8 text without NUL bytes (:func:`read_text`). Each non-blank line of a
+    ``.jsonl`` file must be a JSON object whose ``text_field`` is a string.
 
     Args:
         files: Files from :func:`resolve_sources`.
@@ -111,33 +134,32 @@ def iter_documents(files: Sequence[str], text_field: str = "text") -> Iterator[s
         Document texts, in file order.
 
     Raises:
-        ValueError: A ``.jsonl`` line is not JSON, or lacks a string ``text_field``.
+        ValueError: A file is not text, or a ``.jsonl`` line is not JSON or lacks a string ``text_field``.
     """
     for path in files:
+        text = read_text(path)
         if not path.endswith(".jsonl"):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                yield f.read()
+            yield text
             continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"data.sources: {path}:{lineno} is not valid JSON ({err.msg})") from err
-                if not isinstance(record, dict) or text_field not in record:
-                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                    raise ValueError(
-                        f"data.text_field: record at {path}:{lineno} has no {text_field!r} field "
-                        f"(found {keys}); set data.text_field to the key holding the text"
-                    )
-                text = record[text_field]
-                if not isinstance(text, str):
-                    raise ValueError(
-                        f"data.text_field: {text_field!r} at {path}:{lineno} is a {type(text).__name__}, not a string"
-                    )
-                yield text
+        for lineno, line in enumerate(text.split("\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"data.sources: {path}:{lineno} is not valid JSON ({err.msg})") from err
+            if not isinstance(record, dict) or text_field not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise ValueError(
+                    f"data.text_field: record at {path}:{lineno} has no {text_field!r} field "
+                    f"(found {keys}); set data.text_field to the key holding the text"
+                )
+            value = record[text_field]
+            if not isinstance(value, str):
+                raise ValueError(
+                    f"data.text_field: {text_field!r} at {path}:{lineno} is a {type(value).__name__}, not a string"
+                )
+            yield value
 
 
 def capped_documents(documents: Iterator[str], max_bytes: Optional[int]) -> Iterator[str]:
