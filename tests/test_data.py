@@ -455,3 +455,18 @@ def test_binary_or_non_utf8_sources_are_refused_by_name(
     with pytest.raises(ValueError, match=match):
         dm.prepare_data()
     assert [p for p in os.listdir(tmp_path / "cache") if p.endswith((".bin", ".json"))] == []
+
+
+def test_an_edit_that_keeps_size_and_mtime_is_not_served_from_the_cache(tmp_path: Path) -> None:
+    source = tmp_path / "doc.txt"
+    source.write_text("".join(f"old line {i}\n" for i in range(200)))
+    stat = source.stat()
+    dm = make_dm(tmp_path, sources=[str(source)], seq_len=16, batch_size=2)
+    dm.setup()
+    before = ByteTokenizer().decode(np.asarray(dm.tokens).tolist())
+    source.write_text(before.replace("old", "new"))  # same size
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same mtime, as `cp -p` or a restore leaves it
+    dm = make_dm(tmp_path, sources=[str(source)], seq_len=16, batch_size=2)
+    dm.setup()
+    after = ByteTokenizer().decode(np.asarray(dm.tokens).tolist())
+    assert "old" in before and "old" not in after and "new line 199" in after

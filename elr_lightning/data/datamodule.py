@@ -40,10 +40,26 @@ def token_dtype(vocab_size: int) -> np.dtype:
     )
 
 
-def _file_signature(path: str) -> list[Any]:
-    """Path, size and modification time of a file: changes whenever its contents may have."""
+#: Bytes hashed at each end of a source file for the cache key; smaller files are hashed whole.
+SIGNATURE_BLOCK = 1 << 20
+
+
+def file_signature(path: str) -> list[Any]:
+    """Path, size, modification time and a SHA-256 of the first and last :data:`SIGNATURE_BLOCK` bytes.
+
+    The hash catches an edit that keeps a file's size and modification time (a copy with
+    ``cp -p``, a restored backup, a coarse file-system clock). Files up to two blocks are hashed
+    whole; in larger ones an edit of the middle alone, with size and mtime unchanged, is the one
+    change the key misses.
+    """
     st = os.stat(path)
-    return [path, st.st_size, st.st_mtime_ns]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(SIGNATURE_BLOCK))
+        if st.st_size > SIGNATURE_BLOCK:
+            f.seek(max(SIGNATURE_BLOCK, st.st_size - SIGNATURE_BLOCK))
+            digest.update(f.read(SIGNATURE_BLOCK))
+    return [path, st.st_size, st.st_mtime_ns, digest.hexdigest()]
 
 
 class TextDataModule(pl.LightningDataModule):
@@ -60,8 +76,8 @@ class TextDataModule(pl.LightningDataModule):
 
     Cache: :meth:`prepare_data` writes ``<cache_dir>/tokens-<key>.bin`` (raw token ids, ``uint8``,
     ``uint16`` or ``int32`` by vocabulary size) and ``tokens-<key>.json`` (sidecar), where ``key``
-    hashes the tokenizer fingerprint, every source file's path, size and mtime, ``text_field`` and
-    ``max_bytes``. Both files are written through a temporary file and ``os.replace``, the sidecar
+    hashes the tokenizer fingerprint, every source file's :func:`file_signature` (path, size, mtime
+    and a hash of its first and last MiB), ``text_field`` and ``max_bytes``. Both files are written through a temporary file and ``os.replace``, the sidecar
     last, so an interrupted prepare leaves no cache that looks valid.
 
     Split: windows are ``[i * seq_len, i * seq_len + seq_len + 1)``; the last
@@ -154,7 +170,7 @@ class TextDataModule(pl.LightningDataModule):
         content = {
             "format": CACHE_FORMAT,
             "tokenizer": self.tokenizer.fingerprint(),
-            "files": [_file_signature(p) for p in files],
+            "files": [file_signature(p) for p in files],
             "text_field": self.text_field,
             "max_bytes": self.max_bytes,
         }
