@@ -79,6 +79,23 @@ def _state_dict_differences(saved: dict[str, Any], own: dict[str, Any]) -> list[
     return problems
 
 
+def non_finite_tensors(checkpoint: dict[str, Any]) -> list[str]:
+    """Names of the floating-point tensors of a checkpoint's weights and optimizer states with NaN or inf.
+
+    Sharded tensors (``DTensor``) are checked on this rank's shard only.
+    """
+
+    def bad(value: Any) -> bool:
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return isinstance(local, Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all())
+
+    names = [key for key, value in checkpoint.get("state_dict", {}).items() if bad(value)]
+    for i, optimizer in enumerate(checkpoint.get("optimizer_states", [])):
+        for param, state in optimizer.get("state", {}).items():
+            names += [f"optimizer_states[{i}].state[{param}].{key}" for key, value in state.items() if bad(value)]
+    return names
+
+
 def _listed(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (f", ... {len(names) - limit} more" if len(names) > limit else "")
 
@@ -368,6 +385,22 @@ class ELRModule(LightningModule):
     # ---- checkpoints -------------------------------------------------------------------------
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the architecture; refuse to save non-finite weights or optimizer state.
+
+        An update that makes the weights non-finite is only seen by the next forward pass; a
+        checkpoint saved in between would replace (with ``save_top_k: 1``, delete) the last good one.
+        Every rank checks its own tensors and all agree, so no file is written and every rank stops.
+
+        Raises:
+            FloatingPointError: Naming the first non-finite tensors.
+        """
+        bad = non_finite_tensors(checkpoint)
+        if not self.trainer.strategy.reduce_boolean_decision(not bad, all=True):
+            found = f"non-finite values in {_listed(bad)}" if bad else "non-finite values on another rank"
+            raise FloatingPointError(
+                f"not saving the checkpoint of step {self.trainer.global_step}: {found}; the last good checkpoint "
+                "is kept. Lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
+            )
         checkpoint["elr"] = {"arch": dataclasses.asdict(self.arch)}
 
     @override
