@@ -301,9 +301,12 @@ class ELRModule(LightningModule):
         schedule = self.step_schedule()
         loops = schedule[self.local_shards()]
         loss = self.shard_loss(batch, loops)
-        if not torch.isfinite(loss):
+        finite = bool(torch.isfinite(loss))
+        # Every rank takes part, so a rank-local NaN stops all ranks now, not at the collective timeout.
+        if not self.trainer.strategy.reduce_boolean_decision(finite, all=True):
+            where = f"is {loss.item()}" if not finite else "is finite here but not on another rank"
             raise FloatingPointError(
-                f"train/loss is {loss.item()} at step {self.trainer.global_step} (loops {loops}); "
+                f"train/loss {where} at step {self.trainer.global_step} (loops {loops}); "
                 "lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
             )
         self._loop_log.extend(schedule)

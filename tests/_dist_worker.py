@@ -95,7 +95,8 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     """Train one case; return this rank's ``{"state", "loops", "rank", "fsdp_units"}``.
 
     A case names ``virtual_ranks``, the per-rank ``batch_size``, and optionally ``accumulate``
-    (micro-batches per step), ``conditioner_active`` and ``meta_init``. The result also holds the
+    (micro-batches per step), ``conditioner_active``, ``meta_init``, and ``nan_rank``/``nan_step``
+    (that rank's loss is NaN at that step; the result is then ``{"rank", "error", "step"}``). The result also holds the
     per-micro-batch ``losses`` and, from the start of training, the ``initial`` state and the
     optimizer ``groups`` (``{name: {"weight_decay", "params"}}``).
     """
@@ -118,7 +119,21 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         enable_model_summary=False,
         callbacks=[record],
     )
-    trainer.fit(module, datamodule=data)
+    if "nan_rank" in case:  # this rank's loss turns NaN at that step, the other ranks' stays finite
+        shard_loss = module.shard_loss
+
+        def poisoned(batch: torch.Tensor, loops: list[int]) -> torch.Tensor:
+            loss = shard_loss(batch, loops)
+            hit = trainer.global_rank == case["nan_rank"] and trainer.global_step == case["nan_step"]
+            return loss * float("nan") if hit else loss
+
+        module.shard_loss = poisoned  # type: ignore[method-assign]
+    try:
+        trainer.fit(module, datamodule=data)
+    except FloatingPointError as err:
+        if "nan_rank" not in case:
+            raise
+        return {"rank": trainer.global_rank, "error": str(err), "step": trainer.global_step}
     units = [name for name, m in module.model.named_modules() if isinstance(m, FSDPModule)]
     return {
         "state": full_state(module),

@@ -193,6 +193,16 @@ def test_fsdp_meta_init_trains_like_an_eager_init(corpus, tmp_path):
     assert moved > 1e-2, "training barely moved the meta-initialised parameters"
 
 
+@pytest.mark.slow
+def test_a_nan_loss_on_one_rank_stops_every_rank_at_once(corpus, tmp_path):
+    """Without agreement the finite rank waits in the gradient all-reduce until the collective timeout."""
+    results = launch("ddp", corpus, tmp_path / "ddp", {"nan": {"virtual_ranks": 1, "nan_rank": 1, "nan_step": 2}})
+    by_rank = {r["rank"]: r for r in results["nan"]}
+    assert by_rank[1]["error"].startswith("train/loss is nan at step 2")
+    assert by_rank[0]["error"].startswith("train/loss is finite here but not on another rank at step 2")
+    assert all(r["step"] == 2 for r in by_rank.values())
+
+
 # ---- the data-parallel layout ---------------------------------------------------------------------
 
 
