@@ -222,7 +222,6 @@ class TextDataModule(pl.LightningDataModule):
         if self._read_sidecar(key) is not None:
             return
         bin_path, json_path = self.cache_paths(key)
-        os.makedirs(self.cache_dir, exist_ok=True)
         separator = np.asarray(self.separator(), dtype=np.int64)
         vocab_size = self.tokenizer.vocab_size
         num_tokens = 0
@@ -244,7 +243,7 @@ class TextDataModule(pl.LightningDataModule):
                 f.write(ids.astype(self.dtype).tobytes())
                 num_tokens += int(ids.size)
 
-        write_atomically(bin_path, write_tokens)
+        self._write_cache(bin_path, write_tokens)
         if text_tokens == 0:
             os.remove(bin_path)
             raise ValueError(f"data.sources: the {len(files)} source file(s) contain no text")
@@ -260,7 +259,17 @@ class TextDataModule(pl.LightningDataModule):
             "text_field": self.text_field,
             "max_bytes": self.max_bytes,
         }
-        write_atomically(json_path, lambda f: f.write(json.dumps(meta, indent=1).encode("utf-8")))
+        self._write_cache(json_path, lambda f: f.write(json.dumps(meta, indent=1).encode("utf-8")))
+
+    def _write_cache(self, path: str, write: Any) -> None:
+        try:
+            write_atomically(path, write)
+        except OSError as err:
+            reason = getattr(err.__cause__, "strerror", None) or err.strerror or err
+            raise type(err)(
+                f"data.cache_dir {self.cache_dir!r} cannot hold the token cache ({reason}); "
+                "point data.cache_dir at a writable folder"
+            ) from err
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Open the shard (preparing it if absent) and split its windows into train and validation.
