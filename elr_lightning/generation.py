@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from elr_lightning.cache import KVCache, LastLoopCache, PerLoopCache
+from elr_lightning.checkpoint_io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.fold import FoldedLM, fold_conditioning
 from elr_lightning.model import LoopedLM
@@ -706,6 +707,7 @@ def generate_command(argv: list[str]) -> None:
             f"--ckpt_path {args.ckpt_path!r} is a directory; give a .ckpt file (a sharded FSDP checkpoint folder "
             "must be consolidated first, e.g. with lightning.pytorch.utilities.consolidate_checkpoint)"
         )
+    verify_checkpoint_path(args.ckpt_path, "--ckpt_path")
     if not text:
         raise ValueError("the prompt is empty; pass some text with --prompt or --prompt_file")
     tokenizer = load_tokenizer(args.tokenizer)

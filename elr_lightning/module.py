@@ -31,7 +31,7 @@ warnings.filterwarnings("ignore", message=r"Attribute '(update|conditioner)' is 
 
 
 #: ``arch`` fields that a checkpoint may differ in: they set the init or the RoPE table's length only.
-_ARCH_FREE_FIELDS = ("init_std", "max_seq_len")
+ARCH_FREE_FIELDS = ("init_std", "max_seq_len")
 
 
 def _checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:
@@ -424,7 +424,7 @@ class ELRModule(LightningModule):
             problems += [
                 f"arch.{key}: checkpoint {saved_arch[key]!r}, this model {mine[key]!r}"
                 for key in mine
-                if key in saved_arch and key not in _ARCH_FREE_FIELDS and saved_arch[key] != mine[key]
+                if key in saved_arch and key not in ARCH_FREE_FIELDS and saved_arch[key] != mine[key]
             ]
         state = checkpoint.get("state_dict")
         if state is not None and self.strict_loading:

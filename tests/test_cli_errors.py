@@ -11,6 +11,7 @@ field or file the message names.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +19,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import torch
 
-from elr_lightning.cli import main
+from elr_lightning.cli import main, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,6 +79,17 @@ CASES: dict[str, Case] = {
     "cost_missing_config": Case(["cost", "--config", "nope.yaml"], "nope.yaml"),
     "generate_missing_ckpt": Case(["generate", "--ckpt_path", "nope.ckpt", "--prompt", "x"], "nope.ckpt"),
     "generate_ckpt_is_a_directory": Case(["generate", "--ckpt_path", "cache", "--prompt", "x"], "--ckpt_path"),
+    "cache_dir_not_writable": Case([*FIT, "--data.init_args.cache_dir", "a_file/cache"], "data.cache_dir"),
+    "fit_ckpt_is_a_folder": Case([*FIT, "--ckpt_path", "cache"], "--ckpt_path 'cache' is a folder"),
+    "fit_truncated_ckpt": Case([*FIT, "--ckpt_path", "truncated.ckpt"], "'truncated.ckpt'"),
+    "validate_bit_flipped_ckpt": Case(
+        ["validate", "--config", "tiny.yaml", "--ckpt_path", "flipped.ckpt"], "'flipped.ckpt'"
+    ),
+    "generate_bit_flipped_ckpt": Case(["generate", "--ckpt_path", "flipped.ckpt", "--prompt", "x"], "CRC check"),
+    "resume_with_another_d_model": Case(
+        [*FIT, "--model.init_args.arch.d_model", "32", "--ckpt_path", "run.ckpt"], "model.init_args.arch.d_model is 32"
+    ),
+    "resume_with_another_lr": Case([*FIT, "--model.init_args.lr", "0.01", "--ckpt_path", "run.ckpt"], "init_args.lr"),
     "generate_prompt_not_utf8": Case(
         ["generate", "--ckpt_path", "nope.ckpt", "--prompt_file", "binary.bin"], "--prompt_file"
     ),
@@ -107,6 +120,20 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (path / "corpus.txt").write_text("".join(f"line {i}: {i * 7919 % 1000}\n" for i in range(300)))
     (path / "binary.bin").write_bytes(b"\xff\xfe\x00\x01 not text \xd0")
     (path / "cache").mkdir()
+    (path / "a_file").write_text("a file where a folder should be")
+    torch.save({"state_dict": {"w": torch.arange(4096.0)}}, path / "good.ckpt")
+    data = (path / "good.ckpt").read_bytes()
+    (path / "truncated.ckpt").write_bytes(data[: len(data) // 2])
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x01  # inside the tensor's record: torch.load alone would not notice
+    (path / "flipped.ckpt").write_bytes(bytes(flipped))
+    cwd = os.getcwd()
+    os.chdir(path)
+    try:
+        run(["fit", "--config", "tiny.yaml"])
+    finally:
+        os.chdir(cwd)
+    shutil.copy(next((path / "run" / "checkpoints").glob("*.ckpt")), path / "run.ckpt")
     return path
 
 
@@ -154,3 +181,13 @@ def test_debug_shows_the_traceback(results: dict[str, subprocess.CompletedProces
     assert proc.returncode == 1
     assert "Traceback (most recent call last)" in proc.stderr
     assert "arch.n_heads" in proc.stderr
+
+
+def test_resuming_or_validating_with_the_checkpoints_own_values_still_works(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(workdir)
+    run([*FIT, "--ckpt_path", "run.ckpt", "--trainer.max_steps", "4", "--trainer.default_root_dir", "resumed"])
+    assert torch.load(next((workdir / "resumed" / "checkpoints").glob("*.ckpt")), weights_only=False)["global_step"] == 4
+    # validate may differ in what it measures (val_loops), not in the architecture
+    run(["validate", "--config", "tiny.yaml", "--ckpt_path", "run.ckpt", "--model.init_args.val_loops", "[1, 2, 3]"])
