@@ -259,6 +259,12 @@ class ELRModule(LightningModule):
                 f"the tokenizer's vocabulary ({tokenizer.vocab_size}) is larger than arch.vocab_size="
                 f"{self.arch.vocab_size}; set model.init_args.arch.vocab_size >= {tokenizer.vocab_size}"
             )
+        batch_size = getattr(datamodule, "batch_size", None)
+        if stage == "fit" and isinstance(batch_size, int) and batch_size < self.virtual_ranks:
+            raise ValueError(
+                f"model.init_args.virtual_ranks={self.virtual_ranks} is larger than data.batch_size={batch_size}: "
+                "each virtual rank needs at least one sequence; raise data.batch_size or lower virtual_ranks"
+            )
         seq_len = getattr(datamodule, "seq_len", None)
         if seq_len is not None and seq_len > self.arch.max_seq_len:
             raise ValueError(

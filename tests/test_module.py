@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -141,6 +141,20 @@ def test_batch_smaller_than_virtual_ranks_is_refused():
     module = ELRModule(arch=tiny_config(), virtual_ranks=4)
     with pytest.raises(ValueError, match="virtual_ranks=4"):
         module.shard_loss(torch.zeros(2, 9, dtype=torch.long), [1, 1, 1, 1])
+
+
+def test_virtual_ranks_above_the_batch_are_refused_at_setup_before_sanity_validation(tmp_path):
+    started = []
+
+    class Spy(Callback):
+        def on_sanity_check_start(self, trainer, pl_module):
+            started.append("sanity")
+
+    module = ELRModule(arch=tiny_config(vocab_size=256), virtual_ranks=8)
+    trainer = _trainer(tmp_path, num_sanity_val_steps=1, callbacks=[Spy()])
+    with pytest.raises(ValueError, match=r"virtual_ranks=8 is larger than data\.batch_size=4"):
+        trainer.fit(module, datamodule=_tiny_data(tmp_path))
+    assert started == []
 
 
 def test_training_lowers_validation_loss(tmp_path):
