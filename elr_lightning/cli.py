@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
+from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
 from elr_lightning.checkpoint_io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.cost import main as cost_main
@@ -137,6 +138,7 @@ def run(args: Optional[list[str]] = None) -> None:
         subclass_mode_model=True,
         subclass_mode_data=True,
         seed_everything_default=0,
+        save_config_callback=ExclusiveSaveConfig,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"exit_on_error": False},
         args=args,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from elr_lightning.callbacks.exclusive_save_config import CLAIM_FILE
 from elr_lightning.cli import main, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,3 +193,21 @@ def test_resuming_or_validating_with_the_checkpoints_own_values_still_works(
     assert torch.load(next((workdir / "resumed" / "checkpoints").glob("*.ckpt")), weights_only=False)["global_step"] == 4
     # validate may differ in what it measures (val_loops), not in the architecture
     run(["validate", "--config", "tiny.yaml", "--ckpt_path", "run.ckpt", "--model.init_args.val_loops", "[1, 2, 3]"])
+
+
+def test_a_second_run_in_a_claimed_log_folder_is_refused(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs started at once pick the same folder; the one that claims it second is refused."""
+    monkeypatch.chdir(workdir)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (workdir / "busy").mkdir()
+        (workdir / "busy" / CLAIM_FILE).write_text(f"{socket.gethostname()} {other.pid}")
+        with pytest.raises(FileExistsError, match=r"the log folder 'busy' is in use by another run"):
+            run([*FIT, "--trainer.default_root_dir", "busy"])
+        assert not (workdir / "busy" / "config.yaml").exists()
+    finally:
+        other.kill()
+        other.wait()
+    # the holder is gone (a killed run): its claim is taken over, and released at the end
+    run([*FIT, "--trainer.default_root_dir", "busy"])
+    assert (workdir / "busy" / "config.yaml").exists() and not (workdir / "busy" / CLAIM_FILE).exists()

@@ -3,6 +3,7 @@
 from elr_lightning.callbacks.atomic_checkpoint import AtomicModelCheckpoint
 from elr_lightning.callbacks.compute_accounting import ComputeAccounting
 from elr_lightning.callbacks.delayed_mixed_depth import DelayedMixedDepth, DelayedSampler
+from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
 from elr_lightning.callbacks.zero_init_conditioning import ZeroInitConditioning
 
 __all__ = [
@@ -10,5 +11,6 @@ __all__ = [
     "ComputeAccounting",
     "DelayedMixedDepth",
     "DelayedSampler",
+    "ExclusiveSaveConfig",
     "ZeroInitConditioning",
 ]
