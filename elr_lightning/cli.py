@@ -2,106 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import sys
 import warnings
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
-from lightning.pytorch.cli import LightningCLI
-from typing_extensions import override
 
-from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
-from elr_lightning.checkpoint_io import verify_checkpoint_path
-from elr_lightning.config import ModelConfig
 from elr_lightning.cost import main as cost_main
-from elr_lightning.data import TextDataModule, resolve_sources
-from elr_lightning.generation import generate_command
 from elr_lightning.errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, report_errors
-from elr_lightning.module import ARCH_FREE_FIELDS, ELRModule
-from elr_lightning.tokenizers import load_tokenizer
-
-
-#: ``ELRModule`` arguments that a resumed ``fit`` cannot change: the restored optimizer and LR
-#: schedule carry the checkpoint's values.
-OPTIMIZER_FIELDS = ("lr", "weight_decay", "betas", "warmup_steps", "min_lr_ratio")
-
-
-class ELRCLI(LightningCLI):
-    """LightningCLI with ELR's defaults: subclassable model and data by ``class_path``, seed 0.
-
-    ``--ckpt_path`` is checked before anything loads it (:func:`verify_checkpoint_path`), and the
-    checkpoint's hyperparameters never silently replace the command line's: an architecture that
-    differs from the checkpoint's is refused naming the fields, as ``load_from_checkpoint`` does,
-    and so is an optimizer setting that differs when resuming ``fit``.
-    """
-
-    @override
-    def before_instantiate_classes(self) -> None:
-        """Check data paths before the model is built, so a typo fails in seconds, not after allocating."""
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        init_args = config.get("data", {}).get("init_args", {}) or {}
-        if "sources" in init_args:
-            resolve_sources(init_args["sources"])
-        if "tokenizer" in init_args:
-            load_tokenizer(init_args["tokenizer"])
-
-    @override
-    def _parse_ckpt_path(self) -> None:
-        # Lightning's version merges the checkpoint's hyperparameters over the command line, so a new
-        # d_model or lr was ignored without a word (and config.yaml disagreed with hparams.yaml).
-        subcommand = self.config.get("subcommand")
-        if not subcommand:
-            return
-        config = self.config[subcommand]
-        ckpt_path = config.get("ckpt_path")
-        if ckpt_path is None:
-            return
-        verify_checkpoint_path(str(ckpt_path), "--ckpt_path")
-        if not os.path.isfile(str(ckpt_path)):
-            return
-        checkpoint = torch.load(str(ckpt_path), map_location="cpu", weights_only=False, mmap=True)
-        model = config.get("model")
-        mine = model.get("init_args") if model is not None and "init_args" in model else model
-        problems = checkpoint_conflicts(checkpoint, mine.as_dict() if mine is not None else {}, subcommand)
-        if problems:
-            raise ValueError(
-                f"--ckpt_path {str(ckpt_path)!r} does not fit this command's model: {'; '.join(problems)}. "
-                "Use the checkpoint's values (its run's config.yaml), or start a new run from its weights with "
-                "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
-            )
-
-
-def checkpoint_conflicts(checkpoint: dict[str, Any], init_args: dict[str, Any], subcommand: str) -> list[str]:
-    """Where the command's ``ELRModule`` arguments differ from a checkpoint's, as ``field: ours vs theirs``.
-
-    Compares the architecture (all of ``arch`` but the fields a checkpoint may differ in) for every
-    subcommand, and :data:`OPTIMIZER_FIELDS` for ``fit``.
-    """
-    saved_arch = checkpoint.get("elr", {}).get("arch")
-    hparams = checkpoint.get("hyper_parameters", {}) or {}
-    problems = []
-    if saved_arch is not None:
-        arch = dataclasses.asdict(ModelConfig(**(init_args.get("arch") or {})))
-        problems += [
-            f"model.init_args.arch.{key} is {arch[key]!r}, the checkpoint's {saved_arch[key]!r}"
-            for key in arch
-            if key in saved_arch and key not in ARCH_FREE_FIELDS and arch[key] != saved_arch[key]
-        ]
-    if subcommand == "fit":
-        for key in OPTIMIZER_FIELDS:
-            if key in hparams and key in init_args and _plain(init_args[key]) != _plain(hparams[key]):
-                problems.append(
-                    f"model.init_args.{key} is {init_args[key]!r}, the checkpoint's {hparams[key]!r} (a resumed "
-                    "run restores the optimizer and LR schedule)"
-                )
-    return problems
-
-
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, (tuple, list)) else value
-
+from elr_lightning.generation import generate_command
+from elr_lightning.lightning_cli import ELRCLI, make_cli
 
 #: Subcommands that are not Lightning's; each takes the remaining arguments.
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {"cost": cost_main, "generate": generate_command}
@@ -132,17 +42,7 @@ def run(args: Optional[list[str]] = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"ELR commands besides Lightning's: {', '.join(sorted(EXTRA_COMMANDS))} (elr COMMAND --help)")
         print(f"{DEBUG_FLAG} (or {DEBUG_ENV}=1) shows the traceback of a failure")
-    ELRCLI(
-        ELRModule,
-        TextDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        seed_everything_default=0,
-        save_config_callback=ExclusiveSaveConfig,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"exit_on_error": False},
-        args=args,
-    )
+    make_cli(ELRCLI, args)
 
 
 if __name__ == "__main__":

@@ -84,3 +84,23 @@ def test_documented_strategy_command_line_parses(capsys):
         capsys,
     )
     assert config["trainer"]["strategy"]["class_path"] == "elr_lightning.strategies.OneLoopOverrideFSDPStrategy"
+
+
+def test_cost_merges_every_config_as_fit_does_and_uses_its_switch_fraction(tmp_path, capsys):
+    wider = tmp_path / "wider.yaml"
+    wider.write_text("model:\n  init_args:\n    arch:\n      d_model: 256\n      n_heads: 8\n")
+    switch = tmp_path / "switch.yaml"
+    switch.write_text(
+        "trainer:\n  callbacks+:\n    - class_path: elr_lightning.callbacks.DelayedMixedDepth\n"
+        "      init_args: {switch_fraction: 0.6}\n"
+    )
+    quickstart = os.path.join(ROOT, "config", "quickstart.yaml")
+    alone = cost_report(quickstart)
+    merged = cost_report([quickstart, str(wider), str(switch)])
+    assert alone["mixed_fraction"] == 1.0  # no delayed switch: mixed from scratch
+    assert merged["mixed_fraction"] == pytest.approx(0.4)
+    assert merged["parameters"]["total"] > 3 * alone["parameters"]["total"]  # d_model 128 -> 256
+    assert merged["eq5_multiplier"][merged["mixed_fraction"]] < merged["eq5_multiplier"][1.0]
+    fragment = os.path.join(ROOT, "callbacks", "delayed_mixed_depth.yaml")
+    run(["cost", "--config", quickstart, "--config", fragment])
+    assert "this config mixes the last 25% of tokens" in capsys.readouterr().out
