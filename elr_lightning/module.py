@@ -125,7 +125,8 @@ class ELRModule(LightningModule):
         compile_layers: ``torch.compile`` every layer (one graph serves every k).
         meta_init: Build the model on the meta device (no memory); ``OneLoopOverrideFSDPStrategy``
             then shards it, materialises each rank's shard and initialises it. For models too
-            large to build in full on every rank's host. Needs that strategy.
+            large to build in full on every rank's host. Needs a strategy whose
+            ``materializes_meta_models`` is true (that one).
     """
 
     def __init__(
@@ -241,9 +242,7 @@ class ELRModule(LightningModule):
     # ---- lifecycle ---------------------------------------------------------------------------
     @override
     def setup(self, stage: str) -> None:
-        from elr_lightning.strategies import OneLoopOverrideFSDPStrategy  # the strategies import this module
-
-        if self.hparams.meta_init and not isinstance(self.trainer.strategy, OneLoopOverrideFSDPStrategy):
+        if self.hparams.meta_init and not getattr(self.trainer.strategy, "materializes_meta_models", False):
             # Lightning's teardown moves the module to the CPU, which fails on meta tensors and would
             # bury this error; uninitialised memory is never touched, so this costs no RAM.
             self.model.to_empty(device="cpu")

@@ -159,9 +159,7 @@ class DelayedMixedDepth(SwitchCallback):
 
     @staticmethod
     def _has_zero_init(trainer: "pl.Trainer") -> bool:
-        from elr_lightning.callbacks.zero_init_conditioning import ZeroInitConditioning
-
-        return any(isinstance(cb, ZeroInitConditioning) for cb in trainer.callbacks)
+        return any(isinstance(cb, SwitchCallback) and cb.activates_conditioning for cb in trainer.callbacks)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -68,6 +68,8 @@ class ZeroInitConditioning(SwitchCallback):
         switch_step: Absolute switch step; overrides ``switch_fraction``.
     """
 
+    activates_conditioning = True
+
     def __init__(self, switch_fraction: Optional[float] = None, switch_step: Optional[int] = None) -> None:
         super().__init__()
         own = switch_fraction is not None or switch_step is not None

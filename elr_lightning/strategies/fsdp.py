@@ -89,6 +89,9 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         timeout: Collective timeout.
     """
 
+    #: ``ELRModule(meta_init=True)`` asks for this: the strategy materialises and initialises the shards.
+    materializes_meta_models = True
+
     def __init__(
         self,
         reshard_after_forward: bool = True,
