@@ -231,3 +231,10 @@ def test_conditioner_keeps_its_roles_through_the_plugin_copy():
     mlp = list(module.model.conditioner.mlp.parameters())
     assert mlp and all(id(p) in groups["conditioning"] for p in mlp)
     assert all(module.model.roles[n][1] == "conditioning" for n, _ in module.model.named_parameters() if "mlp.0" in n)
+
+
+def test_a_parameter_added_after_the_model_was_built_is_named_not_asserted():
+    module = ELRModule(arch=tiny_config())
+    module.model.update.late = torch.nn.Parameter(torch.zeros(3))  # a plug-in that builds outside build()
+    with pytest.raises(ValueError, match=r"parameter '(core\.)?update\.late' has no recorded role.*set_role"):
+        param_groups(module.model, 0.1)
