@@ -203,6 +203,30 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_at_once(corpus, tmp_path):
     assert all(r["step"] == 2 for r in by_rank.values())
 
 
+@pytest.mark.slow
+def test_fsdp_meta_init_starts_from_init_from_weights(corpus, tmp_path):
+    """The paper-scale continuation: meta_init under FSDP with DelayedMixedDepth(init_from=...) must
+    start from the file's weights (loading into meta tensors was a no-op, then the shards were
+    initialised afresh)."""
+    torch.manual_seed(1)
+    model = _dist_worker.tiny_module(1).model
+    with torch.no_grad():
+        for p in model.parameters():  # in place: the tied embedding and head stay one tensor
+            p.add_(0.5 * torch.randn_like(p))
+    source = model.state_dict()
+    one_loop = {k: v for k, v in source.items() if "_mod." not in k and "conditioner." not in k}  # no heads
+    path = tmp_path / "one_loop.pt"
+    torch.save(one_loop, path)
+    case = {"virtual_ranks": 1, "meta_init": True, "init_from": str(path)}
+    results = launch("fsdp", corpus, tmp_path / "fsdp_init_from", {"continued": case})
+    for rank in results["continued"]:
+        initial = rank["initial"]
+        assert initial.keys() >= one_loop.keys()
+        for key, value in one_loop.items():
+            torch.testing.assert_close(initial[key], value, msg=f"rank {rank['rank']}: {key} not loaded")
+        assert all(math.isfinite(loss) for loss in rank["losses"])
+
+
 # ---- the data-parallel layout ---------------------------------------------------------------------
 
 
