@@ -322,7 +322,9 @@ def test_ddp_without_find_unused_parameters_needs_every_parameter_used():
 def test_schedule_check_raises_when_a_rank_runs_other_loop_counts(monkeypatch):
     module = ELRModule(arch=tiny_config(), virtual_ranks=3, loop_seed=1)
     _with_trainer(module, strategy=object(), global_step=4)
-    strategy = SimpleNamespace(lightning_module=module, root_device=torch.device("cpu"))
+    strategy = SimpleNamespace(
+        lightning_module=module, root_device=torch.device("cpu"), all_gather=lambda tensor, group=None: tensor
+    )
     verify_loop_schedule(strategy, every_n_steps=1)
     monkeypatch.setattr(module, "local_loops", lambda: [k % 4 + 1 for k in module.step_schedule()])
     verify_loop_schedule(strategy, every_n_steps=3)  # step 4 is not checked
