@@ -11,8 +11,6 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from lightning.pytorch.loggers import TensorBoardLogger
-from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -179,7 +177,6 @@ class ELRModule(LightningModule):
         self.val_bpb = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.register_buffer("token_bytes", torch.ones(arch.vocab_size), persistent=False)
         self._seed = loop_seed
-        self._loop_log: list[int] = []
 
     @property
     def arch(self) -> ModelConfig:
@@ -314,19 +311,12 @@ class ELRModule(LightningModule):
                 f"train/loss {where} at step {self.trainer.global_step} (loops {loops}); "
                 "lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
             )
-        self._loop_log.extend(schedule)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         self.log("train/loops_mean", sum(schedule) / len(schedule))
         self.log("train/p1", sum(k == 1 for k in schedule) / len(schedule))
         for name, value in self.model.update.metrics().items():
             self.log(f"train/{name}", value)
         return loss
-
-    @override
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.trainer.global_step % self.trainer.log_every_n_steps == 0 and self._loop_log:
-            self._log_histogram("train/loops", torch.tensor(self._loop_log, dtype=torch.float32))
-            self._loop_log.clear()
 
     # ---- validation --------------------------------------------------------------------------
     def sequence_nll(self, batch: Tensor, loops: int) -> Tensor:
@@ -345,16 +335,14 @@ class ELRModule(LightningModule):
             if nbytes > 0:
                 self.val_bpb[str(k)].update(nll / nbytes / math.log(2), nbytes)
 
-    def _log_evaluation(self, prefix: str) -> dict[int, float]:
-        losses = {}
+    def _log_evaluation(self, prefix: str) -> None:
         for k in self.val_loops:
-            losses[k] = float(self.val_loss[str(k)].compute())
-            self.log(f"{prefix}/loss_k{k}", losses[k], prog_bar=k in (1, self.val_loops[-1]))
+            loss = float(self.val_loss[str(k)].compute())
+            self.log(f"{prefix}/loss_k{k}", loss, prog_bar=k in (1, self.val_loops[-1]))
             self.log(f"{prefix}/bpb_k{k}", self.val_bpb[str(k)].compute())
             with torch.inference_mode(False):  # states re-made here must not be inference tensors
                 self.val_loss[str(k)].reset()
                 self.val_bpb[str(k)].reset()
-        return losses
 
     @override
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
@@ -362,9 +350,7 @@ class ELRModule(LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
-        losses = self._log_evaluation("val")
-        if not self.trainer.sanity_checking:
-            self._log_loss_curve(losses)
+        self._log_evaluation("val")
 
     @override
     def test_step(self, batch: Tensor, batch_idx: int) -> None:
@@ -440,29 +426,3 @@ class ELRModule(LightningModule):
                 "with the checkpoint's model.init_args (its hyper_parameters), or start a new run from it with "
                 "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
             )
-
-    # ---- TensorBoard extras --------------------------------------------------------------------
-    def _tensorboards(self) -> list[TensorBoardLogger]:
-        return [lg for lg in self.loggers if isinstance(lg, TensorBoardLogger)]
-
-    @rank_zero_only
-    def _log_histogram(self, tag: str, values: Tensor) -> None:
-        for logger in self._tensorboards():
-            logger.experiment.add_histogram(tag, values, self.trainer.global_step, bins="auto")
-
-    @rank_zero_only
-    def _log_loss_curve(self, losses: dict[int, float]) -> None:
-        if not self._tensorboards():
-            return
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(4, 3), dpi=100)
-        ax = fig.add_subplot()
-        ax.plot(list(losses), list(losses.values()), marker="o")
-        ax.set_xlabel("loops k")
-        ax.set_ylabel("validation loss")
-        ax.set_title(f"step {self.trainer.global_step}")
-        ax.axvline(self.arch.max_loops, color="grey", linestyle=":", linewidth=1)
-        fig.tight_layout()
-        for logger in self._tensorboards():
-            logger.experiment.add_figure("val/loss_vs_loops", fig, self.trainer.global_step)

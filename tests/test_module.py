@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import tiny_config
+from elr_lightning.callbacks import LoopCountPlots
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.data import TextDataModule
 from elr_lightning.module import ELRModule
@@ -101,7 +102,7 @@ def test_fit_logs_every_promised_tag(tmp_path):
         arch=tiny_config(vocab_size=256), sampler=OneLoopOverride(4, 0.15), virtual_ranks=2,
         conditioner=LoopConditioner(d_cond=8, rank=2), warmup_steps=1,
     )
-    trainer = _trainer(tmp_path)
+    trainer = _trainer(tmp_path, callbacks=[LoopCountPlots()])
     trainer.fit(module, datamodule=_tiny_data(tmp_path))
     metrics = trainer.callback_metrics
     for tag in ("train/loss", "train/loops_mean", "train/beta_mean", "train/p1"):
