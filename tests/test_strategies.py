@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import _dist_worker
 from conftest import tiny_config
@@ -33,6 +34,7 @@ from elr_lightning.module import ELRModule
 from elr_lightning.roles import set_module_role
 from elr_lightning.sampling import OneLoopOverride
 from elr_lightning.strategies import DataParallelLayout, OneLoopOverrideDDPStrategy, OneLoopOverrideFSDPStrategy
+from elr_lightning.strategies.fsdp import mixed_precision_policy, shard_looped_lm
 from elr_lightning.strategies.common import loop_dependent_parameters, unused_parameters, verify_loop_schedule
 from elr_lightning.updates import StateUpdate
 
@@ -225,6 +227,27 @@ def test_fsdp_meta_init_starts_from_init_from_weights(corpus, tmp_path):
         for key, value in one_loop.items():
             torch.testing.assert_close(initial[key], value, msg=f"rank {rank['rank']}: {key} not loaded")
         assert all(math.isfinite(loss) for loss in rank["losses"])
+
+
+def test_bf16_mixed_fsdp_gathers_in_bf16_and_reduces_in_fp32(tmp_path):
+    assert mixed_precision_policy("32-true") is None
+    policy = mixed_precision_policy("bf16-mixed")
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
+        model = LoopedLM(tiny_config())
+        shard_looped_lm(model, mesh, mp_policy=policy)
+        seen = []
+        for unit in (model.core, model.input_layers[0]):
+            linear = next(m for m in unit.modules() if isinstance(m, nn.Linear))
+            linear.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.dtype))
+        model(torch.randint(0, 64, (2, 8)), 2).float().sum().backward()
+        assert seen and set(seen) == {torch.bfloat16}  # gathered for compute in bf16
+        assert {p.dtype for p in model.parameters()} == {torch.float32}  # the shards stay fp32
+        assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {torch.float32}
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 # ---- the data-parallel layout ---------------------------------------------------------------------
