@@ -343,8 +343,10 @@ def test_compute_accounting_counts_every_shard_of_the_run(tmp_path):
     assert math.isclose(float(trainer.callback_metrics["train/compute_multiplier"]), flops / base, rel_tol=1e-6)
     prediction = accounting.predicted(trainer, module)
     assert prediction["rho"] == (steps - switch) / steps
-    assert prediction["mean_loops"] == module.sampler.after.expected_mean_loops()
-    assert prediction["eq5"] == compute_multiplier(arch, prediction["rho"], prediction["mean_loops"])
+    # By hand: eq. 3 mean k = f + (1 - f)(K + 1) / 2 = 0.5 + 0.5 * 2 = 1.5 for K = 3, f = 0.5; layers
+    # 1 / 1 / 1 give D_eff(1) = 3 and D_eff(1.5) = 3.5; eq. 5 = (1 - 2/3) + 2/3 * 3.5 / 3 = 10 / 9.
+    assert prediction["mean_loops"] == pytest.approx(1.5)
+    assert prediction["eq5"] == pytest.approx(10 / 9)
     resumed = ComputeAccounting()
     resumed.load_state_dict(copy.deepcopy(accounting.state_dict()))
     assert resumed.multiplier == accounting.multiplier
