@@ -125,7 +125,7 @@ def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
     if "://" in path or (keyword and not os.path.exists(path)):
         return
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, ".metadata")):
+        if not any(os.path.isfile(os.path.join(path, name)) for name in (".metadata", "meta.pt")):
             raise ValueError(
                 f"{field} {path!r} is a folder but not a sharded checkpoint (it has no .metadata file); "
                 "give a .ckpt file or a folder written with save_distributed_checkpoint"
