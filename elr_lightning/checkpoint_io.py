@@ -11,7 +11,9 @@ never a mix.
 from __future__ import annotations
 
 import os
+import re
 import uuid
+import warnings
 import zipfile
 from typing import IO, Any, Callable, Optional
 
@@ -21,8 +23,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint file is truncated or damaged."""
+class CorruptCheckpointError(RuntimeError, ValueError):
+    """A checkpoint file is truncated or damaged (a ``ValueError`` too: a bad input, not a bug)."""
 
 
 def fsync_folder(folder: str) -> None:
@@ -39,27 +41,110 @@ def fsync_folder(folder: str) -> None:
         os.close(fd)
 
 
+#: Names of :func:`replace_atomically`'s temporary files: ``.<name>.<32 hex digits>.tmp``.
+TEMPORARY_NAME = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")
+
+
 def replace_atomically(path: str, fill: Callable[[str], None]) -> None:
     """Make ``path`` anew through a temporary path in its folder, then ``os.replace`` it into place.
 
     If ``fill`` raises (or the process dies) only the temporary path is affected: ``path`` keeps
-    its previous contents. The folder is flushed after the rename.
+    its previous contents. The folder is flushed after the rename. A kill can leave the temporary
+    file behind; :func:`remove_orphans` clears them.
 
     Args:
         path: The destination.
         fill: Creates the complete new contents at the (not yet existing) temporary path it is given.
+
+    Raises:
+        OSError: The folder cannot be created or written, naming the folder (not the hidden
+            temporary path) and the fix.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
     try:
+        os.makedirs(folder, exist_ok=True)
         fill(tmp)
         os.replace(tmp, path)
+    except OSError as err:
+        _remove_quietly(tmp)
+        raise type(err)(
+            f"cannot write {os.path.basename(path)!r} into the folder {folder!r} ({err.strerror or err}); "
+            "make the folder writable, free space, or write elsewhere"
+        ) from err
     except BaseException:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
+        _remove_quietly(tmp)
         raise
     fsync_folder(folder)
+
+
+def _remove_quietly(path: str) -> None:
+    if os.path.lexists(path):
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def remove_orphans(folder: str) -> list[str]:
+    """Delete the temporary files that a killed :func:`replace_atomically` left in ``folder``.
+
+    Only names matching :data:`TEMPORARY_NAME` are touched. Call it when no other writer uses the
+    folder (at the start of a run).
+
+    Returns:
+        The paths removed.
+    """
+    if not os.path.isdir(folder):
+        return []
+    removed = [os.path.join(folder, name) for name in os.listdir(folder) if TEMPORARY_NAME.match(name)]
+    for path in removed:
+        _remove_quietly(path)
+    return removed
+
+
+def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
+    """Check a checkpoint path before anything loads it; the one message for every command.
+
+    A local file written by ``torch.save`` is a zip archive with a CRC-32 per record: every CRC is
+    checked (one read of the file). A file that is not a zip archive is refused unless it is the
+    legacy pickle format, which has no checksum: then a warning says so, once. A folder must be a
+    sharded (``torch.distributed.checkpoint``) checkpoint, which has a ``.metadata`` file. Remote
+    URLs and Lightning's keywords (``last``, ``best``, ``hpc``, ``registry``) are left to Lightning.
+
+    Args:
+        path: The path given.
+        field: The option that gave it, for the messages.
+
+    Raises:
+        FileNotFoundError: Nothing is at ``path``.
+        ValueError: ``path`` is a folder that is not a sharded checkpoint.
+        CorruptCheckpointError: The file is truncated, damaged or not a checkpoint.
+    """
+    keyword = path in ("last", "best", "hpc") or path.startswith("registry")
+    if "://" in path or (keyword and not os.path.exists(path)):
+        return
+    if os.path.isdir(path):
+        if not any(os.path.isfile(os.path.join(path, name)) for name in (".metadata", "meta.pt")):
+            raise ValueError(
+                f"{field} {path!r} is a folder but not a sharded checkpoint (it has no .metadata file); "
+                "give a .ckpt file or a folder written with save_distributed_checkpoint"
+            )
+        return
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{field} {path!r} does not exist; fix the path")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head.startswith(b"PK"):
+        if not is_intact(path):
+            raise _corrupt(path, "its records fail their CRC check or the archive is incomplete")
+    elif head.startswith(b"\x80"):
+        warnings.warn(
+            f"{field} {path!r} is in torch's legacy (non-zip) format, which has no checksum; it is loaded unverified",
+            stacklevel=2,
+        )
+    else:
+        raise _corrupt(path, "it is not a torch.save archive")
 
 
 def write_atomically(path: str, write: Callable[[IO[bytes]], None]) -> None:

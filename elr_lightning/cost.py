@@ -8,38 +8,76 @@ Models are built on the meta device, so a 4B configuration is counted without al
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+import os
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
 import torch
 import yaml
 from jsonargparse import ArgumentParser
 from torch import nn
 
+from elr_lightning.callbacks.switch import DEFAULT_SWITCH_FRACTION
 from elr_lightning.flops import compute_multiplier, forward_flops_per_token
 from elr_lightning.generation import CACHE_POLICIES, kv_cache_bytes, recurrent_state_bytes
+from elr_lightning.lightning_cli import ConfigOnlyCLI, make_cli
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 
 
-def build_module_from_config(path: str) -> ELRModule:
-    """Instantiate the ``model`` section of an ``elr fit`` YAML on the meta device.
+def merged_config(paths: Union[str, Sequence[str]]) -> dict[str, Any]:
+    """The ``elr fit`` configuration of one or more YAML files, merged exactly as ``elr fit`` merges them.
 
-    Args:
-        path: A YAML file with a ``model: {class_path, init_args}`` section.
+    Later files override earlier ones and ``trainer.callbacks+`` appends (so a callbacks fragment
+    such as ``callbacks/delayed_mixed_depth.yaml`` counts); nothing is instantiated.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: the file has no ``model`` section.
+        FileNotFoundError: A path does not exist.
+        ValueError: The files hold no ``model`` section.
     """
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
-    if "model" not in raw:
-        raise ValueError(f"{path} has no 'model' section; pass an `elr fit` config such as config/quickstart.yaml")
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--config {path!r} does not exist")
+    cli = make_cli(ConfigOnlyCLI, [arg for path in paths for arg in ("--config", path)], run=False)
+    config = cli.parser.dump(cli.config, format="yaml", skip_none=False, skip_link_targets=False)
+    merged = yaml.safe_load(config) or {}
+    if not (merged.get("model") or {}).get("class_path"):
+        raise ValueError(
+            f"{', '.join(paths)} has no 'model' section; pass an `elr fit` config such as config/quickstart.yaml"
+        )
+    return merged
+
+
+def build_module(config: dict[str, Any]) -> ELRModule:
+    """Instantiate the ``model`` section of a :func:`merged_config` on the meta device."""
     parser = ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(ELRModule, "model", required=True)
-    cfg = parser.parse_object({"model": raw["model"]})
+    cfg = parser.parse_object({"model": config["model"]})
     with torch.device("meta"):
         return parser.instantiate_classes(cfg).model
+
+
+def mixed_fraction(config: dict[str, Any]) -> Optional[float]:
+    """rho of eq. 5, the fraction of training tokens in the mixed phase, from a :func:`merged_config`.
+
+    ``1 - switch_fraction`` of a ``DelayedMixedDepth`` callback (its default 0.75 when it names
+    neither a fraction nor a step), ``1 - switch_step / trainer.max_steps`` for a step, and 1 (mixed
+    from scratch) without the callback. ``None`` when a switch step is given without ``max_steps``.
+    """
+    trainer = config.get("trainer") or {}
+    for callback in trainer.get("callbacks") or []:
+        if not str(callback.get("class_path", "")).endswith("DelayedMixedDepth"):
+            continue
+        args = callback.get("init_args") or {}
+        if args.get("switch_step") is not None:
+            max_steps = trainer.get("max_steps")
+            return 1.0 - args["switch_step"] / max_steps if max_steps and max_steps > 0 else None
+        fraction = args.get("switch_fraction")
+        if fraction is None:
+            fraction = 0.0 if args.get("init_from") else DEFAULT_SWITCH_FRACTION
+        return 1.0 - fraction
+    return 1.0
 
 
 def parameter_counts(model: LoopedLM) -> dict[str, int]:
@@ -70,9 +108,11 @@ def parameter_counts(model: LoopedLM) -> dict[str, int]:
     return counts
 
 
-def cost_report(path: str, loops: Optional[list[int]] = None) -> dict[str, Any]:
-    """Parameters, D_eff(k) (eq. 1) and the sampler's eq. 3 statistics for a config file."""
-    module = build_module_from_config(path)
+def cost_report(paths: Union[str, Sequence[str]], loops: Optional[list[int]] = None) -> dict[str, Any]:
+    """Parameters, D_eff(k) (eq. 1), the sampler's eq. 3 statistics and eq. 5 for merged config files."""
+    config = merged_config(paths)
+    module = build_module(config)
+    path = paths if isinstance(paths, str) else " + ".join(paths)
     arch = module.arch
     loops = list(range(1, arch.max_loops + 1)) if loops is None else loops
     rank = getattr(module.model.conditioner, "rank", 0)
@@ -102,7 +142,11 @@ def cost_report(path: str, loops: Optional[list[int]] = None) -> dict[str, Any]:
             report[name] = method()
     if "expected_mean_loops" in report:
         mean = report["expected_mean_loops"]
-        report["eq5_multiplier"] = {rho: compute_multiplier(arch, rho, mean) for rho in (0.25, 1.0)}
+        rho = mixed_fraction(config)
+        report["mixed_fraction"] = rho
+        report["eq5_multiplier"] = {
+            r: compute_multiplier(arch, r, mean) for r in sorted({0.25, 1.0} | ({rho} if rho is not None else set()))
+        }
     return report
 
 
@@ -122,15 +166,22 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  k={k:<3} {gflops:8.3f} GFLOPs   KV/token: {kv}   state: {state}")
     if "expected_p1" in report:
         lines.append(f"eq. 3: p_1 = {report['expected_p1']:.4f}, mean k = {report['expected_mean_loops']:.4f}")
-        eq5 = report["eq5_multiplier"]
+        eq5, rho = report["eq5_multiplier"], report.get("mixed_fraction")
+        if rho is not None:
+            lines.append(f"eq. 5: this config mixes the last {rho:.0%} of tokens: training compute {eq5[rho]:.3f}x")
         lines.append(f"eq. 5: training compute {eq5[0.25]:.3f}x with the last 25% mixed, {eq5[1.0]:.3f}x from scratch")
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> None:
     """``elr cost --config FILE [--json]``."""
-    parser = ArgumentParser(prog="elr cost", description="Parameters and compute per loop count of a config.")
-    parser.add_argument("--config", type=str, required=True, help="An `elr fit` YAML file.")
+    parser = ArgumentParser(
+        prog="elr cost", description="Parameters and compute per loop count of a config.", exit_on_error=False
+    )
+    parser.add_argument(
+        "--config", type=str, action="append", required=True,
+        help="An `elr fit` YAML file; repeat to merge several, as `elr fit` does.",
+    )
     parser.add_argument("--loops", type=Optional[list[int]], default=None, help="Loop counts to report.")
     parser.add_argument("--json", type=bool, default=False, help="Print JSON instead of a table.")
     args = parser.parse_args(argv)

@@ -42,6 +42,7 @@ from elr_lightning.cache import (
     recurrent_state_bytes,
     resolve_policy,
 )
+from elr_lightning.checkpoint_io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.fold import FoldedLM, fold_conditioning
 from elr_lightning.model import LoopedLM
@@ -565,6 +566,7 @@ def _command_parser() -> Any:
     parser = ArgumentParser(
         prog="elr generate",
         description="Stream a continuation of a prompt from an ELR checkpoint at any loop count.",
+        exit_on_error=False,  # `elr` reports the error in one line
     )
     parser.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
     parser.add_argument("--prompt", type=Optional[str], default=None, help="Prompt text.")
@@ -612,6 +614,27 @@ def _command_parser() -> Any:
     return parser
 
 
+def _read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
+    """The prompt text of ``--prompt`` or ``--prompt_file``, refused with the flag's name unless it is UTF-8."""
+    if prompt_file is None:
+        try:
+            (prompt or "").encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(
+                f"--prompt holds bytes that are not UTF-8 (position {err.start}); pass UTF-8 text or use --prompt_file"
+            ) from err
+        return prompt or ""
+    try:
+        with open(prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"--prompt_file {prompt_file!r} is not UTF-8 text (byte {err.start}: {err.reason}); convert it to UTF-8"
+        ) from err
+    except OSError as err:
+        raise ValueError(f"--prompt_file {prompt_file!r} cannot be read: {err.strerror or err}") from err
+
+
 def generate_command(argv: list[str]) -> None:
     """``elr generate``: stream a checkpoint's continuation of a prompt to stdout.
 
@@ -626,11 +649,13 @@ def generate_command(argv: list[str]) -> None:
     args = _command_parser().parse_args(argv)
     if (args.prompt is None) == (args.prompt_file is None):
         raise ValueError("give exactly one of --prompt and --prompt_file")
-    if args.prompt_file is not None:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            text = f.read()
-    else:
-        text = args.prompt
+    text = _read_prompt(args.prompt, args.prompt_file)
+    if os.path.isdir(args.ckpt_path):
+        raise ValueError(
+            f"--ckpt_path {args.ckpt_path!r} is a directory; give a .ckpt file (a sharded FSDP checkpoint folder "
+            "must be consolidated first, e.g. with lightning.pytorch.utilities.consolidate_checkpoint)"
+        )
+    verify_checkpoint_path(args.ckpt_path, "--ckpt_path")
     if not text:
         raise ValueError("the prompt is empty; pass some text with --prompt or --prompt_file")
     device = torch.device(args.device)

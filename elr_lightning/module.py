@@ -11,8 +11,6 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from lightning.pytorch.loggers import TensorBoardLogger
-from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -32,7 +30,7 @@ warnings.filterwarnings("ignore", message=r"Attribute '(update|conditioner)' is 
 
 
 #: ``arch`` fields that a checkpoint may differ in: they set the init or the RoPE table's length only.
-_ARCH_FREE_FIELDS = ("init_std", "max_seq_len")
+ARCH_FREE_FIELDS = ("init_std", "max_seq_len")
 
 
 def _checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:
@@ -80,6 +78,23 @@ def _state_dict_differences(saved: dict[str, Any], own: dict[str, Any]) -> list[
     return problems
 
 
+def non_finite_tensors(checkpoint: dict[str, Any]) -> list[str]:
+    """Names of the floating-point tensors of a checkpoint's weights and optimizer states with NaN or inf.
+
+    Sharded tensors (``DTensor``) are checked on this rank's shard only.
+    """
+
+    def bad(value: Any) -> bool:
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return isinstance(local, Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all())
+
+    names = [key for key, value in checkpoint.get("state_dict", {}).items() if bad(value)]
+    for i, optimizer in enumerate(checkpoint.get("optimizer_states", [])):
+        for param, state in optimizer.get("state", {}).items():
+            names += [f"optimizer_states[{i}].state[{param}].{key}" for key, value in state.items() if bad(value)]
+    return names
+
+
 def _listed(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (f", ... {len(names) - limit} more" if len(names) > limit else "")
 
@@ -109,7 +124,8 @@ class ELRModule(LightningModule):
         compile_layers: ``torch.compile`` every layer (one graph serves every k).
         meta_init: Build the model on the meta device (no memory); ``OneLoopOverrideFSDPStrategy``
             then shards it, materialises each rank's shard and initialises it. For models too
-            large to build in full on every rank's host. Needs that strategy.
+            large to build in full on every rank's host. Needs a strategy whose
+            ``materializes_meta_models`` is true (that one).
     """
 
     def __init__(
@@ -134,16 +150,21 @@ class ELRModule(LightningModule):
         arch = ModelConfig() if arch is None else arch
         self.sampler = _checked_sampler(OneLoopOverride(arch.max_loops, 0.15) if sampler is None else sampler, arch)
         if virtual_ranks < 1:
-            raise ValueError(f"virtual_ranks={virtual_ranks} must be >= 1")
+            raise ValueError(f"model.init_args.virtual_ranks={virtual_ranks} must be >= 1")
         self.virtual_ranks = virtual_ranks
         self.val_loops = list(range(1, arch.max_loops + 1)) if val_loops is None else sorted(set(val_loops))
         if not self.val_loops or min(self.val_loops) < 1:
-            raise ValueError(f"val_loops={val_loops} must be a non-empty list of loop counts >= 1")
-        if lr <= 0 or weight_decay < 0 or not 0 <= min_lr_ratio <= 1 or warmup_steps < 0:
             raise ValueError(
-                f"need lr > 0 (got {lr}), weight_decay >= 0 (got {weight_decay}), "
-                f"warmup_steps >= 0 (got {warmup_steps}) and min_lr_ratio in [0, 1] (got {min_lr_ratio})"
+                f"model.init_args.val_loops={val_loops} must be a non-empty list of loop counts >= 1, e.g. [1, 2]"
             )
+        for name, value, ok, rule in (
+            ("lr", lr, lr > 0, "> 0"),
+            ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
+            ("warmup_steps", warmup_steps, warmup_steps >= 0, ">= 0"),
+            ("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]"),
+        ):
+            if not ok:
+                raise ValueError(f"model.init_args.{name}={value} must be {rule}")
         # Plug-in objects are copied: the caller's (or, on load, the unpickled hparams') instances may
         # share storage with other tensors, and the model's init routine writes into what it owns.
         update, conditioner = copy_with_roles(update), copy_with_roles(conditioner)
@@ -157,7 +178,6 @@ class ELRModule(LightningModule):
         self.val_bpb = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.register_buffer("token_bytes", torch.ones(arch.vocab_size), persistent=False)
         self._seed = loop_seed
-        self._loop_log: list[int] = []
         #: The training tokenizer: taken from the data module in :meth:`setup`, saved in every
         #: checkpoint and restored from it on load (``None`` when neither provided one).
         self.tokenizer: Optional[Tokenizer] = None
@@ -223,9 +243,7 @@ class ELRModule(LightningModule):
     # ---- lifecycle ---------------------------------------------------------------------------
     @override
     def setup(self, stage: str) -> None:
-        from elr_lightning.strategies import OneLoopOverrideFSDPStrategy  # the strategies import this module
-
-        if self.hparams.meta_init and not isinstance(self.trainer.strategy, OneLoopOverrideFSDPStrategy):
+        if self.hparams.meta_init and not getattr(self.trainer.strategy, "materializes_meta_models", False):
             # Lightning's teardown moves the module to the CPU, which fails on meta tensors and would
             # bury this error; uninitialised memory is never touched, so this costs no RAM.
             self.model.to_empty(device="cpu")
@@ -243,6 +261,12 @@ class ELRModule(LightningModule):
             )
         if tokenizer is not None:
             self.tokenizer = tokenizer
+        batch_size = getattr(datamodule, "batch_size", None)
+        if stage == "fit" and isinstance(batch_size, int) and batch_size < self.virtual_ranks:
+            raise ValueError(
+                f"model.init_args.virtual_ranks={self.virtual_ranks} is larger than data.batch_size={batch_size}: "
+                "each virtual rank needs at least one sequence; raise data.batch_size or lower virtual_ranks"
+            )
         seq_len = getattr(datamodule, "seq_len", None)
         if seq_len is not None and seq_len > self.arch.max_seq_len:
             raise ValueError(
@@ -285,24 +309,20 @@ class ELRModule(LightningModule):
         schedule = self.step_schedule()
         loops = schedule[self.local_shards()]
         loss = self.shard_loss(batch, loops)
-        if not torch.isfinite(loss):
+        finite = bool(torch.isfinite(loss))
+        # Every rank takes part, so a rank-local NaN stops all ranks now, not at the collective timeout.
+        if not self.trainer.strategy.reduce_boolean_decision(finite, all=True):
+            where = f"is {loss.item()}" if not finite else "is finite here but not on another rank"
             raise FloatingPointError(
-                f"train/loss is {loss.item()} at step {self.trainer.global_step} (loops {loops}); "
+                f"train/loss {where} at step {self.trainer.global_step} (loops {loops}); "
                 "lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
             )
-        self._loop_log.extend(schedule)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         self.log("train/loops_mean", sum(schedule) / len(schedule))
         self.log("train/p1", sum(k == 1 for k in schedule) / len(schedule))
         for name, value in self.model.update.metrics().items():
             self.log(f"train/{name}", value)
         return loss
-
-    @override
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.trainer.global_step % self.trainer.log_every_n_steps == 0 and self._loop_log:
-            self._log_histogram("train/loops", torch.tensor(self._loop_log, dtype=torch.float32))
-            self._loop_log.clear()
 
     # ---- validation --------------------------------------------------------------------------
     def sequence_nll(self, batch: Tensor, loops: int) -> Tensor:
@@ -321,16 +341,14 @@ class ELRModule(LightningModule):
             if nbytes > 0:
                 self.val_bpb[str(k)].update(nll / nbytes / math.log(2), nbytes)
 
-    def _log_evaluation(self, prefix: str) -> dict[int, float]:
-        losses = {}
+    def _log_evaluation(self, prefix: str) -> None:
         for k in self.val_loops:
-            losses[k] = float(self.val_loss[str(k)].compute())
-            self.log(f"{prefix}/loss_k{k}", losses[k], prog_bar=k in (1, self.val_loops[-1]))
+            loss = float(self.val_loss[str(k)].compute())
+            self.log(f"{prefix}/loss_k{k}", loss, prog_bar=k in (1, self.val_loops[-1]))
             self.log(f"{prefix}/bpb_k{k}", self.val_bpb[str(k)].compute())
             with torch.inference_mode(False):  # states re-made here must not be inference tensors
                 self.val_loss[str(k)].reset()
                 self.val_bpb[str(k)].reset()
-        return losses
 
     @override
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
@@ -338,9 +356,7 @@ class ELRModule(LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
-        losses = self._log_evaluation("val")
-        if not self.trainer.sanity_checking:
-            self._log_loss_curve(losses)
+        self._log_evaluation("val")
 
     @override
     def test_step(self, batch: Tensor, batch_idx: int) -> None:
@@ -369,10 +385,22 @@ class ELRModule(LightningModule):
     # ---- checkpoints -------------------------------------------------------------------------
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Save the architecture and, when known, the tokenizer (self-contained, see :func:`tokenizer_state`).
+        """Record the architecture; refuse to save non-finite weights or optimizer state.
 
-        Runs on every rank under DDP and FSDP; the strategy decides which rank writes.
+        An update that makes the weights non-finite is only seen by the next forward pass; a
+        checkpoint saved in between would replace (with ``save_top_k: 1``, delete) the last good one.
+        Every rank checks its own tensors and all agree, so no file is written and every rank stops.
+
+        Raises:
+            FloatingPointError: Naming the first non-finite tensors.
         """
+        bad = non_finite_tensors(checkpoint)
+        if not self.trainer.strategy.reduce_boolean_decision(not bad, all=True):
+            found = f"non-finite values in {_listed(bad)}" if bad else "non-finite values on another rank"
+            raise FloatingPointError(
+                f"not saving the checkpoint of step {self.trainer.global_step}: {found}; the last good checkpoint "
+                "is kept. Lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
+            )
         checkpoint["elr"] = {"arch": dataclasses.asdict(self.arch)}
         if self.tokenizer is not None:
             checkpoint["elr"]["tokenizer"] = tokenizer_state(self.tokenizer)
@@ -396,7 +424,7 @@ class ELRModule(LightningModule):
             problems += [
                 f"arch.{key}: checkpoint {saved_arch[key]!r}, this model {mine[key]!r}"
                 for key in mine
-                if key in saved_arch and key not in _ARCH_FREE_FIELDS and saved_arch[key] != mine[key]
+                if key in saved_arch and key not in ARCH_FREE_FIELDS and saved_arch[key] != mine[key]
             ]
         state = checkpoint.get("state_dict")
         if state is not None and self.strict_loading:
@@ -410,28 +438,3 @@ class ELRModule(LightningModule):
         if self.tokenizer is None:
             self.tokenizer = checkpoint_tokenizer(checkpoint)
 
-    # ---- TensorBoard extras --------------------------------------------------------------------
-    def _tensorboards(self) -> list[TensorBoardLogger]:
-        return [lg for lg in self.loggers if isinstance(lg, TensorBoardLogger)]
-
-    @rank_zero_only
-    def _log_histogram(self, tag: str, values: Tensor) -> None:
-        for logger in self._tensorboards():
-            logger.experiment.add_histogram(tag, values, self.trainer.global_step, bins="auto")
-
-    @rank_zero_only
-    def _log_loss_curve(self, losses: dict[int, float]) -> None:
-        if not self._tensorboards():
-            return
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(4, 3), dpi=100)
-        ax = fig.add_subplot()
-        ax.plot(list(losses), list(losses.values()), marker="o")
-        ax.set_xlabel("loops k")
-        ax.set_ylabel("validation loss")
-        ax.set_title(f"step {self.trainer.global_step}")
-        ax.axvline(self.arch.max_loops, color="grey", linestyle=":", linewidth=1)
-        fig.tight_layout()
-        for logger in self._tensorboards():
-            logger.experiment.add_figure("val/loss_vs_loops", fig, self.trainer.global_step)

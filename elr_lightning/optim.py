@@ -20,12 +20,17 @@ def param_groups(model: LoopedLM, weight_decay: float) -> list[dict]:
     optimizer layout does not depend on the configuration (resumes stay compatible).
 
     Raises:
-        AssertionError: if a trainable parameter landed in no group or in two.
+        ValueError: A trainable parameter has no recorded role (it was added after the model was
+            built), or landed in no group or in two.
     """
     buckets: dict[str, list[nn.Parameter]] = {name: [] for name in GROUPS}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            assert name in model.roles, f"parameter {name} has no recorded role (LoopedLM.roles is built at init)"
+            if name not in model.roles:
+                raise ValueError(
+                    f"parameter {name!r} has no recorded role: LoopedLM.roles is built when the model is; create the "
+                    "parameter in your plug-in's build() (or __init__) and tag it with elr_lightning.roles.set_role"
+                )
             buckets[model.roles[name][1]].append(p)
     groups = [
         {"name": name, "params": params, "weight_decay": weight_decay if name in DECAY_GROUPS else 0.0}
@@ -33,8 +38,11 @@ def param_groups(model: LoopedLM, weight_decay: float) -> list[dict]:
     ]
     placed = [id(p) for g in groups for p in g["params"]]
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    assert len(placed) == len(set(placed)), "a parameter landed in two optimizer groups"
-    assert set(placed) == trainable, f"{len(trainable - set(placed))} trainable parameters landed in no group"
+    if len(placed) != len(set(placed)) or set(placed) != trainable:
+        raise ValueError(
+            f"{len(placed) - len(set(placed))} parameter(s) landed in two optimizer groups and "
+            f"{len(trainable - set(placed))} in none; give each parameter one role with elr_lightning.roles.set_role"
+        )
     return groups
 
 

@@ -21,6 +21,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from elr_lightning.callbacks import DelayedMixedDepth, ZeroInitConditioning
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import TextDataModule
@@ -95,8 +96,10 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     """Train one case; return this rank's ``{"state", "loops", "rank", "fsdp_units"}``.
 
     A case names ``virtual_ranks``, the per-rank ``batch_size``, and optionally ``accumulate``
-    (micro-batches per step), ``conditioner_active``, ``meta_init`` and ``save_checkpoint`` (write
-    ``<out>/<case>.ckpt`` after training). The result also holds the
+    (micro-batches per step), ``conditioner_active``, ``meta_init``, ``save_checkpoint`` (write
+    ``<out>/<case>.ckpt`` after training), ``init_from`` (a weights file
+    that ``DelayedMixedDepth`` starts the mixed phase from), and ``nan_rank``/``nan_step``
+    (that rank's loss is NaN at that step; the result is then ``{"rank", "error", "step"}``). The result also holds the
     per-micro-batch ``losses`` and, from the start of training, the ``initial`` state and the
     optimizer ``groups`` (``{name: {"weight_decay", "params"}}``).
     """
@@ -105,6 +108,9 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         sources=[spec["corpus"]], seq_len=16, batch_size=case["batch_size"], cache_dir=spec["cache_dir"], seed=3
     )
     record = RecordLoops()
+    callbacks: list[Callback] = [record]
+    if "init_from" in case:  # start the mixed phase from these weights, at step 0
+        callbacks += [DelayedMixedDepth(init_from=case["init_from"]), ZeroInitConditioning()]
     trainer = Trainer(
         accelerator="cpu",
         devices=devices,
@@ -117,9 +123,23 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[record],
+        callbacks=callbacks,
     )
-    trainer.fit(module, datamodule=data)
+    if "nan_rank" in case:  # this rank's loss turns NaN at that step, the other ranks' stays finite
+        shard_loss = module.shard_loss
+
+        def poisoned(batch: torch.Tensor, loops: list[int]) -> torch.Tensor:
+            loss = shard_loss(batch, loops)
+            hit = trainer.global_rank == case["nan_rank"] and trainer.global_step == case["nan_step"]
+            return loss * float("nan") if hit else loss
+
+        module.shard_loss = poisoned  # type: ignore[method-assign]
+    try:
+        trainer.fit(module, datamodule=data)
+    except FloatingPointError as err:
+        if "nan_rank" not in case:
+            raise
+        return {"rank": trainer.global_rank, "error": str(err), "step": trainer.global_step}
     if case.get("save_checkpoint") and "out" in spec:  # every rank calls it; the strategy picks the writer
         trainer.save_checkpoint(os.path.join(spec["out"], f"{case['name']}.ckpt"))
     units = [name for name, m in module.model.named_modules() if isinstance(m, FSDPModule)]

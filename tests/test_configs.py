@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elr_lightning.cli import main
+from elr_lightning.cli import run
 from elr_lightning.cost import cost_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +20,7 @@ FRAGMENTS = sorted(glob.glob(os.path.join(ROOT, "callbacks", "*.yaml")))
 
 def _print_config(args: list[str], capsys) -> dict:
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", *args, "--print_config"])
+        run(["fit", *args, "--print_config"])
     assert exit_info.value.code in (0, None)
     return yaml.safe_load(capsys.readouterr().out)
 
@@ -57,7 +57,7 @@ def test_gpt_0p5b_is_the_paper_ablation_sampler():
 
 def test_missing_user_data_is_a_clear_error():
     with pytest.raises((FileNotFoundError, ValueError), match=r"data\.sources"):
-        main(["fit", "--config", os.path.join(ROOT, "config", "4b.yaml"), "--trainer.max_steps", "1"])
+        run(["fit", "--config", os.path.join(ROOT, "config", "4b.yaml"), "--trainer.max_steps", "1"])
 
 
 def test_cost_report_reproduces_the_paper_figures_for_4b(capsys):
@@ -68,7 +68,7 @@ def test_cost_report_reproduces_the_paper_figures_for_4b(capsys):
     assert round(report["eq5_multiplier"][0.25], 2) == 1.16  # paper §3.4
     flops = report["forward_gflops_per_token"]
     assert flops[1] < flops[2] < flops[3] < flops[4]
-    main(["cost", "--config", os.path.join(ROOT, "config", "4b.yaml"), "--json", "true"])
+    run(["cost", "--config", os.path.join(ROOT, "config", "4b.yaml"), "--json", "true"])
     assert '"eq5_multiplier"' in capsys.readouterr().out
 
 
@@ -84,3 +84,23 @@ def test_documented_strategy_command_line_parses(capsys):
         capsys,
     )
     assert config["trainer"]["strategy"]["class_path"] == "elr_lightning.strategies.OneLoopOverrideFSDPStrategy"
+
+
+def test_cost_merges_every_config_as_fit_does_and_uses_its_switch_fraction(tmp_path, capsys):
+    wider = tmp_path / "wider.yaml"
+    wider.write_text("model:\n  init_args:\n    arch:\n      d_model: 256\n      n_heads: 8\n")
+    switch = tmp_path / "switch.yaml"
+    switch.write_text(
+        "trainer:\n  callbacks+:\n    - class_path: elr_lightning.callbacks.DelayedMixedDepth\n"
+        "      init_args: {switch_fraction: 0.6}\n"
+    )
+    quickstart = os.path.join(ROOT, "config", "quickstart.yaml")
+    alone = cost_report(quickstart)
+    merged = cost_report([quickstart, str(wider), str(switch)])
+    assert alone["mixed_fraction"] == 1.0  # no delayed switch: mixed from scratch
+    assert merged["mixed_fraction"] == pytest.approx(0.4)
+    assert merged["parameters"]["total"] > 3 * alone["parameters"]["total"]  # d_model 128 -> 256
+    assert merged["eq5_multiplier"][merged["mixed_fraction"]] < merged["eq5_multiplier"][1.0]
+    fragment = os.path.join(ROOT, "callbacks", "delayed_mixed_depth.yaml")
+    run(["cost", "--config", quickstart, "--config", fragment])
+    assert "this config mixes the last 25% of tokens" in capsys.readouterr().out

@@ -438,3 +438,35 @@ def test_lightning_resume_is_exact(tmp_path: Path, corpus: Path) -> None:
     for step in (3, 4, 6):  # mid-epoch, at the epoch boundary, mid-way through the second epoch
         resumed = _fit(tmp_path, corpus, 10, None, str(ckpts / f"step={step}.ckpt"))
         assert resumed == full[step:], f"resume from step {step}"
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"\x7fELF\x02\x01\x01\x00\x00\x00 an executable", r"'.*prog' is not a text file \(NUL byte at offset 7\)"),
+        (b"caf\xe9 au lait", r"'.*prog' is not UTF-8 text \(byte 3"),
+    ],
+)
+def test_binary_or_non_utf8_sources_are_refused_by_name(
+    tmp_path: Path, corpus: Path, content: bytes, match: str
+) -> None:
+    (tmp_path / "prog").write_bytes(content)
+    dm = make_dm(tmp_path, sources=[str(corpus / "a.txt"), str(tmp_path / "prog")])
+    with pytest.raises(ValueError, match=match):
+        dm.prepare_data()
+    assert [p for p in os.listdir(tmp_path / "cache") if p.endswith((".bin", ".json"))] == []
+
+
+def test_an_edit_that_keeps_size_and_mtime_is_not_served_from_the_cache(tmp_path: Path) -> None:
+    source = tmp_path / "doc.txt"
+    source.write_text("".join(f"old line {i}\n" for i in range(200)))
+    stat = source.stat()
+    dm = make_dm(tmp_path, sources=[str(source)], seq_len=16, batch_size=2)
+    dm.setup()
+    before = ByteTokenizer().decode(np.asarray(dm.tokens).tolist())
+    source.write_text(before.replace("old", "new"))  # same size
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same mtime, as `cp -p` or a restore leaves it
+    dm = make_dm(tmp_path, sources=[str(source)], seq_len=16, batch_size=2)
+    dm.setup()
+    after = ByteTokenizer().decode(np.asarray(dm.tokens).tolist())
+    assert "old" in before and "old" not in after and "new line 199" in after

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from conftest import GQA_CONFIG, perturbed_model
 from elr_lightning.cache import KVCache, LastLoopCache, PerLoopCache
-from elr_lightning.cli import main
+from elr_lightning.cli import run
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.fold import FoldedLM, fold_conditioning
 from elr_lightning.generation import generate, layer_caches
@@ -148,9 +148,9 @@ def test_cli_generate_fold_streams_the_same_text(tmp_path: Path, capsys: pytest.
     capsys.readouterr()  # drop fit's own output: a model summary table on stdout when rich is installed
     args = ["generate", "--ckpt_path", str(path), "--prompt", "hi", "--loops", "2", "--max_new_tokens", "10",
             "--temperature", "0", "--tokenizer", "byte"]  # fmt: skip
-    main(args)
+    run(args)
     plain = capsys.readouterr().out
-    main([*args, "--fold"])
+    run([*args, "--fold"])
     assert capsys.readouterr().out == plain
 
 

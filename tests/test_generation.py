@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
-from elr_lightning.cli import main
+from elr_lightning.cli import run
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.generation import (
@@ -318,7 +318,7 @@ def test_cli_generate_streams_the_continuation(
     checkpoint: tuple[Path, ELRModule], capsys: pytest.CaptureFixture
 ) -> None:
     path, _ = checkpoint
-    main(["generate", "--ckpt_path", str(path), "--prompt", "hello", "--loops", "2", "--kv_cache", "last_loop",
+    run(["generate", "--ckpt_path", str(path), "--prompt", "hello", "--loops", "2", "--kv_cache", "last_loop",
           "--max_new_tokens", "12", "--temperature", "0"])  # fmt: skip
     captured = capsys.readouterr()
     model, _ = load_model(str(path))
@@ -334,9 +334,9 @@ def test_cli_generate_prompt_file_stats_and_sampling(
     prompt.write_text("def f(", encoding="utf-8")
     args = ["generate", "--ckpt_path", str(path), "--prompt_file", str(prompt), "--max_new_tokens", "6",
             "--seed", "1", "--top_k", "5", "--top_p", "0.9", "--stats", "--no_echo_prompt"]  # fmt: skip
-    main(args)
+    run(args)
     first = capsys.readouterr()
-    main(args)
+    run(args)
     second = capsys.readouterr()
     assert first.out == second.out and not first.out.startswith("def f(")
     assert "KV cache" in first.err and "tok/s" in first.err and "kv_cache=per_loop" in first.err
@@ -345,16 +345,16 @@ def test_cli_generate_prompt_file_stats_and_sampling(
 def test_cli_generate_errors(checkpoint: tuple[Path, ELRModule], tmp_path: Path) -> None:
     path = str(checkpoint[0])
     with pytest.raises(ValueError, match="empty"):
-        main(["generate", "--ckpt_path", path, "--prompt", ""])
+        run(["generate", "--ckpt_path", path, "--prompt", ""])
     with pytest.raises(ValueError, match=r"--loops 5.*max_loops=4.*--allow_extrapolation"):
-        main(["generate", "--ckpt_path", path, "--prompt", "x", "--loops", "5"])
+        run(["generate", "--ckpt_path", path, "--prompt", "x", "--loops", "5"])
     missing = str(tmp_path / "missing.ckpt")
     with pytest.raises(FileNotFoundError, match="missing.ckpt"):
-        main(["generate", "--ckpt_path", missing, "--prompt", "x"])
+        run(["generate", "--ckpt_path", missing, "--prompt", "x"])
     garbage = tmp_path / "garbage.ckpt"
     garbage.write_text("not a checkpoint")
     with pytest.raises(ValueError, match="garbage.ckpt"):
-        main(["generate", "--ckpt_path", str(garbage), "--prompt", "x"])
+        run(["generate", "--ckpt_path", str(garbage), "--prompt", "x"])
 
 
 def test_cli_generate_extrapolates_with_the_flag(
@@ -362,7 +362,7 @@ def test_cli_generate_extrapolates_with_the_flag(
 ) -> None:
     path = str(checkpoint[0])
     with pytest.warns(UserWarning, match="--loops 5"):
-        main(["generate", "--ckpt_path", path, "--prompt", "x", "--loops", "5", "--allow_extrapolation",
+        run(["generate", "--ckpt_path", path, "--prompt", "x", "--loops", "5", "--allow_extrapolation",
               "--max_new_tokens", "3", "--seed", "0"])  # fmt: skip
     assert capsys.readouterr().out.startswith("x")
 
@@ -373,13 +373,13 @@ def test_checkpoint_from_elr_fit_loads(
 ) -> None:
     """A checkpoint written by the real ``elr fit`` (quickstart config, 3 steps) generates."""
     monkeypatch.chdir(tmp_path)
-    main(["fit", "--config", str(QUICKSTART), "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
+    run(["fit", "--config", str(QUICKSTART), "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
           "--data.init_args.max_bytes", "300000", "--trainer.default_root_dir", str(tmp_path),
           "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
           "--trainer.enable_progress_bar", "false"])  # fmt: skip
     ckpts = sorted(tmp_path.rglob("last.ckpt"))
     assert ckpts, "elr fit wrote no last.ckpt"
     capsys.readouterr()
-    main(["generate", "--ckpt_path", str(ckpts[0]), "--prompt", "import ", "--loops", "3", "--kv_cache", "last_loop",
+    run(["generate", "--ckpt_path", str(ckpts[0]), "--prompt", "import ", "--loops", "3", "--kv_cache", "last_loop",
           "--max_new_tokens", "8", "--seed", "0"])  # fmt: skip
     assert capsys.readouterr().out.startswith("import ")

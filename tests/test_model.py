@@ -102,16 +102,16 @@ def test_baseline_is_a_plain_stack(tiny):
 
 @pytest.mark.parametrize(
     "rule, expected",
-    [
-        (FixedDelta(0.25), lambda s, r, st_: s + 0.25 * (r - s)),
-        (Residual(), lambda s, r, st_: s + (r - st_)),
-        (Replace(), lambda s, r, st_: r),
-        (NonRecurrent(), lambda s, r, st_: r),
+    [  # s_{i-1} = 1, r_i = 3, s~_i = 2 (= s_{i-1} + h_in with h_in = 1), worked out by hand
+        (FixedDelta(0.25), 1.5),  # s + 0.25 (r - s)
+        (Residual(), 2.0),  # s + (r - s~): the block's residual on top of the state
+        (Replace(), 3.0),  # r
+        (NonRecurrent(), 3.0),  # r
     ],
 )
 def test_ablation_rules(rule, expected):
-    s, r, s_tilde = torch.randn(3, 2, 4, 8).unbind(0)
-    assert torch.allclose(rule(s, r, s_tilde), expected(s, r, s_tilde))
+    s, r, s_tilde = (torch.full((1, 2, 4), v) for v in (1.0, 3.0, 2.0))
+    assert torch.equal(rule(s, r, s_tilde), torch.full((1, 2, 4), expected))
 
 
 def test_adaptive_delta_at_k1_from_paper():

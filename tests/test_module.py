@@ -9,11 +9,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import tiny_config
+from elr_lightning.callbacks import LoopCountPlots
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.data import TextDataModule
 from elr_lightning.module import ELRModule
@@ -101,7 +102,7 @@ def test_fit_logs_every_promised_tag(tmp_path):
         arch=tiny_config(vocab_size=256), sampler=OneLoopOverride(4, 0.15), virtual_ranks=2,
         conditioner=LoopConditioner(d_cond=8, rank=2), warmup_steps=1,
     )
-    trainer = _trainer(tmp_path)
+    trainer = _trainer(tmp_path, callbacks=[LoopCountPlots()])
     trainer.fit(module, datamodule=_tiny_data(tmp_path))
     metrics = trainer.callback_metrics
     for tag in ("train/loss", "train/loops_mean", "train/beta_mean", "train/p1"):
@@ -141,6 +142,20 @@ def test_batch_smaller_than_virtual_ranks_is_refused():
     module = ELRModule(arch=tiny_config(), virtual_ranks=4)
     with pytest.raises(ValueError, match="virtual_ranks=4"):
         module.shard_loss(torch.zeros(2, 9, dtype=torch.long), [1, 1, 1, 1])
+
+
+def test_virtual_ranks_above_the_batch_are_refused_at_setup_before_sanity_validation(tmp_path):
+    started = []
+
+    class Spy(Callback):
+        def on_sanity_check_start(self, trainer, pl_module):
+            started.append("sanity")
+
+    module = ELRModule(arch=tiny_config(vocab_size=256), virtual_ranks=8)
+    trainer = _trainer(tmp_path, num_sanity_val_steps=1, callbacks=[Spy()])
+    with pytest.raises(ValueError, match=r"virtual_ranks=8 is larger than data\.batch_size=4"):
+        trainer.fit(module, datamodule=_tiny_data(tmp_path))
+    assert started == []
 
 
 def test_training_lowers_validation_loss(tmp_path):
@@ -217,3 +232,10 @@ def test_conditioner_keeps_its_roles_through_the_plugin_copy():
     mlp = list(module.model.conditioner.mlp.parameters())
     assert mlp and all(id(p) in groups["conditioning"] for p in mlp)
     assert all(module.model.roles[n][1] == "conditioning" for n, _ in module.model.named_parameters() if "mlp.0" in n)
+
+
+def test_a_parameter_added_after_the_model_was_built_is_named_not_asserted():
+    module = ELRModule(arch=tiny_config())
+    module.model.update.late = torch.nn.Parameter(torch.zeros(3))  # a plug-in that builds outside build()
+    with pytest.raises(ValueError, match=r"parameter '(core\.)?update\.late' has no recorded role.*set_role"):
+        param_groups(module.model, 0.1)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from elr_lightning.cli import main
+from elr_lightning.cli import run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,6 +61,6 @@ def test_readme_plugin_trains_from_yaml(tmp_path, monkeypatch):
         return original(self, s_prev, r, s_tilde)
 
     monkeypatch.setattr(ScalarGate, "forward", spy)
-    main(["fit", "--config", str(config)])
+    run(["fit", "--config", str(config)])
     assert "a" in trained and trained["a"].shape == torch.Size([])
     assert trained["a"].item() != 0.0  # the optimizer moved the user's parameter

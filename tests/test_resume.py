@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -144,6 +145,18 @@ from lightning.pytorch.callbacks import Callback
 from elr_lightning.callbacks.zero_init_conditioning import conditioning_parameters
 
 
+class StopAt(Callback):
+    """Ends the run after optimizer step ``step`` (its checkpoint written), as a kill would, without
+    shortening max_steps (which sets the LR schedule and the switch)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
 class Recorder(Callback):
     """One JSON line per step and rank; final weights per rank; a watchdog against hangs."""
 
@@ -208,9 +221,20 @@ STRATEGIES = {
 
 
 def write_run(
-    folder: Path, steps: int, switch: int, devices: int = 1, pause: float = 0.0, strategy: str = "ddp"
+    folder: Path,
+    steps: int,
+    switch: int,
+    devices: int = 1,
+    pause: float = 0.0,
+    strategy: str = "ddp",
+    switch_at_step: bool = False,
+    sharded: bool = False,
 ) -> Path:
-    """A YAML for ``elr fit``: tiny model, delayed switch, checkpoints every step, a recorder."""
+    """A YAML for ``elr fit``: tiny model, delayed switch, checkpoints every step, a recorder.
+
+    ``switch_at_step`` gives the switch as ``switch_step`` (not a fraction of ``steps``), so a run
+    may stop before it and be resumed with more steps; ``sharded`` has the FSDP strategy write
+    sharded (folder) checkpoints."""
     folder.mkdir(parents=True)
     (folder / "elr_test_recorder.py").write_text(RECORDER)
     config = {
@@ -234,7 +258,7 @@ def write_run(
                 },
                 {
                     "class_path": "elr_lightning.callbacks.DelayedMixedDepth",
-                    "init_args": {"switch_fraction": switch / steps},
+                    "init_args": {"switch_step": switch} if switch_at_step else {"switch_fraction": switch / steps},
                 },
                 {"class_path": "elr_lightning.callbacks.ZeroInitConditioning"},
                 {"class_path": "elr_lightning.callbacks.ComputeAccounting"},
@@ -270,14 +294,18 @@ def write_run(
         },
     }
     if devices > 1:
-        config["trainer"]["strategy"] = STRATEGIES[strategy]
+        config["trainer"]["strategy"] = copy.deepcopy(STRATEGIES[strategy])
+        if sharded:
+            config["trainer"]["strategy"]["init_args"]["save_distributed_checkpoint"] = True
     path = folder / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def launch(config: Path, ckpt_path: Optional[Path] = None, env: Optional[dict[str, str]] = None) -> subprocess.Popen:
-    args = [sys.executable, "-m", "elr_lightning.cli", "fit", "--config", str(config)]
+def launch(
+    config: Path, ckpt_path: Optional[Path] = None, env: Optional[dict[str, str]] = None, extra: Optional[list[str]] = None
+) -> subprocess.Popen:
+    args = [sys.executable, "-m", "elr_lightning.cli", "fit", "--config", str(config), *(extra or [])]
     if ckpt_path is not None:
         args += ["--ckpt_path", str(ckpt_path)]
     full_env = {**os.environ, "PYTHONPATH": f"{config.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -403,3 +431,44 @@ def test_the_switch_under_two_processes(strategy, single_process_run, tmp_path):
         assert torch.allclose(value.float(), reference_state[key].float(), atol=2e-5), key
     heads = [k for k in states[0] if k.endswith(("film.weight", "omega.weight"))]
     assert heads and all(torch.count_nonzero(states[0][k]) > 0 for k in heads)
+
+
+def _two_processes(run: Path, *extra: str, ckpt_path: Optional[Path] = None) -> None:
+    port = str(free_port())
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "NODE_RANK": "0", "OMP_NUM_THREADS": "1"}
+    procs = [launch(run, ckpt_path, env={**env, "LOCAL_RANK": str(r)}, extra=list(extra)) for r in range(2)]
+    try:
+        for proc in procs:
+            finish(proc)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_fsdp_resumes_exactly_from_a_sharded_checkpoint(single_process_run, tmp_path):
+    """Stop a 2-process FSDP run at step 6 (after the switch at 4) with sharded checkpoints, resume it
+    from the checkpoint folder to step 8: the same loop counts and final weights as one process run
+    straight through. (Resuming a sharded checkpoint written before the switch fails today: the heads
+    have no AdamW state yet, and torch's get_optimizer_state_dict expects state for every parameter.)"""
+    run = write_run(tmp_path / "sharded", 8, 4, devices=2, strategy="fsdp", switch_at_step=True, sharded=True)
+    stop = run.parent / "stop.yaml"
+    stop.write_text(yaml.safe_dump({"trainer": {"callbacks+": [{"class_path": "elr_test_recorder.StopAt",
+                                                                  "init_args": {"step": 6}}]}}))  # fmt: skip
+    _two_processes(run, "--config", str(stop))
+    folder = run.parent / "ckpt" / "epoch=0-step=6.ckpt"
+    assert folder.is_dir() and (folder / ".metadata").is_file(), sorted(p.name for p in (run.parent / "ckpt").iterdir())
+    _two_processes(run, ckpt_path=folder)
+    reference = by_step(read_steps(single_process_run))
+    for rank in range(2):
+        lines = by_step(read_steps(run.parent, rank))
+        assert sorted(lines) == list(range(8))
+        assert [lines[s]["active"] for s in range(8)] == [s >= 4 for s in range(8)]
+        for s in range(8):
+            assert lines[s]["loops"] == reference[s]["loops"][rank : rank + 1], f"step {s}: rank {rank}'s k"
+    states = [torch.load(run.parent / f"final.rank{r}.pt") for r in range(2)]
+    reference_state = torch.load(single_process_run / "final.rank0.pt")
+    for key, value in states[0].items():
+        assert torch.equal(value, states[1][key]), f"{key} drifted apart between the ranks"
+        assert torch.allclose(value.float(), reference_state[key].float(), atol=2e-5), key

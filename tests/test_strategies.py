@@ -23,18 +23,20 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import _dist_worker
 from conftest import tiny_config
-from elr_lightning.cli import main as cli_main
+from elr_lightning.cli import run as cli_main
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 from elr_lightning.roles import set_module_role
 from elr_lightning.sampling import OneLoopOverride
 from elr_lightning.strategies import DataParallelLayout, OneLoopOverrideDDPStrategy, OneLoopOverrideFSDPStrategy
-from elr_lightning.tokenizers import ByteTokenizer, checkpoint_tokenizer
 from elr_lightning.strategies.common import loop_dependent_parameters, unused_parameters, verify_loop_schedule
+from elr_lightning.strategies.fsdp import mixed_precision_policy, shard_looped_lm
+from elr_lightning.tokenizers import ByteTokenizer, checkpoint_tokenizer
 from elr_lightning.updates import StateUpdate
 
 WORKER = Path(_dist_worker.__file__)
@@ -204,6 +206,61 @@ def test_fsdp_meta_init_trains_like_an_eager_init(corpus, tmp_path):
     assert moved > 1e-2, "training barely moved the meta-initialised parameters"
 
 
+@pytest.mark.slow
+def test_a_nan_loss_on_one_rank_stops_every_rank_at_once(corpus, tmp_path):
+    """Without agreement the finite rank waits in the gradient all-reduce until the collective timeout."""
+    results = launch("ddp", corpus, tmp_path / "ddp", {"nan": {"virtual_ranks": 1, "nan_rank": 1, "nan_step": 2}})
+    by_rank = {r["rank"]: r for r in results["nan"]}
+    assert by_rank[1]["error"].startswith("train/loss is nan at step 2")
+    assert by_rank[0]["error"].startswith("train/loss is finite here but not on another rank at step 2")
+    assert all(r["step"] == 2 for r in by_rank.values())
+
+
+@pytest.mark.slow
+def test_fsdp_meta_init_starts_from_init_from_weights(corpus, tmp_path):
+    """The paper-scale continuation: meta_init under FSDP with DelayedMixedDepth(init_from=...) must
+    start from the file's weights (loading into meta tensors was a no-op, then the shards were
+    initialised afresh)."""
+    torch.manual_seed(1)
+    model = _dist_worker.tiny_module(1).model
+    with torch.no_grad():
+        for p in model.parameters():  # in place: the tied embedding and head stay one tensor
+            p.add_(0.5 * torch.randn_like(p))
+    source = model.state_dict()
+    one_loop = {k: v for k, v in source.items() if "_mod." not in k and "conditioner." not in k}  # no heads
+    path = tmp_path / "one_loop.pt"
+    torch.save(one_loop, path)
+    case = {"virtual_ranks": 1, "meta_init": True, "init_from": str(path)}
+    results = launch("fsdp", corpus, tmp_path / "fsdp_init_from", {"continued": case})
+    for rank in results["continued"]:
+        initial = rank["initial"]
+        assert initial.keys() >= one_loop.keys()
+        for key, value in one_loop.items():
+            torch.testing.assert_close(initial[key], value, msg=f"rank {rank['rank']}: {key} not loaded")
+        assert all(math.isfinite(loss) for loss in rank["losses"])
+
+
+def test_bf16_mixed_fsdp_gathers_in_bf16_and_reduces_in_fp32(tmp_path):
+    assert mixed_precision_policy("32-true") is None
+    policy = mixed_precision_policy("bf16-mixed")
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
+        model = LoopedLM(tiny_config())
+        shard_looped_lm(model, mesh, mp_policy=policy)
+        seen = []
+        for unit in (model.core, model.input_layers[0]):
+            linear = next(m for m in unit.modules() if isinstance(m, nn.Linear))
+            linear.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.dtype))
+        model(torch.randint(0, 64, (2, 8)), 2).float().sum().backward()
+        assert seen and set(seen) == {torch.bfloat16}  # gathered for compute in bf16
+        assert {p.dtype for p in model.parameters()} == {torch.float32}  # the shards stay fp32
+        assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {torch.float32}
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 # ---- the data-parallel layout ---------------------------------------------------------------------
 
 
@@ -299,7 +356,9 @@ def test_ddp_without_find_unused_parameters_needs_every_parameter_used():
 def test_schedule_check_raises_when_a_rank_runs_other_loop_counts(monkeypatch):
     module = ELRModule(arch=tiny_config(), virtual_ranks=3, loop_seed=1)
     _with_trainer(module, strategy=object(), global_step=4)
-    strategy = SimpleNamespace(lightning_module=module, root_device=torch.device("cpu"))
+    strategy = SimpleNamespace(
+        lightning_module=module, root_device=torch.device("cpu"), all_gather=lambda tensor, group=None: tensor
+    )
     verify_loop_schedule(strategy, every_n_steps=1)
     monkeypatch.setattr(module, "local_loops", lambda: [k % 4 + 1 for k in module.step_schedule()])
     verify_loop_schedule(strategy, every_n_steps=3)  # step 4 is not checked

@@ -1,8 +1,11 @@
-"""Trainer callbacks of the ELR recipe: delayed mixed depth, zero-init heads, eq. (5) accounting, safe checkpoints."""
+"""Trainer callbacks of the ELR recipe: delayed mixed depth, zero-init heads, eq. (5) accounting, safe
+checkpoints, TensorBoard loop plots."""
 
 from elr_lightning.callbacks.atomic_checkpoint import AtomicModelCheckpoint
 from elr_lightning.callbacks.compute_accounting import ComputeAccounting
 from elr_lightning.callbacks.delayed_mixed_depth import DelayedMixedDepth, DelayedSampler
+from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
+from elr_lightning.callbacks.loop_plots import LoopCountPlots
 from elr_lightning.callbacks.zero_init_conditioning import ZeroInitConditioning
 
 __all__ = [
@@ -10,5 +13,7 @@ __all__ = [
     "ComputeAccounting",
     "DelayedMixedDepth",
     "DelayedSampler",
+    "ExclusiveSaveConfig",
+    "LoopCountPlots",
     "ZeroInitConditioning",
 ]

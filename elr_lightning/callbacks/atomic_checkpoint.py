@@ -12,7 +12,7 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from elr_lightning.checkpoint_io import AtomicCheckpointIO, replace_atomically
+from elr_lightning.checkpoint_io import AtomicCheckpointIO, remove_orphans, replace_atomically
 
 
 class AtomicModelCheckpoint(ModelCheckpoint):
@@ -28,6 +28,7 @@ class AtomicModelCheckpoint(ModelCheckpoint):
       that the top-k bookkeeping deletes just before relinking, so a kill in between leaves
       ``last.ckpt`` missing or dangling; a hard link keeps the old data alive and the rename is
       atomic. ``save_last=True`` writes ``last.ckpt`` as a file through the atomic writer.
+    * In ``setup``, the temporary files that a kill during a save left in ``dirpath`` are removed.
 
     The guarantees hold for checkpoints that are single files. Sharded checkpoints that a strategy
     writes as folders (``save_distributed_checkpoint=True``) are written and linked as Lightning
@@ -37,6 +38,10 @@ class AtomicModelCheckpoint(ModelCheckpoint):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        if trainer.is_global_zero and self.dirpath is not None:
+            removed = remove_orphans(str(self.dirpath))  # a killed write's leftovers; no writer runs yet
+            if removed:
+                rank_zero_warn(f"AtomicModelCheckpoint: removed {len(removed)} temporary file(s) of an interrupted save")
         strategy = trainer.strategy
         io = strategy.checkpoint_io
         if type(io) is TorchCheckpointIO:

@@ -8,6 +8,8 @@ import lightning.pytorch as pl
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from elr_lightning.callbacks.switch import DEFAULT_SWITCH_FRACTION, SwitchCallback, SwitchPoint
@@ -78,6 +80,25 @@ def load_weights_where_present(model: nn.Module, path: str) -> list[str]:
     Raises:
         ValueError: The file has tensors ``model`` lacks, or tensors of another shape.
     """
+    state = checked_weights(model, path)
+    own = model.state_dict()
+    if any(value.is_meta for value in own.values()):
+        raise ValueError(f"init_from={path!r}: the model is still on the meta device; load it once materialised")
+    if any(isinstance(value, DTensor) for value in own.values()):
+        # Sharded (FSDP2): distribute the full tensors onto each rank's shards.
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        model.load_state_dict(state, strict=False)
+    return sorted(set(own) - set(state))
+
+
+def checked_weights(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``path`` (see :func:`load_weights_where_present`), checked against ``model``'s names
+    and shapes; ``model`` may still be on the meta device.
+
+    Raises:
+        ValueError: The file has tensors ``model`` lacks, or tensors of another shape.
+    """
     state = _normalised_state_dict(torch.load(path, map_location="cpu", weights_only=False, mmap=True), path)
     own = model.state_dict()
     unexpected = sorted(set(state) - set(own))
@@ -93,8 +114,7 @@ def load_weights_where_present(model: nn.Module, path: str) -> list[str]:
             + (f"shapes differ (file vs model): {_summarise(mismatched)}. " if mismatched else "")
             + "Use model.init_args.arch of the run that wrote it."
         )
-    model.load_state_dict(state, strict=False)
-    return sorted(set(own) - set(state))
+    return state
 
 
 class DelayedMixedDepth(SwitchCallback):
@@ -138,6 +158,7 @@ class DelayedMixedDepth(SwitchCallback):
         self.switch = SwitchPoint(switch_fraction, switch_step)
         self.sampler = sampler
         self.init_from = init_from
+        self._load_pending = False
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -151,20 +172,31 @@ class DelayedMixedDepth(SwitchCallback):
                 "elr_lightning.callbacks.ZeroInitConditioning (callbacks/delayed_mixed_depth.yaml adds both), "
                 "or set model.init_args.conditioner: null"
             )
+        self._load_pending = False
         if self.init_from is not None:
-            new = load_weights_where_present(pl_module.model, self.init_from)
-            rank_zero_info(
-                f"DelayedMixedDepth: loaded {self.init_from}; newly initialised: {_summarise(new) if new else 'none'}"
-            )
+            if any(p.is_meta for p in pl_module.model.parameters()):
+                # meta_init: loading into meta tensors is a no-op, and the strategy initialises the shards
+                # afterwards; check the file now, load it once the shards hold memory (on_fit_start).
+                checked_weights(pl_module.model, self.init_from)
+                self._load_pending = True
+            else:
+                self._load(pl_module)
+
+    def _load(self, pl_module: "pl.LightningModule") -> None:
+        new = load_weights_where_present(pl_module.model, self.init_from)
+        rank_zero_info(
+            f"DelayedMixedDepth: loaded {self.init_from}; newly initialised: {_summarise(new) if new else 'none'}"
+        )
 
     @staticmethod
     def _has_zero_init(trainer: "pl.Trainer") -> bool:
-        from elr_lightning.callbacks.zero_init_conditioning import ZeroInitConditioning
-
-        return any(isinstance(cb, ZeroInitConditioning) for cb in trainer.callbacks)
+        return any(isinstance(cb, SwitchCallback) and cb.activates_conditioning for cb in trainer.callbacks)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._load_pending and trainer.ckpt_path is None:  # a resumed run has its own weights
+            self._load(pl_module)
+        self._load_pending = False
         current = pl_module.sampler
         after = self.sampler if self.sampler is not None else current
         if isinstance(after, DelayedSampler):

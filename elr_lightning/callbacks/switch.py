@@ -67,6 +67,10 @@ class SwitchCallback(Callback):
     ``load_state_dict`` and ``on_fit_start`` comes first.
     """
 
+    #: Whether this callback brings the conditioning heads in at the switch (what
+    #: :class:`~elr_lightning.callbacks.DelayedMixedDepth` needs beside it for a conditioned model).
+    activates_conditioning: bool = False
+
     def __init__(self) -> None:
         self.switch_step: Optional[int] = None
         self._resumed_switch_step: Optional[int] = None

@@ -68,6 +68,8 @@ class ZeroInitConditioning(SwitchCallback):
         switch_step: Absolute switch step; overrides ``switch_fraction``.
     """
 
+    activates_conditioning = True
+
     def __init__(self, switch_fraction: Optional[float] = None, switch_step: Optional[int] = None) -> None:
         super().__init__()
         own = switch_fraction is not None or switch_step is not None
@@ -121,7 +123,8 @@ class ZeroInitConditioning(SwitchCallback):
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
     ) -> None:
-        assert self.switch_step is not None
+        if self.switch_step is None:
+            raise RuntimeError("ZeroInitConditioning: on_fit_start, which resolves the switch step, has not run")
         conditioner = self._conditioner(pl_module)
         wanted = trainer.global_step >= self.switch_step
         if wanted == conditioner.active:

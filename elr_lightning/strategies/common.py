@@ -77,11 +77,8 @@ def verify_loop_schedule(strategy: ParallelStrategy, every_n_steps: int, group: 
     expected = module.step_schedule()
     local = module.local_loops()
     mine = torch.tensor(local + expected, dtype=torch.long, device=strategy.root_device)
-    rows = [mine]
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rows = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
-        torch.distributed.all_gather(rows, mine, group=group)
-    gathered = [row.tolist() for row in rows]
+    # [ranks, n] (without a process group, Lightning returns the tensor as it is: one row)
+    gathered = strategy.all_gather(mine, group=group).reshape(-1, mine.numel()).tolist()
     realised = [k for row in gathered for k in row[: len(local)]]
     views = [row[len(local) :] for row in gathered]
     if any(view != realised for view in views):

@@ -13,9 +13,9 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 try:  # FSDP2's public home since torch 2.6
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch 2.4 and 2.5 (pyproject allows torch>=2.4) ship it under a private path
-    from torch.distributed._composable.fsdp import FSDPModule, fully_shard
+    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from elr_lightning.model import LoopedLM
 from elr_lightning.strategies.common import find_looped_lm, loop_dependent_parameters, verify_loop_schedule
@@ -24,8 +24,28 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
+#: Lightning precisions whose autocast computes in half precision, and the dtype FSDP2 gathers in for them.
+_HALF_PRECISIONS = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def mixed_precision_policy(precision: str) -> Optional[MixedPrecisionPolicy]:
+    """FSDP2's policy for a Lightning ``precision``: half-precision gathers, fp32 gradient reduction.
+
+    Under ``bf16-mixed`` autocast computes in bf16 anyway; without a policy ``fully_shard`` would
+    all-gather the fp32 shards (twice the bytes) and autocast would cast them after. The policy
+    gathers in bf16 and reduce-scatters gradients in fp32; the sharded parameters and the optimizer
+    stay fp32. ``None`` for full precision.
+    """
+    dtype = _HALF_PRECISIONS.get(precision)
+    return None if dtype is None else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
 def shard_looped_lm(
-    model: LoopedLM, mesh: "DeviceMesh", reshard_after_forward: bool = True, reduce_scatter_unused_params: bool = False
+    model: LoopedLM,
+    mesh: "DeviceMesh",
+    reshard_after_forward: bool = True,
+    reduce_scatter_unused_params: bool = False,
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
 ) -> None:
     """Apply FSDP2 ``fully_shard`` to ``model`` in place, in units whose collectives do not depend on k.
 
@@ -45,13 +65,16 @@ def shard_looped_lm(
             (gather again for backward); ``False`` keeps them, trading memory for communication.
         reduce_scatter_unused_params: Reduce-scatter zero gradients for parameters that took no
             part in a rank's backward (needed when ranks use different parameters, e.g. MoE).
+        mp_policy: FSDP2 mixed precision of every unit (:func:`mixed_precision_policy`); ``None``
+            gathers and reduces in the parameters' dtype.
     """
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in model.input_layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model.core, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
+    fully_shard(model.core, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
     for layer in model.output_layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    root = fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
+    root = fully_shard(model, mesh=mesh, **policy)
     if reduce_scatter_unused_params:
         if not hasattr(root, "set_reduce_scatter_unused_params"):
             raise ValueError(
@@ -70,7 +93,8 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
     :func:`shard_looped_lm` after ``configure_model`` and before the optimizer is built; model code
     is untouched. The data-parallel rank and size come from the mesh. A model built on the meta
     device (``ELRModule(meta_init=True)``) is materialised after sharding, each rank allocating its
-    shard only, and initialised with ``LoopedLM.init_weights``.
+    shard only, and initialised with ``LoopedLM.init_weights``. Under ``bf16-mixed`` (or ``16-mixed``)
+    the units gather their parameters in half precision (:func:`mixed_precision_policy`).
 
     Every rank must reduce-scatter the same parameters at every step, whatever k it runs. At setup
     the strategy probes the unsharded model at k = 1..``arch.max_loops`` (conditioner as it is and
@@ -88,6 +112,9 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"``, ... (default: by device).
         timeout: Collective timeout.
     """
+
+    #: ``ELRModule(meta_init=True)`` asks for this: the strategy materialises and initialises the shards.
+    materializes_meta_models = True
 
     def __init__(
         self,
@@ -143,6 +170,7 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
                 self.device_mesh["data_parallel"],
                 reshard_after_forward=self.reshard_after_forward,
                 reduce_scatter_unused_params=self.reduce_scatter_unused_params,
+                mp_policy=mixed_precision_policy(str(self.precision_plugin.precision)),
             )
             if any(p.is_meta for p in model.parameters()):
                 # Built with meta_init: give each rank's shard memory, then the model's own init.

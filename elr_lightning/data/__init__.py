@@ -1,0 +1,36 @@
+"""Token data for language-model training: a cached token shard cut into fixed windows.
+
+:class:`TextDataModule` reads text files (by default the Python standard library of the running
+interpreter, which is on every machine), tokenises them once into a ``numpy.memmap`` shard under
+``cache_dir`` and serves windows of ``seq_len + 1`` tokens. Training batches come from a
+:class:`StepIndexedLoader`, which resumes exactly from a checkpoint; validation batches come in a
+fixed order.
+
+Modules: :mod:`~elr_lightning.data.sources` (which files, which documents),
+:mod:`~elr_lightning.data.windows` (windows and the resumable loader) and
+:mod:`~elr_lightning.data.datamodule` (the token cache and the ``LightningDataModule``).
+"""
+
+from elr_lightning.data.datamodule import CACHE_FORMAT, TextDataModule, token_dtype
+from elr_lightning.data.sources import (
+    STDLIB_EXCLUDED_DIRS,
+    TEXT_SUFFIXES,
+    default_corpus_files,
+    iter_documents,
+    resolve_sources,
+)
+from elr_lightning.data.windows import StepIndexedLoader, TokenWindows, epoch_seed
+
+__all__ = [
+    "CACHE_FORMAT",
+    "STDLIB_EXCLUDED_DIRS",
+    "TEXT_SUFFIXES",
+    "StepIndexedLoader",
+    "TextDataModule",
+    "TokenWindows",
+    "default_corpus_files",
+    "epoch_seed",
+    "iter_documents",
+    "resolve_sources",
+    "token_dtype",
+]

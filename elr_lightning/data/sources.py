@@ -1,0 +1,177 @@
+"""Corpus files and their documents: what ``data.sources`` names, expanded and read.
+
+``resolve_sources`` turns files, directories and globs (or nothing, for the standard library of the
+running interpreter) into an ordered list of files; ``iter_documents`` reads them as documents.
+"""
+
+import glob
+import json
+import os
+import sysconfig
+from collections.abc import Iterator, Sequence
+from typing import Optional
+
+TEXT_SUFFIXES: tuple[str, ...] = (".py", ".txt", ".md", ".jsonl")
+"""Files a directory in ``data.sources`` contributes (searched recursively, hidden entries skipped)."""
+
+STDLIB_EXCLUDED_DIRS: frozenset[str] = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages"})
+"""Folders of the standard library left out of the default corpus."""
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+def default_corpus_files() -> list[str]:
+    """The default corpus: ``*.py`` sources of the running interpreter's standard library.
+
+    Test folders (``test``, ``tests``, ``idle_test``) and installed packages (anything under
+    ``site-packages``/``dist-packages``) are left out.
+
+    Returns:
+        Absolute paths, sorted by their path relative to the standard library folder.
+
+    Raises:
+        ValueError: No source file was found (an interpreter installed without its sources).
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDED_DIRS and d != "__pycache__"]
+        found.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+    if not found:
+        raise ValueError(f"data.sources: no standard-library sources under {root!r}; set data.sources to text files")
+    return sorted((os.path.abspath(p) for p in found), key=lambda p: os.path.relpath(p, root).split(os.sep))
+
+
+def _files_in_directory(root: str) -> list[str]:
+    """Text-like files under ``root``, recursively, hidden entries skipped, in sorted path order."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+        found.extend(
+            os.path.join(dirpath, f) for f in filenames if f.endswith(TEXT_SUFFIXES) and not f.startswith(".")
+        )
+    return sorted(found, key=lambda p: os.path.relpath(p, root).split(os.sep))
+
+
+def resolve_sources(sources: Optional[Sequence[str]]) -> list[str]:
+    """Expand ``data.sources`` into an ordered list of files.
+
+    Each entry is a file, a directory (its :data:`TEXT_SUFFIXES` files, recursively, sorted) or a
+    glob pattern (``**`` allowed; matches sorted). Order follows the entries; a file reached twice
+    is kept at its first place.
+
+    Args:
+        sources: The entries, or ``None`` for :func:`default_corpus_files`.
+
+    Returns:
+        Absolute file paths.
+
+    Raises:
+        FileNotFoundError: An entry is neither a glob nor an existing path.
+        ValueError: ``sources`` is empty, or an entry or the whole list yields no file.
+    """
+    if sources is None:
+        return default_corpus_files()
+    if isinstance(sources, str):
+        raise ValueError(f"data.sources must be a list of paths, got the string {sources!r}; write [{sources!r}]")
+    if len(sources) == 0:
+        raise ValueError("data.sources is an empty list; give files, directories or globs, or null for the stdlib")
+    files: list[str] = []
+    for entry in sources:
+        if any(c in _GLOB_CHARS for c in entry):
+            matched = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
+            if not matched:
+                raise ValueError(f"data.sources: pattern {entry!r} matches no files")
+        elif os.path.isdir(entry):
+            matched = _files_in_directory(entry)
+            if not matched:
+                raise ValueError(
+                    f"data.sources: directory {entry!r} holds no {'/'.join(TEXT_SUFFIXES)} files; "
+                    "list its files or a glob instead"
+                )
+        elif os.path.isfile(entry):
+            matched = [entry]
+        else:
+            raise FileNotFoundError(f"data.sources: {entry!r} does not exist; fix the path or remove it from the list")
+        files.extend(os.path.abspath(p) for p in matched)
+    return list(dict.fromkeys(files))
+
+
+def read_text(path: str) -> str:
+    """The contents of ``path`` as UTF-8 text, refusing binary files by name.
+
+    Raises:
+        ValueError: The file holds a NUL byte (a binary file, e.g. an executable) or bytes that are not
+            UTF-8.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(
+            f"data.sources: {path!r} is not a text file (NUL byte at offset {nul}); remove it from data.sources"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"data.sources: {path!r} is not UTF-8 text (byte {err.start}: {err.reason}); convert it to UTF-8 "
+            "or remove it from data.sources"
+        ) from err
+
+
+def iter_documents(files: Sequence[str], text_field: str = "text") -> Iterator[str]:
+    """Yield the documents of the corpus: one per plain file, one per ``.jsonl`` record.
+
+    Every file must be UTF-8 text without NUL bytes (:func:`read_text`). Each non-blank line of a
+    ``.jsonl`` file must be a JSON object whose ``text_field`` is a string.
+
+    Args:
+        files: Files from :func:`resolve_sources`.
+        text_field: Key holding the text in ``.jsonl`` records.
+
+    Yields:
+        Document texts, in file order.
+
+    Raises:
+        ValueError: A file is not text, or a ``.jsonl`` line is not JSON or lacks a string ``text_field``.
+    """
+    for path in files:
+        text = read_text(path)
+        if not path.endswith(".jsonl"):
+            yield text
+            continue
+        for lineno, line in enumerate(text.split("\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"data.sources: {path}:{lineno} is not valid JSON ({err.msg})") from err
+            if not isinstance(record, dict) or text_field not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise ValueError(
+                    f"data.text_field: record at {path}:{lineno} has no {text_field!r} field "
+                    f"(found {keys}); set data.text_field to the key holding the text"
+                )
+            value = record[text_field]
+            if not isinstance(value, str):
+                raise ValueError(
+                    f"data.text_field: {text_field!r} at {path}:{lineno} is a {type(value).__name__}, not a string"
+                )
+            yield value
+
+
+def capped_documents(documents: Iterator[str], max_bytes: Optional[int]) -> Iterator[str]:
+    """Pass documents through until their UTF-8 size reaches ``max_bytes``; cut the last one there."""
+    budget = max_bytes
+    for doc in documents:
+        if budget is None:
+            yield doc
+            continue
+        data = doc.encode("utf-8")
+        if len(data) >= budget:
+            yield data[:budget].decode("utf-8", errors="ignore")
+            return
+        budget -= len(data)
+        yield doc

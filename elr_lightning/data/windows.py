@@ -1,0 +1,191 @@
+"""Fixed windows over a token stream, and the step-indexed training loader that resumes exactly."""
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+class TokenWindows(Dataset):
+    """Windows of ``seq_len + 1`` consecutive tokens over a token array.
+
+    Window ``i`` (global index) covers tokens ``[i * seq_len, i * seq_len + seq_len + 1)``: windows
+    overlap by one token, so every token of the stream is a target exactly once. This dataset holds
+    the global windows ``[start, stop)``; its item ``j`` is global window ``start + j``.
+
+    Args:
+        tokens: The token stream, any 1-D array (a ``numpy.memmap`` in practice).
+        seq_len: Model context T; each window holds T + 1 tokens.
+        start: First global window index.
+        stop: One past the last global window index.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, start: int, stop: int) -> None:
+        if start < 0 or stop < start or (stop > 0 and stop * seq_len + 1 > len(tokens)):
+            raise ValueError(f"windows [{start}, {stop}) of {seq_len + 1} tokens exceed a stream of {len(tokens)}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.start = start
+        self.stop = stop
+
+    def __len__(self) -> int:
+        """Number of windows."""
+        return self.stop - self.start
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        """Window ``index`` as an ``int64`` tensor of shape ``[seq_len + 1]``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} out of range for {len(self)} windows")
+        a = (self.start + index) * self.seq_len
+        return torch.from_numpy(np.asarray(self.tokens[a : a + self.seq_len + 1], dtype=np.int64))
+
+    def batch(self, indices: Sequence[int]) -> torch.Tensor:
+        """Stack the given windows.
+
+        Args:
+            indices: Local window indices.
+
+        Returns:
+            An ``int64`` tensor of shape ``[len(indices), seq_len + 1]``.
+        """
+        return torch.stack([self[int(i)] for i in indices])
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """Seed of epoch ``epoch``'s permutation: 63 bits of SHA-256 of ``"seed:epoch"``.
+
+    Args:
+        seed: The data seed.
+        epoch: Epoch number.
+
+    Returns:
+        A non-negative int suitable for ``torch.Generator.manual_seed``.
+    """
+    digest = hashlib.sha256(f"{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class StepIndexedLoader:
+    """Training batches as a pure function of (seed, epoch, position): resumes exactly.
+
+    Epoch ``e`` visits the windows in the order of ``torch.randperm`` seeded with
+    :func:`epoch_seed` ``(seed, e)``. Global batch ``p`` of the epoch is the ``batch_size *
+    world_size`` consecutive windows of that permutation starting at ``p * batch_size *
+    world_size``; rank ``r`` takes its slice ``[r * batch_size, (r + 1) * batch_size)``. The last
+    incomplete global batch is dropped.
+
+    The loader is a cursor over an endless sequence of epochs. Iterating yields the remaining
+    batches of the current epoch; iterating again once the epoch is exhausted starts the next one.
+    :meth:`state_dict` reports the number of batches already yielded, which Lightning saves in the
+    checkpoint (its ``CombinedLoader`` calls ``state_dict`` on any loader that has one). Lightning
+    does not fetch ahead from a loader that has ``__len__``, so at checkpoint time that number is
+    exactly the number of batches trained on (checked in the tests with a real ``Trainer``).
+
+    Args:
+        windows: The training windows.
+        batch_size: Windows per batch on this rank.
+        seed: Data seed.
+        rank: This process' rank.
+        world_size: Number of processes sharing each global batch.
+    """
+
+    def __init__(
+        self, windows: TokenWindows, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.windows = windows
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch: Optional[int] = None
+        self._order = torch.empty(0, dtype=torch.int64)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Windows per optimizer step over all ranks."""
+        return self.batch_size * self.world_size
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return len(self.windows) // self.global_batch_size
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if self._order_epoch != epoch:
+            generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+            self._order = torch.randperm(len(self.windows), generator=generator)
+            self._order_epoch = epoch
+        return self._order
+
+    def batch_at(self, epoch: int, position: int) -> torch.Tensor:
+        """This rank's batch at ``position`` of ``epoch``, without moving the cursor.
+
+        Args:
+            epoch: Epoch number.
+            position: Batch index within the epoch, below ``len(self)``.
+
+        Returns:
+            An ``int64`` tensor of shape ``[batch_size, seq_len + 1]``.
+        """
+        if not 0 <= position < len(self):
+            raise IndexError(f"batch {position} out of range for {len(self)} batches per epoch")
+        first = position * self.global_batch_size + self.rank * self.batch_size
+        return self.windows.batch(self._permutation(epoch)[first : first + self.batch_size].tolist())
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        """Yield the rest of the current epoch, or all of the next one if the current is exhausted."""
+        return self._generate()
+
+    def _generate(self) -> Iterator[torch.Tensor]:
+        if self.position >= len(self):
+            self.epoch += 1
+            self.position = 0
+        while self.position < len(self):
+            batch = self.batch_at(self.epoch, self.position)
+            self.position += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """The cursor and the layout it is valid for.
+
+        Returns:
+            ``epoch`` and ``position`` (batches of that epoch already yielded), plus ``seed``,
+            ``global_batch_size`` and ``num_windows`` to detect a resume under a different setup.
+        """
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "global_batch_size": self.global_batch_size,
+            "num_windows": len(self.windows),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Move the cursor to a saved state; the next batch yielded is the first one not yet trained.
+
+        Args:
+            state_dict: Output of :meth:`state_dict`.
+
+        Raises:
+            ValueError: The state was saved with another seed, global batch size or set of windows,
+                so the saved position would name different data.
+        """
+        for key, mine in (
+            ("seed", self.seed),
+            ("global_batch_size", self.global_batch_size),
+            ("num_windows", len(self.windows)),
+        ):
+            if state_dict[key] != mine:
+                raise ValueError(
+                    f"cannot resume the data order exactly: checkpoint has {key}={state_dict[key]}, this run has "
+                    f"{mine}; use the same data.seed, data.batch_size x devices and corpus, or start a fresh run"
+                )
+        self.epoch = int(state_dict["epoch"])
+        self.position = int(state_dict["position"])

@@ -1,0 +1,140 @@
+"""How the ``elr`` command reports a failure: one readable line, the traceback only on request.
+
+Every ``elr`` subcommand runs inside :func:`report_errors`. A mistake (a bad value, a missing or
+damaged file, a diverged run) prints ``elr: error: <message>`` on stderr and exits with status 1;
+the message names the field or file and the fix. An exception that is not one of
+:data:`USER_ERRORS` is most likely a bug: it prints its type and message and a second line that
+says how to see the traceback. ``--debug`` anywhere on the command line, or ``ELR_DEBUG=1`` in the
+environment, lets every exception through with its full traceback.
+
+Errors that jsonargparse wraps (a value that fails a ``class_path``'s ``__init__``, a value of the
+wrong type) are unwrapped to the message that names the field.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from argparse import ArgumentError
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Optional
+
+#: The environment variable that, set to anything but ``""`` or ``"0"``, shows tracebacks.
+DEBUG_ENV = "ELR_DEBUG"
+
+#: The command-line flag that does the same (removed from the arguments before parsing).
+DEBUG_FLAG = "--debug"
+
+#: Exception types that describe a user's mistake; they are printed without a "bug" hint.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, FloatingPointError, ArgumentError, LookupError)
+
+
+def debug_requested(argv: list[str]) -> tuple[bool, list[str]]:
+    """Whether tracebacks are wanted, and ``argv`` without the ``--debug`` flag.
+
+    Setting the flag also sets :data:`DEBUG_ENV`, so processes that a launcher starts from this one
+    (DDP ranks) show their tracebacks too.
+    """
+    if DEBUG_FLAG in argv:
+        os.environ[DEBUG_ENV] = "1"
+        argv = [a for a in argv if a != DEBUG_FLAG]
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0"), argv
+
+
+def _raised_by_jsonargparse(err: BaseException) -> bool:
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{os.sep}jsonargparse{os.sep}" in tb.tb_frame.f_code.co_filename
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The exception that jsonargparse's wrappers (``Does not validate against any ...``) hide."""
+    seen: set[int] = set()
+    while (
+        err.__cause__ is not None
+        and id(err) not in seen
+        and _raised_by_jsonargparse(err)
+        and not isinstance(err, ArgumentError)  # its message names the key; its cause does not
+    ):
+        seen.add(id(err))
+        err = err.__cause__
+    return err
+
+
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)":\s*(.*)')
+_NOISE = ("Does not validate against", "Subtypes:", "Errors:", "Given value", "Problem with given class_path")
+
+
+def summarise_parser_error(message: str) -> str:
+    """One line from jsonargparse's nested message: the dotted key of the bad value and what is wrong.
+
+    ``Parser key "model": ... Problem with given class_path ...: Parser key "lr": Expected a <class
+    'float'>. Got value: abc`` becomes ``model.init_args.lr: Expected a <class 'float'>. Got value: abc``.
+    """
+    keys: list[str] = []
+    detail = ""
+    after_class_path = False
+    for raw in message.splitlines():
+        line = raw.strip().lstrip("-").strip()
+        match = _PARSER_KEY.match(line)
+        if match:
+            if after_class_path:
+                keys.append("init_args")
+            keys.append(match.group(1))
+            after_class_path = False
+            detail = match.group(2)
+            if detail:
+                break
+        elif line.startswith("Problem with given class_path"):
+            after_class_path = True
+        elif keys and line and not line.startswith(_NOISE):
+            detail = line
+            break
+    if not keys:
+        return " ".join(line.strip() for line in message.splitlines() if line.strip())
+    return f"{'.'.join(keys)}: {detail}" if detail else ".".join(keys)
+
+
+def error_lines(err: BaseException) -> list[str]:
+    """What ``elr`` prints for ``err``: one line for a user's mistake, two for a likely bug."""
+    cause = root_cause(err)
+    if isinstance(cause, ArgumentError) or (cause is err and _raised_by_jsonargparse(err)):
+        message = summarise_parser_error(str(cause))
+    else:
+        message = " ".join(part.strip() for part in str(cause).splitlines() if part.strip())
+    if isinstance(cause, USER_ERRORS):
+        return [f"elr: error: {message or type(cause).__name__}"]
+    return [
+        f"elr: error: {type(cause).__name__}: {message}",
+        f"elr: this looks like a bug; rerun with {DEBUG_FLAG} (or {DEBUG_ENV}=1) for the traceback and report it",
+    ]
+
+
+@contextmanager
+def report_errors(debug: bool, stream: Optional[object] = None) -> Iterator[None]:
+    """Turn an exception escaping the block into :func:`error_lines` on stderr and exit status 1.
+
+    ``KeyboardInterrupt`` exits with status 130 and one line. ``SystemExit`` (``--help``, parser
+    exits) passes through untouched.
+
+    Args:
+        debug: Let every exception through with its traceback instead.
+        stream: Where to print; ``sys.stderr`` by default.
+    """
+    if debug:
+        yield
+        return
+    out = sys.stderr if stream is None else stream
+    try:
+        yield
+    except KeyboardInterrupt:
+        print("elr: interrupted", file=out)  # type: ignore[call-overload]
+        sys.exit(130)
+    except Exception as err:
+        print("\n".join(error_lines(err)), file=out)  # type: ignore[call-overload]
+        sys.exit(1)

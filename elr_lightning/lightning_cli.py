@@ -1,0 +1,132 @@
+"""``ELRCLI``: LightningCLI with ELR's defaults and its checks of ``--ckpt_path``; and a config-only parse."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.cli import LightningCLI
+from typing_extensions import override
+
+from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
+from elr_lightning.checkpoint_io import verify_checkpoint_path
+from elr_lightning.config import ModelConfig
+from elr_lightning.data import TextDataModule, resolve_sources
+from elr_lightning.module import ARCH_FREE_FIELDS, ELRModule
+from elr_lightning.tokenizers import load_tokenizer
+
+
+#: ``ELRModule`` arguments that a resumed ``fit`` cannot change: the restored optimizer and LR
+#: schedule carry the checkpoint's values.
+OPTIMIZER_FIELDS = ("lr", "weight_decay", "betas", "warmup_steps", "min_lr_ratio")
+
+
+class ELRCLI(LightningCLI):
+    """LightningCLI with ELR's defaults: subclassable model and data by ``class_path``, seed 0.
+
+    ``--ckpt_path`` is checked before anything loads it (:func:`verify_checkpoint_path`), and the
+    checkpoint's hyperparameters never silently replace the command line's: an architecture that
+    differs from the checkpoint's is refused naming the fields, as ``load_from_checkpoint`` does,
+    and so is an optimizer setting that differs when resuming ``fit``.
+    """
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        """Check data paths before the model is built, so a typo fails in seconds, not after allocating."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        init_args = config.get("data", {}).get("init_args", {}) or {}
+        if "sources" in init_args:
+            resolve_sources(init_args["sources"])
+        if "tokenizer" in init_args:
+            load_tokenizer(init_args["tokenizer"])
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        # Lightning's version merges the checkpoint's hyperparameters over the command line, so a new
+        # d_model or lr was ignored without a word (and config.yaml disagreed with hparams.yaml).
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        config = self.config[subcommand]
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path is None:
+            return
+        verify_checkpoint_path(str(ckpt_path), "--ckpt_path")
+        if not os.path.isfile(str(ckpt_path)):
+            return
+        checkpoint = torch.load(str(ckpt_path), map_location="cpu", weights_only=False, mmap=True)
+        model = config.get("model")
+        mine = model.get("init_args") if model is not None and "init_args" in model else model
+        problems = checkpoint_conflicts(checkpoint, mine.as_dict() if mine is not None else {}, subcommand)
+        if problems:
+            raise ValueError(
+                f"--ckpt_path {str(ckpt_path)!r} does not fit this command's model: {'; '.join(problems)}. "
+                "Use the checkpoint's values (its run's config.yaml), or start a new run from its weights with "
+                "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
+            )
+
+
+def checkpoint_conflicts(checkpoint: dict[str, Any], init_args: dict[str, Any], subcommand: str) -> list[str]:
+    """Where the command's ``ELRModule`` arguments differ from a checkpoint's, as ``field: ours vs theirs``.
+
+    Compares the architecture (all of ``arch`` but the fields a checkpoint may differ in) for every
+    subcommand, and :data:`OPTIMIZER_FIELDS` for ``fit``.
+    """
+    saved_arch = checkpoint.get("elr", {}).get("arch")
+    hparams = checkpoint.get("hyper_parameters", {}) or {}
+    problems = []
+    if saved_arch is not None:
+        arch = dataclasses.asdict(ModelConfig(**(init_args.get("arch") or {})))
+        problems += [
+            f"model.init_args.arch.{key} is {arch[key]!r}, the checkpoint's {saved_arch[key]!r}"
+            for key in arch
+            if key in saved_arch and key not in ARCH_FREE_FIELDS and arch[key] != saved_arch[key]
+        ]
+    if subcommand == "fit":
+        for key in OPTIMIZER_FIELDS:
+            if key in hparams and key in init_args and _plain(init_args[key]) != _plain(hparams[key]):
+                problems.append(
+                    f"model.init_args.{key} is {init_args[key]!r}, the checkpoint's {hparams[key]!r} (a resumed "
+                    "run restores the optimizer and LR schedule)"
+                )
+    return problems
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, (tuple, list)) else value
+
+
+class ConfigOnlyCLI(ELRCLI):
+    """Parses and merges configs exactly as ``elr fit`` does, and instantiates nothing.
+
+    ``ConfigOnlyCLI(ELRModule, TextDataModule, ..., run=False, args=["--config", a, "--config", b])``
+    leaves the merged config (``trainer``, ``model``, ``data``) in ``.config``: later files and
+    flags override earlier ones, ``callbacks+`` appends, as for training.
+    """
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        """Nothing: the data paths need not exist to read a config."""
+
+    @override
+    def instantiate_classes(self) -> None:
+        """Nothing: only the parsed config is wanted."""
+
+
+def make_cli(cls: type[ELRCLI], args: Optional[list[str]] = None, run: bool = True) -> ELRCLI:
+    """``cls`` with ``elr``'s settings: any ``ELRModule`` and ``LightningDataModule`` by ``class_path``,
+    seed 0, the claimed log folder, parse errors raised (``elr`` prints them in one line)."""
+    return cls(
+        ELRModule,
+        TextDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        seed_everything_default=0,
+        save_config_callback=ExclusiveSaveConfig,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"exit_on_error": False},
+        run=run,
+        args=args,
+    )

@@ -1,0 +1,105 @@
+"""The package's import graph: every module imports in a fresh interpreter, and no two modules import
+each other, directly or around a loop, at module level or inside a function."""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import elr_lightning
+
+PACKAGE = Path(elr_lightning.__file__).parent
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the package, by dotted name."""
+    found = {"elr_lightning": PACKAGE / "__init__.py"}
+    for info in pkgutil.walk_packages([str(PACKAGE)], prefix="elr_lightning."):
+        path = PACKAGE.joinpath(*info.name.split(".")[1:])
+        found[info.name] = path / "__init__.py" if info.ispkg else path.with_suffix(".py")
+    return found
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``module -> package modules it imports`` (anywhere but under ``if TYPE_CHECKING``)."""
+    modules = package_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skip = _type_checking_lines(tree)
+        edges: set[str] = set()
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", None) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+            else:
+                continue
+            for target in targets:
+                if target in modules and target != name:
+                    edges.add(target)
+                    break
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as ``[a, b, ..., a]``, or ``[]``; a package's ``__init__`` re-exports are edges too."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"p": {"p.x"}, "p.x": {"q"}, "q": set()}) == []
+    assert find_cycle({"p": {"p.x"}, "p.x": {"q"}, "q": {"p"}}) == ["p", "p.x", "q", "p"]
+
+
+def test_no_module_of_the_package_is_part_of_an_import_cycle() -> None:
+    graph = import_graph()
+    assert len(graph) > 25 and "elr_lightning.data.datamodule" in graph
+    assert "elr_lightning.module" in graph["elr_lightning.lightning_cli"]
+    assert find_cycle(graph) == [], " -> ".join(find_cycle(graph))
+
+
+def test_every_module_imports_in_a_fresh_interpreter() -> None:
+    names = sorted(package_modules())
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\nprint(len(sys.argv) - 1)"
+    proc = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == str(len(names))
