@@ -395,10 +395,12 @@ class ELRModule(LightningModule):
             FloatingPointError: Naming the first non-finite tensors.
         """
         bad = non_finite_tensors(checkpoint)
-        if not self.trainer.strategy.reduce_boolean_decision(not bad, all=True):
+        attached = self._trainer is not None  # also called outside a run, e.g. by ``elr import``
+        if not (self.trainer.strategy.reduce_boolean_decision(not bad, all=True) if attached else not bad):
             found = f"non-finite values in {_listed(bad)}" if bad else "non-finite values on another rank"
+            step = self.trainer.global_step if attached else checkpoint.get("global_step", 0)
             raise FloatingPointError(
-                f"not saving the checkpoint of step {self.trainer.global_step}: {found}; the last good checkpoint "
+                f"not saving the checkpoint of step {step}: {found}; the last good checkpoint "
                 "is kept. Lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
             )
         checkpoint["elr"] = {"arch": dataclasses.asdict(self.arch)}

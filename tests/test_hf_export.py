@@ -20,7 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from _bpe import train_bpe  # noqa: E402
 from _elr_ckpt import SERVE_ARCH, write_checkpoint  # noqa: E402
-from elr_lightning.cli import main  # noqa: E402
+from elr_lightning.cli import main, run  # noqa: E402
 from elr_lightning.conditioning import LoopConditioner  # noqa: E402
 from elr_lightning.config import ModelConfig  # noqa: E402
 from elr_lightning.generation import generate, load_model  # noqa: E402
@@ -230,8 +230,8 @@ def test_unknown_plugins_are_refused() -> None:
 
 def test_import_errors_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="config.json"):
-        main(["import", "--hf", str(tmp_path), "--out", str(tmp_path / "x.ckpt")])
+        run(["import", "--hf", str(tmp_path), "--out", str(tmp_path / "x.ckpt")])
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="model_type is 'llama'"):
-        main(["import", "--hf", str(tmp_path), "--out", str(tmp_path / "x.ckpt")])
+        run(["import", "--hf", str(tmp_path), "--out", str(tmp_path / "x.ckpt")])

@@ -280,14 +280,14 @@ def test_server_answers_concurrent_k_like_generate_and_shuts_down_cleanly(checkp
 
 
 def test_serve_command_refuses_bad_flags_before_starting(checkpoint: Path, tmp_path: Path) -> None:
-    from elr_lightning.cli import main
+    from elr_lightning.cli import run
 
     with pytest.raises(FileNotFoundError, match="missing.ckpt"):
-        main(["serve", "--ckpt_path", str(tmp_path / "missing.ckpt")])
+        run(["serve", "--ckpt_path", str(tmp_path / "missing.ckpt")])
     with pytest.raises(ValueError, match="--loops_default 4 must be in 1..--loops_max"):
-        main(["serve", "--ckpt_path", str(checkpoint), "--loops_default", "4"])
+        run(["serve", "--ckpt_path", str(checkpoint), "--loops_default", "4"])
     with pytest.raises(ValueError, match="--max_batch_size 0"):
-        main(["serve", "--ckpt_path", str(checkpoint), "--max_batch_size", "0"])
+        run(["serve", "--ckpt_path", str(checkpoint), "--max_batch_size", "0"])
 
 
 def test_engine_reset_drops_every_request(model) -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from lightning.pytorch import Trainer
 
 from _bpe import stdlib_text, train_bpe
-from elr_lightning.cli import main
+from elr_lightning.cli import main, run
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import TextDataModule
 from elr_lightning.generation import generate, load_model
@@ -141,7 +141,7 @@ def test_generate_decodes_with_the_saved_tokenizer(
 def test_tokenizer_override_must_fit_the_embedding(bpe_checkpoint: tuple[Path, str], tmp_path: Path) -> None:
     big = train_bpe(tmp_path / "big.json", vocab_size=VOCAB + 50)
     with pytest.raises(ValueError, match=rf"--tokenizer .* has {VOCAB + 50} ids .* arch.vocab_size is {VOCAB}"):
-        main(["generate", "--ckpt_path", str(bpe_checkpoint[0]), "--prompt", "x", "--tokenizer", str(big)])
+        run(["generate", "--ckpt_path", str(bpe_checkpoint[0]), "--prompt", "x", "--tokenizer", str(big)])
     saved = load_tokenizer(str(big))
     with pytest.warns(UserWarning, match="not the tokenizer this checkpoint was trained with"):
         assert isinstance(choose_tokenizer(saved, "byte", VOCAB), ByteTokenizer)

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext
+
+if TYPE_CHECKING:  # config imports this module to validate mixer classes
+    from elr_lightning.config import ModelConfig
 
 
 @dataclass(frozen=True)
