@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zipfile
 from typing import Any, Optional
 
 import torch
@@ -56,13 +57,14 @@ class ELRCLI(LightningCLI):
         verify_checkpoint_path(str(ckpt_path), "--ckpt_path")
         if not os.path.isfile(str(ckpt_path)):
             return
-        checkpoint = torch.load(str(ckpt_path), map_location="cpu", weights_only=False, mmap=True)
+        path = str(ckpt_path)  # mmap: only the small hparams entries are read; legacy files cannot be mapped
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(path))
         model = config.get("model")
         mine = model.get("init_args") if model is not None and "init_args" in model else model
         problems = checkpoint_conflicts(checkpoint, mine.as_dict() if mine is not None else {}, subcommand)
         if problems:
             raise ValueError(
-                f"--ckpt_path {str(ckpt_path)!r} does not fit this command's model: {'; '.join(problems)}. "
+                f"--ckpt_path {path!r} does not fit this command's model: {'; '.join(problems)}. "
                 "Use the checkpoint's values (its run's config.yaml), or start a new run from its weights with "
                 "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
             )

@@ -41,7 +41,7 @@ class AtomicModelCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and self.dirpath is not None:
             removed = remove_orphans(str(self.dirpath))  # a killed write's leftovers; no writer runs yet
             if removed:
-                rank_zero_warn(f"AtomicModelCheckpoint: removed {len(removed)} temporary file(s) of an interrupted save")
+                rank_zero_warn(f"AtomicModelCheckpoint: removed {len(removed)} temporary file(s) of a killed save")
         strategy = trainer.strategy
         io = strategy.checkpoint_io
         if type(io) is TorchCheckpointIO:
