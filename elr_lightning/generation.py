@@ -36,7 +36,7 @@ from elr_lightning.config import ModelConfig
 from elr_lightning.fold import FoldedLM, fold_conditioning
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
-from elr_lightning.tokenizers import Tokenizer, load_tokenizer
+from elr_lightning.tokenizers import Tokenizer, choose_tokenizer
 
 __all__ = [
     "CACHE_POLICIES",
@@ -640,7 +640,12 @@ def _command_parser() -> Any:
     parser.add_argument("--top_k", type=Optional[int], default=None, help="Top-k filter.")
     parser.add_argument("--top_p", type=Optional[float], default=None, help="Nucleus (top-p) filter.")
     parser.add_argument("--seed", type=Optional[int], default=None, help="Sampling seed.")
-    parser.add_argument("--tokenizer", type=str, default="byte", help="'byte' or a tokenizer.json path.")
+    parser.add_argument(
+        "--tokenizer",
+        type=Optional[str],
+        default=None,
+        help="'byte' or a tokenizer.json path; default: the one saved in the checkpoint (bytes if none).",
+    )
     parser.add_argument(
         "--allow_extrapolation",
         action=ActionYesNo,
@@ -685,10 +690,10 @@ def generate_command(argv: list[str]) -> None:
         text = args.prompt
     if not text:
         raise ValueError("the prompt is empty; pass some text with --prompt or --prompt_file")
-    tokenizer = load_tokenizer(args.tokenizer)
     device = torch.device(args.device)
-    model, _ = load_model(args.ckpt_path, map_location=device)
+    model, module = load_model(args.ckpt_path, map_location=device)
     config = model.config
+    tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, config.vocab_size)
     if args.loops < 1:
         raise ValueError(f"--loops {args.loops} must be >= 1")
     if args.loops > config.max_loops:
@@ -699,11 +704,6 @@ def generate_command(argv: list[str]) -> None:
         if not args.allow_extrapolation:
             raise ValueError(f"{message}; pass --allow_extrapolation to run it anyway")
         warnings.warn(f"{message}; extrapolating", stacklevel=2)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(
-            f"--tokenizer has {tokenizer.vocab_size} ids but the checkpoint's arch.vocab_size is {config.vocab_size}; "
-            "use the tokenizer the model was trained with"
-        )
     ids = tokenizer.encode(text)
     if not ids:
         raise ValueError("the prompt encodes to no tokens; pass some text with --prompt or --prompt_file")

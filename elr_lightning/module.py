@@ -23,6 +23,7 @@ from elr_lightning.model import LoopedLM
 from elr_lightning.optim import param_groups, warmup_cosine
 from elr_lightning.roles import copy_with_roles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
+from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, tokenizer_state
 from elr_lightning.updates import StateUpdate
 
 # Plug-ins stay in the hparams on purpose: under LightningCLI they are stored as their config, so
@@ -157,6 +158,9 @@ class ELRModule(LightningModule):
         self.register_buffer("token_bytes", torch.ones(arch.vocab_size), persistent=False)
         self._seed = loop_seed
         self._loop_log: list[int] = []
+        #: The training tokenizer: taken from the data module in :meth:`setup`, saved in every
+        #: checkpoint and restored from it on load (``None`` when neither provided one).
+        self.tokenizer: Optional[Tokenizer] = None
 
     @property
     def arch(self) -> ModelConfig:
@@ -237,6 +241,8 @@ class ELRModule(LightningModule):
                 f"the tokenizer's vocabulary ({tokenizer.vocab_size}) is larger than arch.vocab_size="
                 f"{self.arch.vocab_size}; set model.init_args.arch.vocab_size >= {tokenizer.vocab_size}"
             )
+        if tokenizer is not None:
+            self.tokenizer = tokenizer
         seq_len = getattr(datamodule, "seq_len", None)
         if seq_len is not None and seq_len > self.arch.max_seq_len:
             raise ValueError(
@@ -363,7 +369,13 @@ class ELRModule(LightningModule):
     # ---- checkpoints -------------------------------------------------------------------------
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save the architecture and, when known, the tokenizer (self-contained, see :func:`tokenizer_state`).
+
+        Runs on every rank under DDP and FSDP; the strategy decides which rank writes.
+        """
         checkpoint["elr"] = {"arch": dataclasses.asdict(self.arch)}
+        if self.tokenizer is not None:
+            checkpoint["elr"]["tokenizer"] = tokenizer_state(self.tokenizer)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -371,7 +383,8 @@ class ELRModule(LightningModule):
 
         Compares the ``arch`` saved by :meth:`on_save_checkpoint` field by field, and (unless
         ``strict_loading`` is off) the names and shapes of the checkpoint's tensors with this
-        module's, before Lightning's strict load.
+        module's, before Lightning's strict load. Restores the saved tokenizer unless :meth:`setup`
+        already took one from the data module (a resumed run keeps the data's tokenizer).
 
         Raises:
             ValueError: Naming every difference and the fix.
@@ -394,6 +407,8 @@ class ELRModule(LightningModule):
                 "with the checkpoint's model.init_args (its hyper_parameters), or start a new run from it with "
                 "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
             )
+        if self.tokenizer is None:
+            self.tokenizer = checkpoint_tokenizer(checkpoint)
 
     # ---- TensorBoard extras --------------------------------------------------------------------
     def _tensorboards(self) -> list[TensorBoardLogger]:

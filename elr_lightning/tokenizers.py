@@ -13,8 +13,9 @@ Two implementations ship with the library:
 import hashlib
 import json
 import os
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any, Optional
 
@@ -187,6 +188,36 @@ class HFTokenizer(Tokenizer):
     """
 
     def __init__(self, path: str) -> None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"data.tokenizer: tokenizer file {path!r} does not exist; "
+                "give the path of a HF tokenizer.json or use 'byte'"
+            )
+        with open(path, "rb") as f:
+            raw = f.read()
+        self.path: Optional[str] = path
+        self._load(raw, repr(path))
+
+    @classmethod
+    def from_json(cls, text: str) -> "HFTokenizer":
+        """Build the tokenizer from the contents of a ``tokenizer.json`` rather than a file.
+
+        Args:
+            text: The JSON text, exactly as the file holds it (its fingerprint is that of the file).
+
+        Returns:
+            The tokenizer, with :attr:`path` ``None``.
+
+        Raises:
+            ImportError: The ``tokenizers`` package is not installed.
+            ValueError: ``text`` is not a valid ``tokenizer.json``.
+        """
+        tok = cls.__new__(cls)
+        tok.path = None
+        tok._load(text.encode("utf-8"), "the saved tokenizer")
+        return tok
+
+    def _load(self, raw: bytes, origin: str) -> None:
         try:
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError as err:
@@ -194,25 +225,22 @@ class HFTokenizer(Tokenizer):
                 'data.tokenizer: HF tokenizer files need the "tokenizers" package; '
                 'install it with pip install "elr-lightning[hf]"'
             ) from err
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"data.tokenizer: tokenizer file {path!r} does not exist; "
-                "give the path of a HF tokenizer.json or use 'byte'"
-            )
-        self.path = path
-        with open(path, "rb") as f:
-            raw = f.read()
         try:
             self._spec: dict[str, Any] = json.loads(raw)
             self._tok = _HFTokenizer.from_str(raw.decode("utf-8"))
         except Exception as err:  # tokenizers raises its own exception types for malformed files
-            raise ValueError(f"data.tokenizer: {path!r} is not a valid HF tokenizer.json ({err})") from err
+            raise ValueError(f"data.tokenizer: {origin} is not a valid HF tokenizer.json ({err})") from err
+        self._raw = raw
         self._fingerprint = hashlib.sha256(raw).hexdigest()
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self._vocab_size = max(vocab.values()) + 1 if vocab else 0
         self._eos_id = next((vocab[t] for t in EOS_CANDIDATES if t in vocab), None)
         self._special_ids = {i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special}
         self._token_bytes: Optional[torch.Tensor] = None
+
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text this tokenizer was built from (see :meth:`from_json`)."""
+        return self._raw.decode("utf-8")
 
     @property
     def vocab_size(self) -> int:
@@ -299,3 +327,119 @@ def load_tokenizer(spec: str) -> Tokenizer:
         )
     path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
     return HFTokenizer(path)
+
+
+TOKENIZER_STATE_FORMAT = 1
+"""Version of the dictionary :func:`tokenizer_state` writes."""
+
+
+def tokenizer_state(tokenizer: Tokenizer) -> dict[str, Any]:
+    """A self-contained, JSON-serialisable description of ``tokenizer``, for checkpoints.
+
+    A :class:`ByteTokenizer` is ``{"kind": "byte", ...}``; a :class:`HFTokenizer` carries the whole
+    ``tokenizer.json`` text (not its path, so the checkpoint needs no other file). Both carry the
+    :meth:`Tokenizer.fingerprint` and ``vocab_size``, checked again by :func:`tokenizer_from_state`.
+
+    Args:
+        tokenizer: One of the library's tokenizers.
+
+    Returns:
+        A dictionary of strings and ints.
+
+    Raises:
+        TypeError: ``tokenizer`` is another :class:`Tokenizer` subclass, which cannot be rebuilt.
+    """
+    common = {
+        "format": TOKENIZER_STATE_FORMAT,
+        "fingerprint": tokenizer.fingerprint(),
+        "vocab_size": tokenizer.vocab_size,
+    }
+    if isinstance(tokenizer, ByteTokenizer):
+        return {"kind": "byte", **common}
+    if isinstance(tokenizer, HFTokenizer):
+        return {"kind": "hf", "tokenizer_json": tokenizer.to_json(), **common}
+    raise TypeError(
+        f"cannot save a {type(tokenizer).__name__} in a checkpoint; only ByteTokenizer and HFTokenizer are rebuilt "
+        "from a state (use a HF tokenizer.json)"
+    )
+
+
+def tokenizer_from_state(state: Mapping[str, Any]) -> Tokenizer:
+    """Rebuild the tokenizer that :func:`tokenizer_state` described.
+
+    Args:
+        state: The dictionary, as saved.
+
+    Returns:
+        The tokenizer, with the saved fingerprint.
+
+    Raises:
+        ValueError: An unknown format or kind, or a rebuilt tokenizer whose fingerprint differs.
+        ImportError: A HF tokenizer, but ``tokenizers`` is not installed.
+    """
+    if state.get("format") != TOKENIZER_STATE_FORMAT:
+        raise ValueError(
+            f"saved tokenizer: format {state.get('format')!r} is not {TOKENIZER_STATE_FORMAT}; "
+            "upgrade elr-lightning or pass --tokenizer"
+        )
+    kind = state.get("kind")
+    tokenizer: Tokenizer
+    if kind == "byte":
+        tokenizer = ByteTokenizer()
+    elif kind == "hf":
+        tokenizer = HFTokenizer.from_json(state["tokenizer_json"])
+    else:
+        raise ValueError(f"saved tokenizer: unknown kind {kind!r} (expected 'byte' or 'hf'); pass --tokenizer")
+    if tokenizer.fingerprint() != state.get("fingerprint"):
+        raise ValueError("saved tokenizer: rebuilt vocabulary does not match the saved fingerprint; pass --tokenizer")
+    return tokenizer
+
+
+def checkpoint_tokenizer(checkpoint: Mapping[str, Any]) -> Optional[Tokenizer]:
+    """The training tokenizer saved in a loaded checkpoint dictionary.
+
+    :class:`~elr_lightning.module.ELRModule` writes it under ``checkpoint["elr"]["tokenizer"]``
+    whenever it was trained with a data module that has a tokenizer.
+
+    Args:
+        checkpoint: The dictionary ``torch.load`` returns for a Lightning checkpoint.
+
+    Returns:
+        The tokenizer, or ``None`` for a checkpoint that holds none (one written before tokenizers
+        were saved, or trained without a data module).
+    """
+    elr = checkpoint.get("elr")
+    state = elr.get("tokenizer") if isinstance(elr, Mapping) else None
+    return tokenizer_from_state(state) if state is not None else None
+
+
+def choose_tokenizer(saved: Optional[Tokenizer], override: Optional[str], vocab_size: int) -> Tokenizer:
+    """The tokenizer a command runs a checkpoint with: the saved one unless overridden.
+
+    Args:
+        saved: The checkpoint's tokenizer (:func:`checkpoint_tokenizer`), or ``None``.
+        override: A ``--tokenizer`` spec (``"byte"`` or a ``tokenizer.json`` path), or ``None``.
+        vocab_size: The checkpoint's ``arch.vocab_size`` (rows of its embedding).
+
+    Returns:
+        ``override`` if given, else ``saved``, else a :class:`ByteTokenizer` (the default of
+        checkpoints that saved none).
+
+    Raises:
+        ValueError: The chosen tokenizer has more ids than the embedding has rows.
+    """
+    if override is not None:
+        tokenizer = load_tokenizer(override)
+        source = f"--tokenizer {override!r}"
+    elif saved is not None:
+        tokenizer, source = saved, "the checkpoint's saved tokenizer"
+    else:
+        tokenizer, source = ByteTokenizer(), "the byte tokenizer (the checkpoint saved none)"
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"{source} has {tokenizer.vocab_size} ids but the checkpoint's arch.vocab_size is {vocab_size}; "
+            "use the tokenizer the model was trained with (omit --tokenizer to use the saved one)"
+        )
+    if saved is not None and tokenizer.fingerprint() != saved.fingerprint():
+        warnings.warn(f"{source} is not the tokenizer this checkpoint was trained with; its text may be garbage")
+    return tokenizer

@@ -95,7 +95,8 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     """Train one case; return this rank's ``{"state", "loops", "rank", "fsdp_units"}``.
 
     A case names ``virtual_ranks``, the per-rank ``batch_size``, and optionally ``accumulate``
-    (micro-batches per step), ``conditioner_active`` and ``meta_init``. The result also holds the
+    (micro-batches per step), ``conditioner_active``, ``meta_init`` and ``save_checkpoint`` (write
+    ``<out>/<case>.ckpt`` after training). The result also holds the
     per-micro-batch ``losses`` and, from the start of training, the ``initial`` state and the
     optimizer ``groups`` (``{name: {"weight_decay", "params"}}``).
     """
@@ -119,6 +120,8 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         callbacks=[record],
     )
     trainer.fit(module, datamodule=data)
+    if case.get("save_checkpoint") and "out" in spec:  # every rank calls it; the strategy picks the writer
+        trainer.save_checkpoint(os.path.join(spec["out"], f"{case['name']}.ckpt"))
     units = [name for name, m in module.model.named_modules() if isinstance(m, FSDPModule)]
     return {
         "state": full_state(module),

@@ -33,6 +33,7 @@ from elr_lightning.module import ELRModule
 from elr_lightning.roles import set_module_role
 from elr_lightning.sampling import OneLoopOverride
 from elr_lightning.strategies import DataParallelLayout, OneLoopOverrideDDPStrategy, OneLoopOverrideFSDPStrategy
+from elr_lightning.tokenizers import ByteTokenizer, checkpoint_tokenizer
 from elr_lightning.strategies.common import loop_dependent_parameters, unused_parameters, verify_loop_schedule
 from elr_lightning.updates import StateUpdate
 
@@ -47,7 +48,7 @@ LAUNCH_TIMEOUT_S = 90
 
 #: Two-process cases and how their single-process reference differs: batch and virtual ranks x WORLD.
 CASES = {
-    "v1": {"virtual_ranks": 1},
+    "v1": {"virtual_ranks": 1, "save_checkpoint": True},
     "v2": {"virtual_ranks": 2},
     "v1_accumulate2": {"virtual_ranks": 1, "accumulate": 2},
     "v1_conditioner_off": {"virtual_ranks": 1, "conditioner_active": False},
@@ -135,12 +136,21 @@ def assert_matches_reference(name: str, ranks: list[dict[str, Any]], reference: 
     assert any(len(set(loops)) > 1 for _, loops in realised), f"{name}: ranks never ran different k"
 
 
+def assert_checkpoint_has_tokenizer(path: Path) -> None:
+    """The data module's tokenizer is in the checkpoint a multi-process run saved (one file or a DCP folder)."""
+    if path.is_dir():  # FSDP's distributed checkpoint: everything but tensors is in the metadata file
+        path = path / "meta.pt"
+    saved = checkpoint_tokenizer(torch.load(path, weights_only=False))
+    assert isinstance(saved, ByteTokenizer)
+
+
 @pytest.mark.slow
 def test_ddp_two_processes_match_one_process_with_virtual_ranks(corpus, references, tmp_path):
     results = launch("ddp", corpus, tmp_path / "ddp")
     for name in CASES:
         assert_matches_reference(name, results[name], references[name])
     assert results["v1"][0]["fsdp_units"] == []
+    assert_checkpoint_has_tokenizer(tmp_path / "ddp" / "v1.ckpt")
 
 
 @pytest.mark.slow
@@ -150,6 +160,7 @@ def test_fsdp_two_processes_match_one_process_with_virtual_ranks(corpus, referen
         assert_matches_reference(name, results[name], references[name])
     # The recurrent core (the whole k-loop) is one unit; input and output layers one unit each; then the root.
     assert results["v1"][0]["fsdp_units"] == ["", "input_layers.0", "core", "output_layers.0"]
+    assert_checkpoint_has_tokenizer(tmp_path / "fsdp" / "v1.ckpt")
     # Conditioner off on every rank: its heads have no gradient anywhere, so nothing moves them.
     off = results["v1_conditioner_off"][0]["state"]
     initial = _dist_worker.tiny_module(1).model.state_dict()
