@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.pytorch.cli import LightningCLI
@@ -31,8 +31,29 @@ class ELRCLI(LightningCLI):
             load_tokenizer(init_args["tokenizer"])
 
 
+def _eval_module() -> Any:
+    try:  # lm-eval is an optional extra: imported when used
+        from elr_lightning.eval import command
+    except ImportError as err:
+        raise SystemExit(f"elr eval: error: {err}") from None
+    return command
+
+
+def _eval(argv: list[str]) -> None:
+    _eval_module().eval_command(argv)
+
+
+def _eval_tasks(argv: list[str]) -> None:
+    _eval_module().eval_tasks_command(argv)
+
+
 #: Subcommands that are not Lightning's; each takes the remaining arguments.
-EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {"cost": cost_main, "generate": generate_command}
+EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
+    "cost": cost_main,
+    "eval": _eval,
+    "eval-tasks": _eval_tasks,
+    "generate": generate_command,
+}
 
 
 def main(args: Optional[list[str]] = None) -> None:

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from typing_extensions import override
 
 from elr_lightning.cache import KVCache, PerLoopCache
-from elr_lightning.generation import left_pad, load_model, resolve_policy, stream_generate
+from elr_lightning.generation import CACHE_POLICIES, left_pad, load_model, resolve_policy, stream_generate
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import Tokenizer, choose_tokenizer
 
@@ -46,7 +46,9 @@ DTYPES: dict[str, Optional[torch.dtype]] = {"float32": None, "bfloat16": torch.b
 Pair = tuple[list[int], list[int]]
 
 
-def check_loops(loops: int, max_loops: int, allow_extrapolation: bool, field: str = "loops") -> None:
+def check_loops(
+    loops: int, max_loops: int, allow_extrapolation: bool, field: str = "loops", flag: str = "allow_extrapolation=true"
+) -> None:
     """Refuse a loop count below 1, or above the trained budget unless extrapolation is allowed.
 
     Args:
@@ -54,6 +56,7 @@ def check_loops(loops: int, max_loops: int, allow_extrapolation: bool, field: st
         max_loops: The checkpoint's ``arch.max_loops``.
         allow_extrapolation: Accept ``loops > max_loops`` (with a warning).
         field: Name of the argument, for the message.
+        flag: How the caller allows extrapolation, for the message.
 
     Raises:
         ValueError: Naming the field and the fix.
@@ -63,8 +66,23 @@ def check_loops(loops: int, max_loops: int, allow_extrapolation: bool, field: st
     if loops > max_loops:
         message = f"{field}={loops} is above the checkpoint's arch.max_loops={max_loops}, the loop budget it was trained for"
         if not allow_extrapolation:
-            raise ValueError(f"{message}; pass allow_extrapolation to run it anyway")
+            raise ValueError(f"{message}; pass {flag} to run it anyway")
         warnings.warn(f"{message}; extrapolating", stacklevel=3)
+
+
+def resolve_device(device: Optional[str]) -> torch.device:
+    """The device to run on: ``device``, or CUDA when available if ``None``.
+
+    The harness's command line asks for ``cuda:0`` unless told otherwise; on a machine without CUDA
+    that falls back to the CPU with a warning, as the harness's HF adapter does.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        warnings.warn(f"device={device!r} but CUDA is not available; running on the CPU", stacklevel=3)
+        return torch.device("cpu")
+    return resolved
 
 
 @register_model("elr")
@@ -80,7 +98,7 @@ class ELRLM(TemplateLM):
         loops: The loop count k.
         kv_cache: ``per_loop`` or ``last_loop``: the cache the scores and generations go through.
         batch_size: Requests per forward pass.
-        device: Device to run on (``cpu``, ``cuda``, ``cuda:1``...).
+        device: Device to run on (``cpu``, ``cuda``, ``cuda:1``...); see :func:`resolve_device`.
         dtype: ``float32``, or ``bfloat16``/``float16`` under autocast.
         tokenizer: Override of the checkpoint's saved tokenizer (``byte`` or a ``tokenizer.json``).
         max_gen_toks: Default token budget of ``generate_until`` when a task sets none.
@@ -109,7 +127,7 @@ class ELRLM(TemplateLM):
         super().__init__()
         if ckpt_path is None:
             raise ValueError("model_args: ckpt_path is required, e.g. --model_args ckpt_path=last.ckpt,loops=2")
-        model, module = load_model(ckpt_path, map_location=torch.device(device or "cpu"))
+        model, module = load_model(ckpt_path, map_location=resolve_device(device))
         self._setup(model, choose_tokenizer(module.tokenizer, tokenizer, model.config.vocab_size), loops,
                     kv_cache, batch_size, dtype, max_gen_toks, allow_extrapolation)  # fmt: skip
 
@@ -151,6 +169,8 @@ class ELRLM(TemplateLM):
             raise ValueError("batch_size: automatic batch sizes are not supported; give a number, e.g. batch_size=16")
         if int(batch_size) < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
+        if kv_cache not in CACHE_POLICIES:
+            raise ValueError(f"kv_cache={kv_cache!r} must be one of {sorted(CACHE_POLICIES)}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} must be one of {sorted(DTYPES)}")
         if int(max_gen_toks) < 1:

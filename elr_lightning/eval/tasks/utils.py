@@ -5,9 +5,9 @@ from typing import Any
 from elr_lightning.eval.taskdata import load_task
 
 
-def next_line(**kwargs: Any) -> Any:
-    """The ``next_line`` examples; kwargs are the harness metadata (``data_dir``, ``seed``, ``n``)."""
-    return load_task("next_line", **kwargs)
+def line_end(**kwargs: Any) -> Any:
+    """The ``line_end`` examples; kwargs are the harness metadata (``data_dir``, ``seed``, ``n``)."""
+    return load_task("line_end", **kwargs)
 
 
 def complete_line(**kwargs: Any) -> Any:
