@@ -93,6 +93,17 @@ def test_cache_policies_agree_at_one_loop_and_differ_above(model: LoopedLM, bpe:
     assert max(abs(a - b) for a, b in zip(scores(4, "per_loop"), scores(4, "last_loop"))) > 1e-3
 
 
+@pytest.mark.parametrize("policy", ["per_loop", "last_loop"])
+def test_folded_conditioning_scores_and_generates_alike(model: LoopedLM, bpe: Tokenizer, policy: str) -> None:
+    plain = ELRLM.from_model(model, bpe, loops=3, kv_cache=policy)
+    folded = ELRLM.from_model(model, bpe, loops=3, kv_cache=policy, fold=True)
+    requests = _requests("loglikelihood", PAIRS)
+    expected = [s for s, _ in plain.loglikelihood(requests, disable_tqdm=True)]
+    assert [s for s, _ in folded.loglikelihood(requests, disable_tqdm=True)] == pytest.approx(expected, abs=1e-3)
+    gen = _requests("generate_until", [(p, {"until": ["\x00"], "max_gen_toks": 8}) for p, _ in PAIRS])
+    assert plain.generate_until(gen, disable_tqdm=True) == folded.generate_until(gen, disable_tqdm=True)
+
+
 def test_empty_context_conditions_on_the_separator(model: LoopedLM) -> None:
     lm = ELRLM.from_model(model, ByteTokenizer(), loops=2)  # no EOS: documents were joined by "\n"
     [(log_prob, _)] = lm.loglikelihood(_requests("loglikelihood", [("", "abc")]), disable_tqdm=True)

@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from elr_lightning.cache import KVCache, PerLoopCache
 from elr_lightning.generation import CACHE_POLICIES, left_pad, load_model, resolve_policy, stream_generate
+from elr_lightning.fold import FoldedLM, fold_conditioning
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import Tokenizer, choose_tokenizer
 
@@ -103,6 +104,8 @@ class ELRLM(TemplateLM):
         tokenizer: Override of the checkpoint's saved tokenizer (``byte`` or a ``tokenizer.json``).
         max_gen_toks: Default token budget of ``generate_until`` when a task sets none.
         allow_extrapolation: Accept ``loops`` above the checkpoint's ``arch.max_loops``.
+        fold: Fold the loop conditioning into the weights for each k it is set to
+            (:func:`~elr_lightning.fold.fold_conditioning`): the same scores up to rounding, faster.
         max_batch_size: Accepted for the harness's CLI, unused (no automatic batch size).
 
     Raises:
@@ -121,6 +124,7 @@ class ELRLM(TemplateLM):
         tokenizer: Optional[str] = None,
         max_gen_toks: int = 256,
         allow_extrapolation: Union[bool, str] = False,
+        fold: Union[bool, str] = False,
         max_batch_size: Optional[int] = None,
         **_: Any,
     ) -> None:
@@ -129,7 +133,7 @@ class ELRLM(TemplateLM):
             raise ValueError("model_args: ckpt_path is required, e.g. --model_args ckpt_path=last.ckpt,loops=2")
         model, module = load_model(ckpt_path, map_location=resolve_device(device))
         self._setup(model, choose_tokenizer(module.tokenizer, tokenizer, model.config.vocab_size), loops,
-                    kv_cache, batch_size, dtype, max_gen_toks, allow_extrapolation)  # fmt: skip
+                    kv_cache, batch_size, dtype, max_gen_toks, allow_extrapolation, fold)  # fmt: skip
 
     @classmethod
     def from_model(
@@ -142,11 +146,12 @@ class ELRLM(TemplateLM):
         dtype: str = "float32",
         max_gen_toks: int = 256,
         allow_extrapolation: bool = False,
+        fold: bool = False,
     ) -> "ELRLM":
         """Wrap a model already in memory (on its device, in eval mode); see the class for the arguments."""
         lm = cls.__new__(cls)
         TemplateLM.__init__(lm)
-        lm._setup(model, tokenizer, loops, kv_cache, batch_size, dtype, max_gen_toks, allow_extrapolation)
+        lm._setup(model, tokenizer, loops, kv_cache, batch_size, dtype, max_gen_toks, allow_extrapolation, fold)
         return lm
 
     def _setup(
@@ -159,6 +164,7 @@ class ELRLM(TemplateLM):
         dtype: str,
         max_gen_toks: int,
         allow_extrapolation: Union[bool, str],
+        fold: Union[bool, str],
     ) -> None:
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(
@@ -183,7 +189,8 @@ class ELRLM(TemplateLM):
         self.autocast_dtype = DTYPES[dtype]
         self.max_gen_toks = int(max_gen_toks)
         self.allow_extrapolation = str(allow_extrapolation).lower() in ("true", "1", "yes")
-        self._loops = 1
+        self.fold = str(fold).lower() in ("true", "1", "yes")
+        self._runner: Union[LoopedLM, FoldedLM] = model
         self.loops = int(loops)
         separator = tokenizer.encode("\n")
         # Training joined documents with EOS, or with a newline when there is none (TextDataModule).
@@ -199,6 +206,7 @@ class ELRLM(TemplateLM):
     def loops(self, value: int) -> None:
         check_loops(int(value), self.model.config.max_loops, self.allow_extrapolation)
         self._loops = int(value)
+        self._runner = fold_conditioning(self.model, self._loops) if self.fold else self.model
 
     @property
     def max_length(self) -> int:
@@ -227,7 +235,12 @@ class ELRLM(TemplateLM):
 
     def get_model_info(self) -> dict[str, Any]:
         """What the harness records about the model in its results."""
-        return {"elr_loops": self.loops, "elr_kv_cache": self.kv_cache, "elr_arch": dataclasses.asdict(self.model.config)}
+        return {
+            "elr_loops": self.loops,
+            "elr_kv_cache": self.kv_cache,
+            "elr_fold": self.fold,
+            "elr_arch": dataclasses.asdict(self.model.config),
+        }
 
     # ---- scoring ---------------------------------------------------------------------------------
     def _amp(self) -> Any:
@@ -248,13 +261,16 @@ class ELRLM(TemplateLM):
             log-probability and the model's argmax at that position.
         """
         if issubclass(self.policy, PerLoopCache):  # exact policy: one forward equals prefill + decoding
+            # Right padding needs no mask under causal attention: the rows' real tokens never see it.
             inputs = [(ctx + cont)[:-1] for ctx, cont in pairs]
-            ids, mask = left_pad(inputs, device=self._device)
+            ids = torch.zeros((len(inputs), max(map(len, inputs))), dtype=torch.long)
+            for row, tokens in enumerate(inputs):
+                ids[row, : len(tokens)] = torch.tensor(tokens)
             with self._amp():
-                logits = self.model(ids, self.loops, None if bool(mask.all()) else mask)
+                logits = self._runner(ids.to(self._device), self.loops)
             out = []
-            for row, (_, cont) in enumerate(pairs):
-                step = logits[row, -len(cont) :].float().log_softmax(dim=-1)
+            for row, (tokens, (_, cont)) in enumerate(zip(inputs, pairs)):
+                step = logits[row, len(tokens) - len(cont) : len(tokens)].float().log_softmax(dim=-1)
                 out.append(self._pick(step, cont))
             return out
         return self._score_decoding(pairs)
@@ -266,12 +282,12 @@ class ELRLM(TemplateLM):
         cache = self.policy(max_len=ids.shape[1] + longest - 1)
         steps = []
         with self._amp():
-            logits = self.model(ids, self.loops, mask, cache)[:, -1:]
+            logits = self._runner(ids, self.loops, mask, cache)[:, -1:]
             steps.append(logits.float())
             for j in range(longest - 1):
                 column = torch.tensor([cont[j] if j < len(cont) else 0 for _, cont in pairs], device=self._device)
                 mask = torch.cat((mask, mask.new_ones(mask.shape[0], 1)), dim=1)
-                steps.append(self.model(column[:, None], self.loops, mask, cache).float())
+                steps.append(self._runner(column[:, None], self.loops, mask, cache).float())
         logits = torch.cat(steps, dim=1).log_softmax(dim=-1)
         return [self._pick(logits[row, : len(cont)], cont) for row, (_, cont) in enumerate(pairs)]
 
@@ -374,7 +390,7 @@ class ELRLM(TemplateLM):
         prompts = [self.tok_encode(c)[-(self.max_length - budget + 1) :] or [self.eot_token_id] for c in contexts]
         greedy = not do_sample or temperature == 0
         stream = stream_generate(
-            self.model,
+            self._runner,
             prompts,
             loops=self.loops,
             max_new_tokens=budget,

@@ -61,6 +61,7 @@ def _parser() -> Any:
     p.add_argument("--dtype", type=Literal["float32", "bfloat16", "float16"], default="float32", help="Autocast dtype.")
     p.add_argument("--tokenizer", type=Optional[str], default=None, help="Override the checkpoint's saved tokenizer.")
     p.add_argument("--allow_extrapolation", action=ActionYesNo, default=False, help="Allow loops above arch.max_loops.")
+    p.add_argument("--fold", action=ActionYesNo, default=False, help="Fold the conditioning into the weights per k.")
     p.add_argument("--include_path", type=Optional[str], default=None, help="Extra folder of task YAMLs.")
     p.add_argument("--data_dir", type=Optional[str], default=None, help="Local task data (built there if missing).")
     p.add_argument("--output_dir", type=str, default="eval", help="Folder for the JSON results and the PNG.")
@@ -110,7 +111,7 @@ def run_eval(args: Any) -> dict[str, Any]:
         check_loops(k, config.max_loops, args.allow_extrapolation, field="--loops", flag="--allow_extrapolation")
     tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, config.vocab_size)
     lm = ELRLM.from_model(model, tokenizer, loops=loops[0], kv_cache=args.kv_cache, batch_size=args.batch_size,
-                          dtype=args.dtype, allow_extrapolation=True)  # fmt: skip
+                          dtype=args.dtype, allow_extrapolation=True, fold=args.fold)  # fmt: skip
     os.makedirs(args.output_dir, exist_ok=True)
     per_k: dict[int, dict[str, Any]] = {}
     for k in loops:
