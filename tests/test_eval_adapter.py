@@ -156,3 +156,7 @@ def test_bad_model_arguments_are_refused(model: LoopedLM, tmp_path: Path) -> Non
         ELRLM.from_model(model, ByteTokenizer(), batch_size="auto")  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError, match="missing.ckpt"):
         ELRLM(ckpt_path=str(tmp_path / "missing.ckpt"))
+    with pytest.raises(ValueError, match="model_args: unknown argument.* loop;"):
+        ELRLM.create_from_arg_string(f"ckpt_path={tmp_path / 'x.ckpt'},loop=4")
+    with pytest.raises(ValueError, match="ckpt_path is required"):
+        ELRLM.create_from_arg_string("loops=2")

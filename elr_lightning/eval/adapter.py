@@ -126,9 +126,14 @@ class ELRLM(TemplateLM):
         allow_extrapolation: Union[bool, str] = False,
         fold: Union[bool, str] = False,
         max_batch_size: Optional[int] = None,
-        **_: Any,
+        **unknown: Any,
     ) -> None:
         super().__init__()
+        if unknown:
+            raise ValueError(
+                f"model_args: unknown argument(s) {', '.join(sorted(unknown))}; the elr model takes ckpt_path, loops, "
+                "kv_cache, batch_size, device, dtype, tokenizer, max_gen_toks, allow_extrapolation, fold"
+            )
         if ckpt_path is None:
             raise ValueError("model_args: ckpt_path is required, e.g. --model_args ckpt_path=last.ckpt,loops=2")
         model, module = load_model(ckpt_path, map_location=resolve_device(device))
