@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -15,9 +15,28 @@ from elr_lightning.hf.export import export_command, import_command
 from elr_lightning.lightning_cli import ELRCLI, make_cli
 from elr_lightning.serve.command import serve_command
 
+
+def _eval_module() -> Any:
+    try:  # lm-eval is an optional extra: imported when used
+        from elr_lightning.eval import command
+    except ImportError as err:
+        raise SystemExit(f"elr eval: error: {err}") from None
+    return command
+
+
+def _eval(argv: list[str]) -> None:
+    _eval_module().eval_command(argv)
+
+
+def _eval_tasks(argv: list[str]) -> None:
+    _eval_module().eval_tasks_command(argv)
+
+
 #: Subcommands that are not Lightning's; each takes the remaining arguments.
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "cost": cost_main,
+    "eval": _eval,
+    "eval-tasks": _eval_tasks,
     "export": export_command,
     "generate": generate_command,
     "import": import_command,

@@ -1,0 +1,267 @@
+"""``elr eval``: lm-evaluation-harness accuracy of one checkpoint at several loop counts k.
+
+The checkpoint is loaded once; for each k the harness runs the tasks through the same
+:class:`~elr_lightning.eval.adapter.ELRLM` with its loop count set to k. Prints one table (tasks
+by k, with the chance level, the average, and the fraction of the k = K gain each k captures, as
+the paper's "two and three loops capture 79% and 96% of the gain"), and writes the harness's JSON
+per k, ``summary.json`` and a PNG of accuracy against k; optionally logs to TensorBoard.
+``elr eval-tasks`` writes the local tasks' data files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, Literal, Optional
+
+import torch
+
+from elr_lightning.tokenizers import choose_tokenizer
+
+_EVAL_ERRORS = (ValueError, FileNotFoundError, ImportError, KeyError)
+
+
+def parse_loops(spec: str) -> list[int]:
+    """``"1,2,4"`` or ``"1-4"`` -> sorted distinct loop counts.
+
+    Raises:
+        ValueError: A part is not an integer, or a count is below 1.
+    """
+    loops: set[int] = set()
+    for part in str(spec).split(","):
+        part = part.strip()
+        try:
+            if "-" in part[1:]:
+                lo, hi = part.split("-", 1) if not part.startswith("-") else (part, part)
+                loops.update(range(int(lo), int(hi) + 1))
+            else:
+                loops.add(int(part))
+        except ValueError:
+            raise ValueError(f"--loops {spec!r}: {part!r} is not a loop count; write e.g. --loops 1,2,4 or 1-4") from None
+    if not loops or min(loops) < 1:
+        raise ValueError(f"--loops {spec!r}: every loop count must be >= 1")
+    return sorted(loops)
+
+
+def _parser() -> Any:
+    from jsonargparse import ActionYesNo, ArgumentParser
+
+    p = ArgumentParser(prog="elr eval", description="lm-evaluation-harness accuracy of a checkpoint at several k.")
+    p.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
+    p.add_argument("--loops", type=Optional[str], default=None, help="Loop counts, e.g. 1,2,4 or 1-4; default 1..max_loops.")
+    p.add_argument("--tasks", type=Optional[str], default=None, help="Comma-separated harness tasks; default elr_local.")
+    p.add_argument("--limit", type=Optional[float], default=None, help="At most this many documents per task (< 1: a fraction).")
+    p.add_argument("--num_fewshot", type=Optional[int], default=None, help="Few-shot examples per prompt.")
+    p.add_argument("--batch_size", type=int, default=16, help="Requests per forward pass.")
+    p.add_argument("--kv_cache", type=Literal["per_loop", "last_loop"], default="per_loop", help="KV-cache policy.")
+    p.add_argument("--device", type=str, default="cpu", help="Device, e.g. cpu or cuda.")
+    p.add_argument("--dtype", type=Literal["float32", "bfloat16", "float16"], default="float32", help="Autocast dtype.")
+    p.add_argument("--tokenizer", type=Optional[str], default=None, help="Override the checkpoint's saved tokenizer.")
+    p.add_argument("--allow_extrapolation", action=ActionYesNo, default=False, help="Allow loops above arch.max_loops.")
+    p.add_argument("--fold", action=ActionYesNo, default=False, help="Fold the conditioning into the weights per k.")
+    p.add_argument("--include_path", type=Optional[str], default=None, help="Extra folder of task YAMLs.")
+    p.add_argument("--data_dir", type=Optional[str], default=None, help="Local task data (built there if missing).")
+    p.add_argument("--output_dir", type=str, default="eval", help="Folder for the JSON results and the PNG.")
+    p.add_argument("--log_dir", type=Optional[str], default=None, help="TensorBoard log folder.")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the harness's samplers and of sampled generation.")
+    return p
+
+
+def eval_command(argv: list[str]) -> None:
+    """``elr eval``; a bad input ends the process with a one-line error and exit status 1."""
+    try:
+        run_eval(_parser().parse_args(argv))
+    except _EVAL_ERRORS as err:
+        message = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+        raise SystemExit("elr eval: error: " + " ".join(message.split())) from None
+
+
+def run_eval(args: Any) -> dict[str, Any]:
+    """Run the harness at every requested k; return the summary that ``summary.json`` holds."""
+    loops = parse_loops(args.loops) if args.loops is not None else None
+    if not os.path.isfile(args.ckpt_path):
+        raise FileNotFoundError(f"--ckpt_path: checkpoint {args.ckpt_path!r} does not exist")
+    from lm_eval.tasks import TaskManager
+
+    from elr_lightning.eval import LOCAL_GROUP, TASKS_DIR, ELRLM
+    from elr_lightning.eval.adapter import check_loops
+    from elr_lightning.generation import load_model
+
+    tasks = [t.strip() for t in (args.tasks or LOCAL_GROUP).split(",") if t.strip()]
+    include = [TASKS_DIR] + ([args.include_path] if args.include_path else [])
+    metadata = {"data_dir": args.data_dir} if args.data_dir else {}
+    logging.getLogger("lm_eval.api.task").addFilter(_drop_custom_kwargs_hint)
+    # The local tasks alone need no index of the harness's thousands of task files (seconds saved).
+    manager = TaskManager(include_path=include, include_defaults=False, metadata=metadata)
+    if not all(manager.match_tasks([t]) for t in tasks):
+        manager = TaskManager(include_path=include, metadata=metadata)
+    unknown = [t for t in tasks if not manager.match_tasks([t])]
+    if unknown:
+        raise ValueError(
+            f"--tasks: unknown task(s) {', '.join(unknown)}; `lm_eval ls tasks` lists the harness's, "
+            f"{LOCAL_GROUP} runs the local ones"
+        )
+    model, module = load_model(args.ckpt_path, map_location=torch.device(args.device))
+    config = model.config
+    loops = loops or list(range(1, config.max_loops + 1))
+    for k in loops:
+        check_loops(k, config.max_loops, args.allow_extrapolation, field="--loops", flag="--allow_extrapolation")
+    tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, config.vocab_size)
+    lm = ELRLM.from_model(model, tokenizer, loops=loops[0], kv_cache=args.kv_cache, batch_size=args.batch_size,
+                          dtype=args.dtype, allow_extrapolation=True, fold=args.fold)  # fmt: skip
+    os.makedirs(args.output_dir, exist_ok=True)
+    per_k: dict[int, dict[str, Any]] = {}
+    for k in loops:
+        lm.loops = k
+        print(f"elr eval: k={k} ({loops.index(k) + 1}/{len(loops)})", file=sys.stderr, flush=True)
+        per_k[k] = _evaluate(lm, tasks, manager, args)
+        _write_json(os.path.join(args.output_dir, f"results_k{k}.json"), per_k[k])
+    summary = summarize(per_k)
+    summary.update(ckpt_path=args.ckpt_path, kv_cache=args.kv_cache, limit=args.limit)
+    _write_json(os.path.join(args.output_dir, "summary.json"), summary)
+    print(format_table(summary))
+    plot(summary, os.path.join(args.output_dir, "accuracy_vs_k.png"))
+    if args.log_dir:
+        log_tensorboard(summary, args.log_dir)
+    return summary
+
+
+def _drop_custom_kwargs_hint(record: logging.LogRecord) -> bool:
+    """Hide the harness's hint about ``--metadata`` that every ``custom_dataset`` task logs on load."""
+    return "Custom kwargs can be passed" not in record.getMessage()
+
+
+def _evaluate(lm: Any, tasks: list[str], manager: Any, args: Any) -> dict[str, Any]:
+    from lm_eval import simple_evaluate
+
+    results = simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=manager,
+        limit=args.limit,
+        num_fewshot=args.num_fewshot,
+        random_seed=args.seed,
+        numpy_random_seed=args.seed,
+        torch_random_seed=args.seed,
+        fewshot_random_seed=args.seed,
+    )
+    if results is None:
+        raise ValueError("the harness returned no results")
+    return results
+
+
+def _write_json(path: str, obj: Any) -> None:
+    from lm_eval.utils import handle_non_serializable
+
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
+
+
+def _primary_metric(config: dict[str, Any]) -> Optional[str]:
+    names = [m["metric"] for m in config.get("metric_list", []) if isinstance(m.get("metric"), str)]
+    return "acc" if "acc" in names else (names[0] if names else None)
+
+
+def summarize(per_k: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Scores per task and k, the chance levels, the average and the gain captured at each k.
+
+    The gain captured at k is ``(avg_k - avg_first) / (avg_K - avg_first)`` with ``first`` the
+    smallest and ``K`` the largest k evaluated; ``None`` when ``avg_K == avg_first``.
+
+    Args:
+        per_k: The harness's results dictionary for each k.
+
+    Returns:
+        ``{"loops", "tasks": {task: {"metric", "chance", "scores": {k: score}}}, "average": {k: avg},
+        "gain_captured": {k: fraction or None}}``.
+    """
+    loops = sorted(per_k)
+    first = per_k[loops[0]]
+    tasks: dict[str, dict[str, Any]] = {}
+    for name, config in sorted(first["configs"].items()):
+        metric = _primary_metric(config)
+        if metric is None:
+            continue
+        chance = (config.get("metadata") or {}).get("chance")
+        scores = {k: float(per_k[k]["results"][name][f"{metric},none"]) for k in loops}
+        tasks[name] = {"metric": metric, "chance": chance, "scores": scores}
+    average = {k: sum(t["scores"][k] for t in tasks.values()) / max(len(tasks), 1) for k in loops}
+    span = average[loops[-1]] - average[loops[0]]
+    gain = {k: ((average[k] - average[loops[0]]) / span if span != 0 else None) for k in loops}
+    chances = [t["chance"] for t in tasks.values()]
+    chance_avg = sum(chances) / len(chances) if chances and all(c is not None for c in chances) else None
+    return {"loops": loops, "tasks": tasks, "average": average, "chance_average": chance_avg, "gain_captured": gain}
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The summary as a Markdown table: one row per task, one column per k."""
+    loops = summary["loops"]
+
+    def fmt(x: Optional[float], pct: bool = False) -> str:
+        return "-" if x is None else (f"{100 * x:.0f}%" if pct else f"{x:.3f}")
+
+    head = ["task", "metric", "chance"] + [f"k={k}" for k in loops]
+    rows = [head, ["---"] * len(head)]
+    for name, t in summary["tasks"].items():
+        rows.append([name, t["metric"], fmt(t["chance"])] + [fmt(t["scores"][k]) for k in loops])
+    rows.append(["average", "", fmt(summary["chance_average"])] + [fmt(summary["average"][k]) for k in loops])
+    rows.append([f"gain captured (of k={loops[-1]})", "", ""] + [fmt(summary["gain_captured"][k], True) for k in loops])
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def plot(summary: dict[str, Any], path: str) -> None:
+    """PNG of each task's score and the average against k, chance levels dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loops = summary["loops"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, t in summary["tasks"].items():
+        (line,) = ax.plot(loops, [t["scores"][k] for k in loops], marker="o", label=f"{name} ({t['metric']})")
+        if t["chance"] is not None:
+            ax.axhline(t["chance"], color=line.get_color(), linestyle="--", linewidth=0.8)
+    ax.plot(loops, [summary["average"][k] for k in loops], marker="s", color="black", label="average")
+    ax.set_xlabel("loops k")
+    ax.set_ylabel("score")
+    ax.set_xticks(loops)
+    ax.set_title("accuracy vs loop count (dashed: chance)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def log_tensorboard(summary: dict[str, Any], log_dir: str) -> None:
+    """Scalars ``eval/<task>/<metric>`` and ``eval/average`` with k as the step."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(log_dir) as writer:
+        for k in summary["loops"]:
+            for name, t in summary["tasks"].items():
+                writer.add_scalar(f"eval/{name}/{t['metric']}", t["scores"][k], k)
+            writer.add_scalar("eval/average", summary["average"][k], k)
+
+
+def eval_tasks_command(argv: Sequence[str]) -> None:
+    """``elr eval-tasks``: write the local tasks' JSONL files (offline, deterministic from the seed)."""
+    from jsonargparse import ArgumentParser
+
+    from elr_lightning.eval.taskdata import build_tasks, default_data_dir
+
+    p = ArgumentParser(prog="elr eval-tasks", description="Build the local evaluation tasks from held-out stdlib text.")
+    p.add_argument("--out", type=Optional[str], default=None, help="Folder; default $ELR_EVAL_DATA or the user cache.")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the example draw.")
+    p.add_argument("--n", type=int, default=500, help="Examples per task.")
+    p.add_argument("--val_fraction", type=float, default=0.01, help="data.val_fraction of the evaluated run.")
+    args = p.parse_args(list(argv))
+    try:
+        paths = build_tasks(args.out or default_data_dir(), seed=args.seed, n=args.n, val_fraction=args.val_fraction)
+    except ValueError as err:
+        raise SystemExit(f"elr eval-tasks: error: {err}") from None
+    for name, path in paths.items():
+        print(f"{name}: {path}")
