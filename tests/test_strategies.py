@@ -37,7 +37,6 @@ from elr_lightning.strategies import DataParallelLayout, OneLoopOverrideDDPStrat
 from elr_lightning.tokenizers import ByteTokenizer, checkpoint_tokenizer
 from elr_lightning.strategies.common import loop_dependent_parameters, unused_parameters, verify_loop_schedule
 from elr_lightning.strategies.fsdp import mixed_precision_policy, shard_looped_lm
-from elr_lightning.tokenizers import ByteTokenizer, checkpoint_tokenizer
 from elr_lightning.updates import StateUpdate
 
 WORKER = Path(_dist_worker.__file__)
