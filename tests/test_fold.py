@@ -144,6 +144,7 @@ def test_cli_generate_fold_streams_the_same_text(tmp_path: Path, capsys: pytest.
             p.add_(0.1 * torch.randn_like(p))
     path = tmp_path / "tiny.ckpt"
     trainer.save_checkpoint(path)
+    capsys.readouterr()  # drop the model summary fit printed (to stdout when rich is installed)
     args = ["generate", "--ckpt_path", str(path), "--prompt", "hi", "--loops", "2", "--max_new_tokens", "10",
             "--temperature", "0", "--tokenizer", "byte"]  # fmt: skip
     main(args)
