@@ -14,6 +14,7 @@ from lightning.pytorch import Trainer
 
 pytest.importorskip("lm_eval")
 
+from _bpe import stdlib_text  # noqa: E402
 from elr_lightning.cli import main  # noqa: E402
 from elr_lightning.conditioning import LoopConditioner  # noqa: E402
 from elr_lightning.config import ModelConfig  # noqa: E402
@@ -22,7 +23,6 @@ from elr_lightning.eval import TASKS_DIR, build_tasks  # noqa: E402
 from elr_lightning.eval.command import format_table, parse_loops, summarize  # noqa: E402
 from elr_lightning.eval.taskdata import heldout_text  # noqa: E402
 from elr_lightning.module import ELRModule  # noqa: E402
-from _bpe import stdlib_text  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

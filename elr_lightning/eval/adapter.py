@@ -25,7 +25,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -36,8 +35,8 @@ from tqdm import tqdm
 from typing_extensions import override
 
 from elr_lightning.cache import KVCache, PerLoopCache
-from elr_lightning.generation import CACHE_POLICIES, left_pad, load_model, resolve_policy, stream_generate
 from elr_lightning.fold import FoldedLM, fold_conditioning
+from elr_lightning.generation import CACHE_POLICIES, left_pad, load_model, resolve_policy, stream_generate
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import Tokenizer, choose_tokenizer
 

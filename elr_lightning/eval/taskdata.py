@@ -26,7 +26,6 @@ import os
 import random
 import re
 import sys
-from collections import defaultdict
 from functools import lru_cache
 from typing import Any, Optional
 
