@@ -37,7 +37,7 @@ from elr_lightning.generation import stream_generate
 from elr_lightning.mixers.delta_rule import chunked_delta_product
 from elr_lightning.model import LoopedLM
 
-ATTENTION = ModelConfig(vocab_size=256, d_model=256, n_heads=4, n_in=4, n_rec=4, n_out=4, max_seq_len=4200, max_loops=2)
+ATTENTION = ModelConfig(vocab_size=256, d_model=128, n_heads=2, n_in=4, n_rec=4, n_out=4, max_seq_len=4200, max_loops=2)
 HYBRID = replace(
     ATTENTION,
     token_pattern=["gdp", "gdp", "gdp", "attention"],
