@@ -171,6 +171,8 @@ def _readme_block(language: str, first_line: str) -> str:
 @pytest.mark.slow
 def test_the_readme_mixer_trains_from_yaml_and_decodes(tmp_path, monkeypatch) -> None:
     """The README's user mixer, from its own package, trained by ``elr fit`` from the README's YAML."""
+    import sys
+
     import yaml
 
     from elr_lightning.cli import main
@@ -180,6 +182,8 @@ def test_the_readme_mixer_trains_from_yaml_and_decodes(tmp_path, monkeypatch) ->
     (tmp_path / "my_lab" / "__init__.py").write_text("")
     (tmp_path / "my_lab" / "mixers.py").write_text(_readme_block("python", "# my_lab/mixers.py"))
     monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "my_lab" or m.startswith("my_lab.")]:  # another test's my_lab
+        monkeypatch.delitem(sys.modules, name)
     arch = yaml.safe_load(_readme_block("yaml", "model:\n  class_path: elr_lightning.ELRModule\n  init_args:\n    arch:"))
     arch = arch["model"]["init_args"]["arch"]
     arch.update(vocab_size=256, d_model=32, n_heads=2, n_in=2, n_rec=2, n_out=2, max_seq_len=32, max_loops=2)
