@@ -157,7 +157,11 @@ def delta_product(
             )
         if kernels == "fla" and not _FLA_WARNED:
             _FLA_WARNED = True
-            why = "the tensors are not on CUDA" if not q.is_cuda else "fla does not import (pip install 'elr-lightning[fla]')"
+            why = (
+                "the tensors are not on CUDA"
+                if not q.is_cuda
+                else "fla does not import (pip install 'elr-lightning[fla]')"
+            )
             warnings.warn(
                 f"GatedDeltaProduct: kernels='fla' but {why}; using the PyTorch chunked path instead",
                 stacklevel=2,
