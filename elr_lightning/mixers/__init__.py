@@ -5,4 +5,13 @@ from elr_lightning.mixers.base import CacheBytes, ChannelMixer, TokenMixer
 from elr_lightning.mixers.gdp import GatedDeltaProduct
 from elr_lightning.mixers.swiglu import SwiGLU
 
-__all__ = ["Attention", "CacheBytes", "ChannelMixer", "GatedDeltaProduct", "Rotary", "SwiGLU", "TokenMixer", "apply_rope"]
+__all__ = [
+    "Attention",
+    "CacheBytes",
+    "ChannelMixer",
+    "GatedDeltaProduct",
+    "Rotary",
+    "SwiGLU",
+    "TokenMixer",
+    "apply_rope",
+]
