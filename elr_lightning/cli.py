@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
+from elr_lightning.ablate import main as ablate_main
 from elr_lightning.cost import main as cost_main
 from elr_lightning.data import TextDataModule, resolve_sources
 from elr_lightning.generation import generate_command
@@ -32,7 +33,11 @@ class ELRCLI(LightningCLI):
 
 
 #: Subcommands that are not Lightning's; each takes the remaining arguments.
-EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {"cost": cost_main, "generate": generate_command}
+EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
+    "ablate": ablate_main,
+    "cost": cost_main,
+    "generate": generate_command,
+}
 
 
 def main(args: Optional[list[str]] = None) -> None:
