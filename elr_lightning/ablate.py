@@ -12,6 +12,7 @@ and a TensorBoard run under ``OUT/tensorboard/<arm>-s<seed>``; a finished run wr
 from __future__ import annotations
 
 import copy
+import functools
 import csv
 import json
 import os
@@ -246,7 +247,7 @@ def run_ablation(
     seeds: Optional[list[int]] = None,
     subprocesses: bool = False,
     callbacks: Optional[list[Any]] = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = functools.partial(print, flush=True),
 ) -> list[dict[str, Any]]:
     """Train every ``(arm, seed)`` not finished yet, then write the report; return every run's result.
 
