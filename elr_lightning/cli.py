@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from elr_lightning.ablate import main as ablate_main
 from elr_lightning.cost import main as cost_main
 from elr_lightning.errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, report_errors
 from elr_lightning.generation import generate_command
@@ -34,6 +35,7 @@ def _eval_tasks(argv: list[str]) -> None:
 
 #: Subcommands that are not Lightning's; each takes the remaining arguments.
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
+    "ablate": ablate_main,
     "cost": cost_main,
     "eval": _eval,
     "eval-tasks": _eval_tasks,

@@ -11,6 +11,8 @@ import math
 import random
 from typing import Optional
 
+from typing_extensions import override
+
 
 def step_rng(seed: int, step: int, stream: str = "") -> random.Random:
     """A generator that depends only on ``(seed, step, stream)`` (string seeds hash with SHA-512)."""
@@ -88,9 +90,13 @@ class OneLoopOverride(LoopSampler):
             )
         self.override_fraction = override_fraction
 
+    def override_rate(self) -> float:
+        """Fraction of shards forced to k = 1: f."""
+        return self.override_fraction
+
     def overridden(self, step: int, num_shards: int) -> list[int]:
         """Indices of the shards forced to k = 1 at ``step``."""
-        rate = self.override_fraction * num_shards
+        rate = self.override_rate() * num_shards
         start = math.floor(step * rate + 1e-9)
         count = math.floor((step + 1) * rate + 1e-9) - start
         return sorted({(start + j) % num_shards for j in range(count)})
@@ -206,3 +212,56 @@ def _normalised_weights(owner: str, weights: list[float], max_loops: int) -> lis
     if total <= 0:
         raise ValueError(f"{owner}.weights={weights!r} must not all be zero")
     return [w / total for w in values]
+
+
+class DeepLoopOverride(OneLoopOverride):
+    """One-loop overrides at the full p_1 of eq. (3), so every step mixes depths; the other shards
+    share one k drawn from 2..K with ``weights`` (loop-count reweighting, the paper's open question).
+
+    :class:`OneLoopOverride` overrides a fraction f of shards and draws the shared k from 1..K, so a
+    step whose shared draw is 1 runs k = 1 everywhere, and with ``f * S < 1`` many steps mix no
+    depths at all. Here the rotating overrides hand out k = 1 at the rate
+    ``p_1 = 1/K + (1 - 1/K) f`` itself (eq. 3), and the shared k never is 1. With the default
+    uniform weights the marginal over k equals :class:`OneLoopOverride`'s
+    (``P(k) = (1 - p_1)/(K - 1)`` for k >= 2), only rearranged so that every step with
+    ``p_1 * S >= 1`` holds a one-loop shard; weights toward deep loops move the remaining
+    ``1 - p_1`` toward k = K while the one-loop endpoint keeps eq. (3)'s share.
+
+    Args:
+        max_loops: K, the largest loop count (>= 2).
+        override_fraction: f in [0, 1] of eq. (3); the realised k = 1 rate is p_1, not f.
+        weights: Relative probability of the shared k = 2..K (``max_loops - 1`` non-negative numbers,
+            not all zero; normalised here), or ``None`` for uniform.
+    """
+
+    def __init__(
+        self, max_loops: int = 4, override_fraction: float = 0.15, weights: Optional[list[float]] = None
+    ) -> None:
+        super().__init__(max_loops=max_loops, override_fraction=override_fraction)
+        if max_loops < 2:
+            raise ValueError(f"DeepLoopOverride.max_loops={max_loops} must be >= 2 (it draws the shared k from 2..K)")
+        self.weights = None if weights is None else _normalised_weights(type(self).__name__, weights, max_loops - 1)
+
+    @override
+    def override_rate(self) -> float:
+        """Fraction of shards forced to k = 1: p_1 of eq. (3)."""
+        return self.expected_p1()
+
+    @override
+    def shared_loops(self, seed: int, step: int) -> int:
+        """The k in 2..K that every non-overridden shard runs at ``step``."""
+        rng = step_rng(seed, step)
+        if self.weights is None:
+            return rng.randint(2, self.max_loops)
+        return rng.choices(range(2, self.max_loops + 1), weights=self.weights)[0]
+
+    def probabilities(self) -> list[float]:
+        """P(k) for k = 1..K: p_1 of eq. (3), then ``(1 - p_1)`` times the shared-k weights."""
+        p1 = self.expected_p1()
+        shared = self.weights if self.weights is not None else [1.0 / (self.max_loops - 1)] * (self.max_loops - 1)
+        return [p1] + [(1.0 - p1) * w for w in shared]
+
+    @override
+    def expected_mean_loops(self) -> float:
+        """Mean k under :meth:`probabilities` (eq. 3's value with uniform weights)."""
+        return sum(k * p for k, p in enumerate(self.probabilities(), start=1))

@@ -1,0 +1,223 @@
+"""The report of ``elr ablate``: per-arm table, the paper's checks (§6) and a loss-vs-k plot.
+
+Spread: with several seeds, an arm's spread at k is the range (max - min) of its seeds' losses.
+A check compares a figure with a threshold; when the two differ by less than the spread of the
+arms involved, it is marked ``within spread`` (undecided), not as holding or not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from statistics import mean
+from typing import Any, Optional
+
+HOLDS, FAILS, NOISE, MISSING = "holds", "does not hold", "within spread", "n/a"
+
+
+@dataclass(frozen=True)
+class ArmSummary:
+    """Final validation figures of one arm over its seeds, per k."""
+
+    arm: str
+    seeds: list[int]
+    loss: dict[int, list[float]]
+    bpb: dict[int, list[float]]
+
+    def mean(self, k: int) -> float:
+        """Mean loss at k over seeds."""
+        return mean(self.loss[k])
+
+    def spread(self, k: int) -> float:
+        """Range of the loss at k over seeds (0 with one seed)."""
+        return max(self.loss[k]) - min(self.loss[k])
+
+    def gain(self, k: int) -> list[float]:
+        """Per-seed loss at k = 1 minus loss at ``k``."""
+        return [a - b for a, b in zip(self.loss[1], self.loss[k])]
+
+
+def summarise(results: list[dict[str, Any]]) -> dict[str, ArmSummary]:
+    """Group run results (``result.json`` contents) by arm, keeping the run order of arms and seeds."""
+    arms: dict[str, ArmSummary] = {}
+    for r in results:
+        s = arms.setdefault(r["arm"], ArmSummary(r["arm"], [], {}, {}))
+        s.seeds.append(int(r["seed"]))
+        for key, table in (("loss", s.loss), ("bpb", s.bpb)):
+            for k, value in r[key].items():
+                table.setdefault(int(k), []).append(float(value))
+    return arms
+
+
+@dataclass(frozen=True)
+class Check:
+    """One of the paper's claims, its figure and whether it holds here."""
+
+    claim: str
+    figure: str
+    status: str
+
+
+def _decide(margin: float, noise: float) -> str:
+    """``holds`` if ``margin > 0``, ``within spread`` if ``|margin| < noise``, else ``does not hold``."""
+    if noise > 0 and abs(margin) < noise:
+        return NOISE
+    return HOLDS if margin > 0 else FAILS
+
+
+def _missing(claim: str, *names: str) -> Check:
+    return Check(claim, f"needs arm(s) {', '.join(names)}", MISSING)
+
+
+def paper_checks(arms: dict[str, ArmSummary], k_max: int) -> list[Check]:
+    """The checks of issue 10 / the paper's §6 on the arms present (others are ``n/a``)."""
+    checks = []
+    elr, base = arms.get("elr"), arms.get("baseline")
+    claim = "ELR within 0.5% of the baseline at k = 1"
+    if elr and base:
+        rel = (elr.mean(1) - base.mean(1)) / base.mean(1)
+        noise = max(elr.spread(1), base.spread(1)) / base.mean(1)
+        checks.append(Check(claim, f"{rel:+.2%} vs the baseline", _decide(0.005 - rel, noise)))
+    else:
+        checks.append(_missing(claim, "elr", "baseline"))
+    for rule in ("replace", "residual"):
+        claim = f"{rule} update worse than adaptive delta at every k"
+        other = arms.get(rule)
+        if elr and other:
+            ks = [k for k in elr.loss if k in other.loss]
+            diffs = {k: other.mean(k) - elr.mean(k) for k in ks}
+            worst = min(ks, key=lambda k: diffs[k])
+            noise = max(elr.spread(worst), other.spread(worst))
+            figure = ", ".join(f"k={k} {d:+.4f}" for k, d in diffs.items())
+            checks.append(Check(claim, figure, _decide(diffs[worst], noise)))
+        else:
+            checks.append(_missing(claim, "elr", rule))
+    claim = "f = 0 above the baseline at k = 1"
+    f0 = arms.get("f0")
+    if f0 and base:
+        d = f0.mean(1) - base.mean(1)
+        checks.append(Check(claim, f"{d:+.4f}", _decide(d, max(f0.spread(1), base.spread(1)))))
+    else:
+        checks.append(_missing(claim, "f0", "baseline"))
+    claim = "conditioning lowers the loss at every k >= 2"
+    nc = arms.get("no_cond")
+    if elr and nc and k_max >= 2:
+        ks = [k for k in range(2, k_max + 1) if k in elr.loss and k in nc.loss]
+        diffs = {k: nc.mean(k) - elr.mean(k) for k in ks}
+        worst = min(ks, key=lambda k: diffs[k])
+        figure = ", ".join(f"k={k} {d:+.4f} without" for k, d in diffs.items())
+        checks.append(Check(claim, figure, _decide(diffs[worst], max(elr.spread(worst), nc.spread(worst)))))
+    else:
+        checks.append(_missing(claim, "elr", "no_cond"))
+    claim = "delayed switch keeps >= 80% of ELR's k = K gain"
+    delayed = arms.get("delayed")
+    if elr and delayed:
+        g_elr, g_del = mean(elr.gain(k_max)), mean(delayed.gain(k_max))
+        noise = max(elr.spread(1), elr.spread(k_max), delayed.spread(1), delayed.spread(k_max))
+        if g_elr <= 0:
+            checks.append(Check(claim, f"ELR has no k = K gain ({g_elr:+.4f})", FAILS))
+        else:
+            figure = f"{g_del / g_elr:.0%} ({g_del:+.4f} of {g_elr:+.4f})"
+            checks.append(Check(claim, figure, _decide(g_del - 0.8 * g_elr, noise)))
+    else:
+        checks.append(_missing(claim, "elr", "delayed"))
+    claim = "ELR's loss falls strictly from k = 1 to K"
+    if elr and all(k in elr.loss for k in range(1, k_max + 1)):
+        steps = {k: elr.mean(k) - elr.mean(k - 1) for k in range(2, k_max + 1)}
+        worst = max(steps, key=lambda k: steps[k])
+        noise = max(elr.spread(worst), elr.spread(worst - 1))
+        figure = ", ".join(f"k={k - 1}->{k} {d:+.4f}" for k, d in steps.items())
+        checks.append(Check(claim, figure, _decide(-steps[worst], noise)))
+    else:
+        checks.append(_missing(claim, "elr"))
+    checks.append(specialist_check(arms, k_max))
+    return checks
+
+
+def specialist_check(arms: dict[str, ArmSummary], k_max: int) -> Check:
+    """Issue 10's target: ELR's k = K gain over its own k = 1 is >= 80% of the best specialist seed's
+    k = K gain over the baseline; when no specialist seed beats the baseline, >= 1% of ELR's k = 1 loss."""
+    claim = "ELR's k = K gain >= 80% of the specialist's (best seed) gain over the baseline"
+    elr, base, spec = arms.get("elr"), arms.get("baseline"), arms.get("specialist")
+    if not (elr and base and spec and k_max in spec.loss and k_max in elr.loss):
+        return _missing(claim, "elr", "baseline", "specialist")
+    gain = mean(elr.gain(k_max))
+    noise = max(elr.spread(1), elr.spread(k_max))
+    best = max(base.mean(1) - v for v in spec.loss[k_max])
+    if best > 0:
+        figure = f"{gain / best:.0%} ({gain:+.4f} of {best:+.4f})"
+        return Check(claim, figure, _decide(gain - 0.8 * best, noise))
+    need = 0.01 * elr.mean(1)
+    figure = f"no specialist seed beats the baseline ({best:+.4f}); gain {gain:+.4f}, need >= {need:.4f}"
+    return Check(claim, figure, _decide(gain - need, noise))
+
+
+def _cell(values: Optional[list[float]], digits: int) -> str:
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{mean(values):.{digits}f} ± {(max(values) - min(values)) / 2:.{digits}f}"
+
+
+def markdown(arms: dict[str, ArmSummary], checks: list[Check], k_max: int) -> str:
+    """The report's Markdown: one table of loss and one of bpb per arm and k, then the checks."""
+    from elr_lightning.ablate import ARMS
+
+    ks = sorted({k for s in arms.values() for k in s.loss} | set(range(1, k_max + 1)))
+    seeds = sorted({seed for s in arms.values() for seed in s.seeds})
+    lines = [
+        "# `elr ablate` report",
+        "",
+        f"Final validation per arm at each k (seeds {', '.join(map(str, seeds))}; "
+        + ("mean ± half the range over seeds)." if len(seeds) > 1 else "one seed)."),
+        "",
+    ]
+    for key, title, digits in (("loss", "Validation loss", 4), ("bpb", "Bits per byte", 4)):
+        lines += [f"## {title}", "", "| arm | " + " | ".join(f"k = {k}" for k in ks) + " | gain k = 1 → K |"]
+        lines.append("|---|" + "---|" * (len(ks) + 1))
+        for name, s in arms.items():
+            table = s.loss if key == "loss" else s.bpb
+            gain = _cell(s.gain(k_max), digits) if key == "loss" and {1, k_max} <= set(s.loss) and k_max > 1 else "—"
+            label = f"`{name}`" + (f" ({ARMS[name].description})" if name in ARMS else "")
+            lines.append(f"| {label} | " + " | ".join(_cell(table.get(k), digits) for k in ks) + f" | {gain} |")
+        lines.append("")
+    lines += ["## The paper's checks", "", "| check | figure | status |", "|---|---|---|"]
+    lines += [f"| {c.claim} | {c.figure} | **{c.status}** |" for c in checks]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(arms: dict[str, ArmSummary], path: str) -> None:
+    """PNG of the mean validation loss against k, one line per arm (error bars: the seed range)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4), dpi=110)
+    ax = fig.add_subplot()
+    for name, s in arms.items():
+        ks = sorted(s.loss)
+        means = [s.mean(k) for k in ks]
+        half = [s.spread(k) / 2 for k in ks]
+        if len(ks) == 1 and name == "baseline":
+            ax.axhline(means[0], color="black", linestyle="--", linewidth=1, label="baseline (k = 1)")
+            continue
+        ax.errorbar(ks, means, yerr=half, marker="o", capsize=3, label=name)
+    ax.set_xlabel("loops k")
+    ax.set_ylabel("final validation loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write_report(results: list[dict[str, Any]], out: str, k_max: int) -> str:
+    """Write ``ablate.md``, ``loss_vs_k.png`` and ``results.json`` to ``out``; return the Markdown's path."""
+    arms = summarise(results)
+    checks = paper_checks(arms, k_max)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"runs": results, "checks": [c.__dict__ for c in checks]}, f, indent=1)
+    plot(arms, os.path.join(out, "loss_vs_k.png"))
+    path = os.path.join(out, "ablate.md")
+    with open(path, "w") as f:
+        f.write(markdown(arms, checks, k_max))
+    return path
