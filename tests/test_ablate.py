@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from elr_lightning.ablate import ARMS, arm_config, largest_divisor_at_most, run_ablation
 from elr_lightning.ablate_report import FAILS, HOLDS, MISSING, NOISE, paper_checks, summarise
-from elr_lightning.cli import main
+from elr_lightning.cli import main, run
 
 STEPS = 4
 
@@ -113,7 +113,7 @@ def test_bad_arm_and_missing_steps_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="--steps N"):
         arm_config(base, "elr", 0, str(tmp_path))
     with pytest.raises(ValueError, match="--seeds"):
-        main(["ablate", "--config", _tiny_config(tmp_path), "--out", str(tmp_path), "--seeds", "0,x"])
+        run(["ablate", "--config", _tiny_config(tmp_path), "--out", str(tmp_path), "--seeds", "0,x"])
 
 
 def test_validation_and_checkpoints_land_on_the_last_step():
