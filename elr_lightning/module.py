@@ -30,8 +30,8 @@ from elr_lightning.updates import StateUpdate
 warnings.filterwarnings("ignore", message=r"Attribute '(update|conditioner)' is an instance of `nn.Module`")
 
 
-#: ``arch`` fields that a checkpoint may differ in: they set the init or the RoPE table's length only.
-_ARCH_FREE_FIELDS = ("init_std", "max_seq_len")
+#: ``arch`` fields that a checkpoint may differ in: they set the init, the RoPE table's length or route replay only.
+_ARCH_FREE_FIELDS = ("init_std", "max_seq_len", "route_replay")
 
 
 def _checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:
@@ -169,8 +169,14 @@ class ELRModule(LightningModule):
         return self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     @override
-    def forward(self, input_ids: Tensor, loops: int = 1, attention_mask: Optional[Tensor] = None) -> Tensor:
-        return self.model(input_ids, loops, attention_mask)
+    def forward(
+        self,
+        input_ids: Tensor,
+        loops: int = 1,
+        attention_mask: Optional[Tensor] = None,
+        aux_losses: Optional[dict[str, Tensor]] = None,
+    ) -> Tensor:
+        return self.model(input_ids, loops, attention_mask, aux_losses=aux_losses)
 
     # ---- shards and loop counts -------------------------------------------------------------
     def data_parallel_layout(self) -> tuple[int, int]:
@@ -261,8 +267,14 @@ class ELRModule(LightningModule):
         return [*m.input_layers, *m.core.layers, *m.output_layers]
 
     # ---- training ----------------------------------------------------------------------------
-    def shard_loss(self, batch: Tensor, loops: list[int]) -> Tensor:
-        """Token-mean cross-entropy of ``batch`` ``[B, T + 1]`` split into ``len(loops)`` shards."""
+    def shard_loss(
+        self, batch: Tensor, loops: list[int], aux_losses: Optional[dict[str, Tensor]] = None
+    ) -> Tensor:
+        """Token-mean cross-entropy of ``batch`` ``[B, T + 1]`` split into ``len(loops)`` shards.
+
+        ``aux_losses``, if given, receives the mixers' auxiliary losses (e.g. ``moe_aux_loss``), each
+        the shards' mean weighted by their sequences, like the cross-entropy.
+        """
         if batch.shape[0] < len(loops):
             raise ValueError(
                 f"the local batch has {batch.shape[0]} sequences, fewer than virtual_ranks={len(loops)}; "
@@ -270,15 +282,24 @@ class ELRModule(LightningModule):
             )
         total = batch.new_zeros((), dtype=torch.float32)
         for shard, k in zip(batch.tensor_split(len(loops)), loops):
-            logits = self(shard[:, :-1], k)
+            aux: dict[str, Tensor] = {}
+            logits = self(shard[:, :-1], k, aux_losses=aux)
             total = total + F.cross_entropy(logits.flatten(0, 1).float(), shard[:, 1:].flatten(), reduction="sum")
+            if aux_losses is not None:
+                for name, value in aux.items():
+                    weighted = value * (shard.shape[0] / batch.shape[0])
+                    aux_losses[name] = aux_losses[name] + weighted if name in aux_losses else weighted
         return total / (batch.shape[0] * (batch.shape[1] - 1))
 
     @override
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         schedule = self.step_schedule()
         loops = schedule[self.local_shards()]
-        loss = self.shard_loss(batch, loops)
+        aux: dict[str, Tensor] = {}
+        loss = self.shard_loss(batch, loops, aux)
+        for name, value in aux.items():
+            self.log(f"train/{name}", value, sync_dist=True)
+        loss = loss + sum(aux.values(), start=torch.zeros_like(loss))
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"train/loss is {loss.item()} at step {self.trainer.global_step} (loops {loops}); "
@@ -297,6 +318,18 @@ class ELRModule(LightningModule):
         if self.trainer.global_step % self.trainer.log_every_n_steps == 0 and self._loop_log:
             self._log_histogram("train/loops", torch.tensor(self._loop_log, dtype=torch.float32))
             self._loop_log.clear()
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Let routed mixers update their balancing state; log each one's expert load (histogram and CV)."""
+        log = self.trainer.global_step % self.trainer.log_every_n_steps == 0
+        for layer in self.all_layers():
+            load = layer.mlp.end_step(lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"))
+            if load is None or not log:
+                continue
+            self._log_load(f"train/moe_load/layer{layer.index}", load)
+            cv = load.std(correction=0) / load.mean().clamp_min(1e-9)
+            self.log(f"train/moe_load_cv/layer{layer.index}", cv, rank_zero_only=True)
 
     # ---- validation --------------------------------------------------------------------------
     def sequence_nll(self, batch: Tensor, loops: int) -> Tensor:
@@ -403,6 +436,25 @@ class ELRModule(LightningModule):
     def _log_histogram(self, tag: str, values: Tensor) -> None:
         for logger in self._tensorboards():
             logger.experiment.add_histogram(tag, values, self.trainer.global_step, bins="auto")
+
+    @rank_zero_only
+    def _log_load(self, tag: str, load: Tensor) -> None:
+        """Expert load ``[E]`` as a histogram over expert indices (one bucket per expert)."""
+        counts = load.detach().double().cpu()
+        experts = torch.arange(len(counts), dtype=torch.float64)
+        total = float(counts.sum())
+        for logger in self._tensorboards():
+            logger.experiment.add_histogram_raw(
+                tag,
+                min=0.0,
+                max=float(len(counts) - 1),
+                num=total,
+                sum=float((experts * counts).sum()),
+                sum_squares=float((experts**2 * counts).sum()),
+                bucket_limits=(experts + 0.5).tolist(),
+                bucket_counts=counts.tolist(),
+                global_step=self.trainer.global_step,
+            )
 
     @rank_zero_only
     def _log_loss_curve(self, losses: dict[int, float]) -> None:
