@@ -121,6 +121,7 @@ def _fla_kernel():
 KERNELS = ("auto", "fla", "torch")
 
 
+@torch.compiler.disable
 def delta_product(
     q: Tensor,
     k: Tensor,
@@ -137,6 +138,9 @@ def delta_product(
     ``kernels``: ``auto`` uses fla on CUDA when it imports, else PyTorch; ``fla`` asks for fla and,
     where it cannot run (on CPU, or without the ``fla`` extra), uses PyTorch and warns once per
     process, never failing mid-run; ``torch`` always uses PyTorch.
+
+    ``torch.compile`` leaves this call out of its graphs: the chunk loop would be unrolled per
+    sequence length and takes minutes to compile; the projections around it are still compiled.
     """
     global _FLA_WARNED
     if kernels != "torch":
