@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import UserDict
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, MutableMapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -174,7 +175,7 @@ class ELRModule(LightningModule):
         input_ids: Tensor,
         loops: int = 1,
         attention_mask: Optional[Tensor] = None,
-        aux_losses: Optional[dict[str, Tensor]] = None,
+        aux_losses: Optional[MutableMapping[str, Tensor]] = None,
     ) -> Tensor:
         return self.model(input_ids, loops, attention_mask, aux_losses=aux_losses)
 
@@ -282,7 +283,8 @@ class ELRModule(LightningModule):
             )
         total = batch.new_zeros((), dtype=torch.float32)
         for shard, k in zip(batch.tensor_split(len(loops)), loops):
-            aux: dict[str, Tensor] = {}
+            # Not a dict: FSDP2's root copies dict arguments when it moves the inputs to the device.
+            aux: UserDict[str, Tensor] = UserDict()
             logits = self(shard[:, :-1], k, aux_losses=aux)
             total = total + F.cross_entropy(logits.flatten(0, 1).float(), shard[:, 1:].flatten(), reduction="sum")
             if aux_losses is not None:
@@ -297,9 +299,9 @@ class ELRModule(LightningModule):
         loops = schedule[self.local_shards()]
         aux: dict[str, Tensor] = {}
         loss = self.shard_loss(batch, loops, aux)
-        for name, value in aux.items():
-            self.log(f"train/{name}", value, sync_dist=True)
         loss = loss + sum(aux.values(), start=torch.zeros_like(loss))
+        for name, value in aux.items():  # a copy: syncing under some strategies reduces in place
+            self.log(f"train/{name}", value.detach().clone(), sync_dist=True)
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"train/loss is {loss.item()} at step {self.trainer.global_step} (loops {loops}); "
@@ -318,6 +320,11 @@ class ELRModule(LightningModule):
         if self.trainer.global_step % self.trainer.log_every_n_steps == 0 and self._loop_log:
             self._log_histogram("train/loops", torch.tensor(self._loop_log, dtype=torch.float32))
             self._loop_log.clear()
+
+    @override
+    def on_train_start(self) -> None:
+        for layer in self.all_layers():  # strategies probe the model at setup: that is no training step
+            layer.mlp.discard_step()
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

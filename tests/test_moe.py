@@ -152,6 +152,8 @@ def test_replayed_gate_weights_are_loop_one_weights():
     torch.manual_seed(2)
     moe = MoE(tiny_config(), num_experts=6, top_k=2, expert_dim=8, replay="replay", replay_gates="replay")
     torch.nn.init.normal_(moe.router.weight, std=1.0)
+    for p in (moe.w_up, moe.w_down):
+        torch.nn.init.normal_(p, std=0.3)
     x1, x2 = torch.randn(1, 9, 32), torch.randn(1, 9, 32)
     out, _ = _two_loops(moe, x1, x2)
     _, experts, weights = moe.route(moe.router(x1[0]))
@@ -193,6 +195,8 @@ def test_every_parameter_takes_part_at_every_k(replay):
 def test_aux_loss_is_the_switch_loss_averaged_over_routing_loops():
     torch.manual_seed(3)
     moe = MoE(tiny_config(), num_experts=4, top_k=2, expert_dim=8, aux_loss_coef=0.5)
+    for p in (moe.w_up, moe.w_down):
+        torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(1, 10, 32)
     for loops, replay in ((1, "dynamic"), (3, "dynamic"), (3, "replay")):
         moe.replay = replay
@@ -237,6 +241,7 @@ def test_bias_balancing_moves_towards_underloaded_experts_and_steers_the_choice_
     assert moe.expert_bias.tolist() == [0.0] * 4
 
 
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step`")
 def test_fit_logs_aux_loss_and_expert_load(tmp_path):
     from lightning.pytorch import Trainer
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -248,8 +253,7 @@ def test_fit_logs_aux_loss_and_expert_load(tmp_path):
         accelerator="cpu", max_steps=3, log_every_n_steps=1, logger=TensorBoardLogger(tmp_path, name="moe"),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
     )
-    with pytest.warns(UserWarning, match="no `val_dataloader`"):
-        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     events = EventAccumulator(str(tmp_path / "moe" / "version_0"))
     events.Reload()
     aux = [e.value for e in events.Scalars("train/moe_aux_loss")]

@@ -161,3 +161,9 @@ class ChannelMixer(_Mixer):
         of the step, which the module logs.
         """
         return None
+
+    def discard_step(self) -> None:
+        """Forget what was counted since the last :meth:`end_step` (e.g. by a strategy's setup probes).
+
+        The training module calls it on every rank when training starts. Nothing by default.
+        """

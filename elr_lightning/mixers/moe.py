@@ -147,6 +147,7 @@ class MoE(ChannelMixer):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         first = ctx.scratch(layer, 1)
+        aux = None
         if self.replays(ctx) and "plan" in first:
             plan: DispatchPlan = first["plan"]
             if self.replay_gates == "replay":
@@ -159,22 +160,24 @@ class MoE(ChannelMixer):
             if ctx.loop == 1 and self.replay != "dynamic":
                 first.update(plan=plan, weights=weights)
             if self.training:
-                self._account(probs, plan, ctx)
+                aux = self._account(probs, plan, ctx)
         y = combine(expert_swiglu(x, self.w_up, self.w_down, plan, self._grouped(x)), weights, plan, x.shape[0])
         if self.shared_up is not None and self.shared_down is not None:
             gate, up = self.shared_up(x).chunk(2, dim=-1)
             y = y + self.shared_down(F.silu(gate) * up)
+        if aux is not None:
+            ctx.add_aux_loss(AUX_LOSS, aux)
         return y.reshape(shape)
 
-    def _account(self, probs: Tensor, plan: DispatchPlan, ctx: LoopContext) -> None:
-        """Add this routing call's balance loss and load (training only)."""
+    def _account(self, probs: Tensor, plan: DispatchPlan, ctx: LoopContext) -> Optional[Tensor]:
+        """Count this routing call's load; its balance loss, or ``None`` (training only)."""
         counts = plan.counts.detach().float()
         self._load = counts if self._load is None else self._load + counts
-        if self.aux_loss_coef > 0:
-            routing_calls = ctx.loops if ctx.loop >= 1 and self.replay != "replay" else 1
-            f = counts / counts.sum()
-            aux = self.aux_loss_coef * self.num_experts * (f * probs.mean(dim=0)).sum()
-            ctx.add_aux_loss(AUX_LOSS, aux / routing_calls)
+        if self.aux_loss_coef == 0:
+            return None
+        routing_calls = ctx.loops if ctx.loop >= 1 and self.replay != "replay" else 1
+        f = counts / counts.sum()
+        return self.aux_loss_coef * self.num_experts * (f * probs.mean(dim=0)).sum() / routing_calls
 
     @override
     @torch.no_grad()
@@ -186,6 +189,10 @@ class MoE(ChannelMixer):
         if self.balance_rate > 0:
             self.expert_bias.add_(self.balance_rate * torch.sign(load.mean() - load))
         return load
+
+    @override
+    def discard_step(self) -> None:
+        self._load = None
 
     @override
     def flops_per_token(self, context: float) -> float:
