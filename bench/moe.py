@@ -44,13 +44,11 @@ def train_step(model: LoopedLM, batches: list[torch.Tensor], schedules: list[lis
     def step(i: int) -> float:
         batch, loops = batches[i % len(batches)], schedules[i % len(schedules)]
         start = time.perf_counter()
-        total = 0.0
         for shard, k in zip(batch.tensor_split(len(loops)), loops):
             aux: dict[str, torch.Tensor] = {}
             logits = model(shard[:, :-1], k, aux_losses=aux)
             loss = F.cross_entropy(logits.flatten(0, 1), shard[:, 1:].flatten()) + sum(aux.values())
             (loss / len(loops)).backward()
-            total += float(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - start
@@ -169,7 +167,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs=3, default=[1, 2, 1], metavar=("N_IN", "N_REC", "N_OUT"))
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top_k", type=int, default=2)
-    parser.add_argument("--expert_dim", type=int, default=512)
+    parser.add_argument("--expert_dim", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--shards", type=int, default=4, help="shards per step, each with its own k (mixed depth)")
     parser.add_argument("--seq_len", type=int, default=128)
