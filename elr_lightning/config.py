@@ -10,8 +10,13 @@ from typing import Any, Iterator, Optional, Union
 BUILTIN_MIXERS: dict[str, str] = {
     "attention": "elr_lightning.mixers.Attention",
     "gdp": "elr_lightning.mixers.GatedDeltaProduct",
+    "moe": "elr_lightning.mixers.MoE",
     "swiglu": "elr_lightning.mixers.SwiGLU",
 }
+
+#: Route replay modes of routed channel mixers (table 4.3): (A) route at every loop, (B) replay loop 1's
+#: routes at inference only, (C) replay them in training and inference.
+ROUTE_REPLAY = ("dynamic", "replay_inference", "replay")
 
 #: The three blocks of a looped LM, in stack order.
 BLOCKS = ("in", "rec", "out")
@@ -53,6 +58,10 @@ class ModelConfig:
             ``attention``, ``gdp`` and ``swiglu``: ``{name: class_path}`` or
             ``{name: {class_path: ..., init_args: {...}}}``. A pattern entry may also be a class
             path itself. Each mixer is built as ``cls(config, **init_args)``.
+        route_replay: Route replay mode of every routed channel mixer (``moe``) that does not set
+            its own ``replay``: ``dynamic``, ``replay_inference`` or ``replay`` (see
+            :mod:`elr_lightning.mixers.moe`); ``None`` leaves each mixer's own (default ``dynamic``).
+            Refused on a model without a routed channel mixer.
     """
 
     vocab_size: int = 256
@@ -73,6 +82,7 @@ class ModelConfig:
     token_pattern: Union[list[str], dict[str, list[str]]] = field(default_factory=lambda: ["attention"])
     channel_pattern: Union[list[str], dict[str, list[str]]] = field(default_factory=lambda: ["swiglu"])
     mixers: dict[str, Union[str, dict[str, Any]]] = field(default_factory=dict)
+    route_replay: Optional[str] = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -108,6 +118,19 @@ class ModelConfig:
         if self.init_std <= 0 or self.norm_eps <= 0 or self.rope_base <= 1:
             raise ValueError("arch.init_std and arch.norm_eps must be > 0 and arch.rope_base > 1")
         self._check_patterns()
+        self._check_route_replay()
+
+    def _check_route_replay(self) -> None:
+        if self.route_replay is None:
+            return
+        if self.route_replay not in ROUTE_REPLAY:
+            raise ValueError(f"arch.route_replay={self.route_replay!r} is not a route replay mode; use one of {ROUTE_REPLAY}")
+        names = {p for block in BLOCKS for p in self._pattern("channel_pattern", block)}
+        if not any(getattr(self.mixer_spec(name)[0], "routed", False) for name in names):
+            raise ValueError(
+                f"arch.route_replay={self.route_replay!r} needs a routed channel mixer, but arch.channel_pattern "
+                f"uses {sorted(names)}; put moe in arch.channel_pattern or remove route_replay"
+            )
 
     def _check_patterns(self) -> None:
         from elr_lightning.mixers.base import ChannelMixer, TokenMixer

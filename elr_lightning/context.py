@@ -25,6 +25,7 @@ first, then the recurrent layers, then the output layers, each unique layer once
 from __future__ import annotations
 
 import dataclasses
+from collections import UserDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -79,8 +80,10 @@ class LoopContext:
     loop: int = 0
     cond: Optional[Tensor] = None
     cache: Optional["KVCache"] = None
-    _scratch: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict, repr=False)
-    _aux: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    # UserDict, not dict: FSDP2 copies dict (and dataclass) arguments of a sharded module's forward when
+    # it moves them to the device; the copies of this context must share one store.
+    _scratch: UserDict[tuple[int, int], dict[str, Any]] = field(default_factory=UserDict, repr=False)
+    _aux: UserDict[str, Tensor] = field(default_factory=UserDict, repr=False)
 
     def at(self, loop: int, cond: Optional[Tensor]) -> "LoopContext":
         """The view of this context at loop ``loop`` with context ``cond``; stores are shared."""
@@ -111,4 +114,4 @@ class LoopContext:
     @property
     def aux_losses(self) -> dict[str, Tensor]:
         """The auxiliary losses added so far, by name."""
-        return self._aux
+        return dict(self._aux)

@@ -21,6 +21,7 @@ from elr_lightning.callbacks.switch import DEFAULT_SWITCH_FRACTION
 from elr_lightning.flops import compute_multiplier, forward_flops_per_token
 from elr_lightning.generation import CACHE_POLICIES, kv_cache_bytes, recurrent_state_bytes
 from elr_lightning.lightning_cli import ConfigOnlyCLI, make_cli
+from elr_lightning.mixers import ChannelMixer, TokenMixer
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 
@@ -83,7 +84,9 @@ def mixed_fraction(config: dict[str, Any]) -> Optional[float]:
 def parameter_counts(model: LoopedLM) -> dict[str, int]:
     """Unique parameters of a :class:`~elr_lightning.model.LoopedLM`, per block and in total.
 
-    Shared (tied) tensors are counted once. ``per_loop`` is what one extra loop re-uses, not adds.
+    Shared (tied) tensors are counted once. ``active`` is what one token uses in one pass through
+    every layer: ``total`` less the routed experts a mixture of experts does not pick (each mixer's
+    :meth:`~elr_lightning.mixers.ChannelMixer.active_parameters`).
     """
     seen: set[int] = set()
 
@@ -103,6 +106,8 @@ def parameter_counts(model: LoopedLM) -> dict[str, int]:
         "final_norm_and_head": count(model.norm) + count(model.head),
     }
     counts["total"] = sum(counts.values())
+    mixers = [m for m in model.modules() if isinstance(m, (TokenMixer, ChannelMixer))]
+    counts["active"] = counts["total"] - sum(sum(p.numel() for p in m.parameters()) - m.active_parameters() for m in mixers)
     counts["gate"] = sum(p.numel() for p in model.parameters_with_role(group="gate"))
     counts["conditioning"] = sum(p.numel() for p in model.parameters_with_role(group="conditioning"))
     return counts
@@ -158,8 +163,8 @@ def format_report(report: dict[str, Any]) -> str:
     d1 = report["effective_depth"][min(report["effective_depth"])]
     lines += [f"  k={k:<3} {d:>4} layers  {d / d1:5.2f}x" for k, d in report["effective_depth"].items()]
     lines.append("token mixers: " + "  ".join(f"{b}: {' '.join(p)}" for b, p in report["layer_pattern"].items() if p))
-    lines.append("forward GFLOPs per token; attention KV bytes per token and recurrent-state bytes per sequence")
-    lines.append("(bf16) per cache policy:")
+    lines.append("active forward GFLOPs per token (routed experts at top-k); attention KV bytes per token and")
+    lines.append("recurrent-state bytes per sequence (bf16) per cache policy:")
     for k, gflops in report["forward_gflops_per_token"].items():
         kv = "  ".join(f"{policy} {n:,}" for policy, n in report["kv_bytes_per_token_bf16"][k].items())
         state = "  ".join(f"{policy} {n:,}" for policy, n in report["recurrent_state_bytes_bf16"][k].items())

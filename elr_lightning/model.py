@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import MutableMapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -240,7 +240,7 @@ class LoopedLM(nn.Module):
         loops: int = 1,
         attention_mask: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
-        aux_losses: Optional[dict[str, Tensor]] = None,
+        aux_losses: Optional[MutableMapping[str, Tensor]] = None,
     ) -> Tensor:
         """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]`` at loop count ``loops``.
 
@@ -249,7 +249,8 @@ class LoopedLM(nn.Module):
             loops: The loop count k >= 1 (k above ``arch.max_loops`` extrapolates the budget).
             attention_mask: ``[B, T_cached + T]`` with 1 for real tokens and 0 for padding.
             cache: A cache policy for incremental decoding; its offset is advanced here.
-            aux_losses: A dict that receives the auxiliary losses the mixers added (by name).
+            aux_losses: A mapping that receives the auxiliary losses the mixers added (by name). Under
+                FSDP2 pass a ``collections.UserDict``: the sharded root copies a plain dict argument.
         """
         if loops < 1:
             raise ValueError(f"loops={loops} must be >= 1")

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import UserDict
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, MutableMapping, Optional
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -29,8 +32,8 @@ from elr_lightning.updates import StateUpdate
 warnings.filterwarnings("ignore", message=r"Attribute '(update|conditioner)' is an instance of `nn.Module`")
 
 
-#: ``arch`` fields that a checkpoint may differ in: they set the init or the RoPE table's length only.
-ARCH_FREE_FIELDS = ("init_std", "max_seq_len")
+#: ``arch`` fields that a checkpoint may differ in: they set the init, the RoPE table's length or route replay only.
+ARCH_FREE_FIELDS = ("init_std", "max_seq_len", "route_replay")
 
 
 def _checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:
@@ -211,8 +214,14 @@ class ELRModule(LightningModule):
         return self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     @override
-    def forward(self, input_ids: Tensor, loops: int = 1, attention_mask: Optional[Tensor] = None) -> Tensor:
-        return self.model(input_ids, loops, attention_mask)
+    def forward(
+        self,
+        input_ids: Tensor,
+        loops: int = 1,
+        attention_mask: Optional[Tensor] = None,
+        aux_losses: Optional[MutableMapping[str, Tensor]] = None,
+    ) -> Tensor:
+        return self.model(input_ids, loops, attention_mask, aux_losses=aux_losses)
 
     # ---- shards and loop counts -------------------------------------------------------------
     def data_parallel_layout(self) -> tuple[int, int]:
@@ -309,8 +318,14 @@ class ELRModule(LightningModule):
         return [*m.input_layers, *m.core.layers, *m.output_layers]
 
     # ---- training ----------------------------------------------------------------------------
-    def shard_loss(self, batch: Tensor, loops: list[int]) -> Tensor:
-        """Token-mean cross-entropy of ``batch`` ``[B, T + 1]`` split into ``len(loops)`` shards."""
+    def shard_loss(
+        self, batch: Tensor, loops: list[int], aux_losses: Optional[dict[str, Tensor]] = None
+    ) -> Tensor:
+        """Token-mean cross-entropy of ``batch`` ``[B, T + 1]`` split into ``len(loops)`` shards.
+
+        ``aux_losses``, if given, receives the mixers' auxiliary losses (e.g. ``moe_aux_loss``), each
+        the shards' mean weighted by their sequences, like the cross-entropy.
+        """
         if batch.shape[0] < len(loops):
             raise ValueError(
                 f"the local batch has {batch.shape[0]} sequences, fewer than virtual_ranks={len(loops)}; "
@@ -318,15 +333,25 @@ class ELRModule(LightningModule):
             )
         total = batch.new_zeros((), dtype=torch.float32)
         for shard, k in zip(batch.tensor_split(len(loops)), loops):
-            logits = self(shard[:, :-1], k)
+            # Not a dict: FSDP2's root copies dict arguments when it moves the inputs to the device.
+            aux: UserDict[str, Tensor] = UserDict()
+            logits = self(shard[:, :-1], k, aux_losses=aux)
             total = total + F.cross_entropy(logits.flatten(0, 1).float(), shard[:, 1:].flatten(), reduction="sum")
+            if aux_losses is not None:
+                for name, value in aux.items():
+                    weighted = value * (shard.shape[0] / batch.shape[0])
+                    aux_losses[name] = aux_losses[name] + weighted if name in aux_losses else weighted
         return total / (batch.shape[0] * (batch.shape[1] - 1))
 
     @override
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         schedule = self.step_schedule()
         loops = schedule[self.local_shards()]
-        loss = self.shard_loss(batch, loops)
+        aux: dict[str, Tensor] = {}
+        loss = self.shard_loss(batch, loops, aux)
+        loss = loss + sum(aux.values(), start=torch.zeros_like(loss))
+        for name, value in aux.items():  # a copy: syncing under some strategies reduces in place
+            self.log(f"train/{name}", value.detach().clone(), sync_dist=True)
         finite = bool(torch.isfinite(loss))
         # Every rank takes part, so a rank-local NaN stops all ranks now, not at the collective timeout.
         if not self.trainer.strategy.reduce_boolean_decision(finite, all=True):
@@ -341,6 +366,23 @@ class ELRModule(LightningModule):
         for name, value in self.model.update.metrics().items():
             self.log(f"train/{name}", value)
         return loss
+
+    @override
+    def on_train_start(self) -> None:
+        for layer in self.all_layers():  # strategies probe the model at setup: that is no training step
+            layer.mlp.discard_step()
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Let routed mixers update their balancing state; log each one's expert load (histogram and CV)."""
+        log = self.trainer.global_step % self.trainer.log_every_n_steps == 0
+        for layer in self.all_layers():
+            load = layer.mlp.end_step(lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"))
+            if load is None or not log:
+                continue
+            self._log_load(f"train/moe_load/layer{layer.index}", load)
+            cv = load.std(correction=0) / load.mean().clamp_min(1e-9)
+            self.log(f"train/moe_load_cv/layer{layer.index}", cv, rank_zero_only=True)
 
     # ---- validation --------------------------------------------------------------------------
     def sequence_nll(self, batch: Tensor, loops: int) -> Tensor:
@@ -461,3 +503,25 @@ class ELRModule(LightningModule):
         if self.tokenizer is None:
             self.tokenizer = checkpoint_tokenizer(checkpoint)
 
+    # ---- TensorBoard extras --------------------------------------------------------------------
+    def _tensorboards(self) -> list[TensorBoardLogger]:
+        return [lg for lg in self.loggers if isinstance(lg, TensorBoardLogger)]
+
+    @rank_zero_only
+    def _log_load(self, tag: str, load: Tensor) -> None:
+        """Expert load ``[E]`` as a histogram over expert indices (one bucket per expert)."""
+        counts = load.detach().double().cpu()
+        experts = torch.arange(len(counts), dtype=torch.float64)
+        total = float(counts.sum())
+        for logger in self._tensorboards():
+            logger.experiment.add_histogram_raw(
+                tag,
+                min=0.0,
+                max=float(len(counts) - 1),
+                num=total,
+                sum=float((experts * counts).sum()),
+                sum_squares=float((experts**2 * counts).sum()),
+                bucket_limits=(experts + 0.5).tolist(),
+                bucket_counts=counts.tolist(),
+                global_step=self.trainer.global_step,
+            )

@@ -39,6 +39,7 @@ class RecordLoops(Callback):
 
     def __init__(self) -> None:
         self.loops: list[list[Any]] = []
+        self.expert_loads: list[list[list[float]]] = []
         self.losses: list[float] = []
         self.initial: dict[str, torch.Tensor] = {}
         self.groups: dict[str, dict[str, Any]] = {}
@@ -54,6 +55,11 @@ class RecordLoops(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.loops.append([trainer.global_step, pl_module.local_loops()])
 
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        """This rank's own expert load per MoE layer in the step (before the module sums it over ranks)."""
+        loads = [getattr(layer.mlp, "_load", None) for layer in pl_module.all_layers()]
+        self.expert_loads.append([load.tolist() for load in loads if load is not None])
+
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -67,14 +73,29 @@ HYBRID_ARCH = dict(
 )
 
 
+#: The MoE cases' channel mixers: 16 top-1 experts, so some expert gets no token on some rank at some
+#: step; route replay in training, the balance loss and the aux-loss-free bias (summed over ranks).
+MOE_ARCH = dict(
+    channel_pattern=["moe"],
+    route_replay="replay",
+    mixers={
+        "moe": {
+            "class_path": "elr_lightning.mixers.MoE",
+            "init_args": {"num_experts": 16, "top_k": 1, "expert_dim": 8, "aux_loss_coef": 0.05, "balance_rate": 0.01},
+        }
+    },
+)
+
+
 def tiny_module(
-    virtual_ranks: int, conditioner_active: bool = True, meta_init: bool = False, hybrid: bool = False
+    virtual_ranks: int, conditioner_active: bool = True, meta_init: bool = False, hybrid: bool = False, moe: bool = False
 ) -> ELRModule:
-    """d = 32, one layer per block, K = 3, conditioning, one-loop overrides with f = 0.5; GDP layers if ``hybrid``."""
+    """d = 32, one layer per block, K = 3, conditioning, one-loop overrides with f = 0.5; GDP layers if
+    ``hybrid``; MoE channel mixers if ``moe``."""
     seed_everything(0)
     arch = dict(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=32, max_loops=3)
     module = ELRModule(
-        arch=ModelConfig(**arch, **(HYBRID_ARCH if hybrid else {})),
+        arch=ModelConfig(**arch, **(HYBRID_ARCH if hybrid else {}), **(MOE_ARCH if moe else {})),
         sampler=OneLoopOverride(max_loops=3, override_fraction=0.5),
         conditioner=LoopConditioner(d_cond=16, rank=4, n_freqs=4),
         virtual_ranks=virtual_ranks,
@@ -106,15 +127,17 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     """Train one case; return this rank's ``{"state", "loops", "rank", "fsdp_units"}``.
 
     A case names ``virtual_ranks``, the per-rank ``batch_size``, and optionally ``accumulate``
-    (micro-batches per step), ``conditioner_active``, ``meta_init``, ``hybrid``, ``save_checkpoint`` (write
+    (micro-batches per step), ``conditioner_active``, ``meta_init``, ``hybrid``, ``moe``, ``save_checkpoint`` (write
     ``<out>/<case>.ckpt`` after training), ``init_from`` (a weights file
     that ``DelayedMixedDepth`` starts the mixed phase from), and ``nan_rank``/``nan_step``
     (that rank's loss is NaN at that step; the result is then ``{"rank", "error", "step"}``). The result also holds the
     per-micro-batch ``losses`` and, from the start of training, the ``initial`` state and the
-    optimizer ``groups`` (``{name: {"weight_decay", "params"}}``).
+    optimizer ``groups`` (``{name: {"weight_decay", "params"}}``) and this rank's ``expert_loads``
+    per step and MoE layer.
     """
     module = tiny_module(
-        case["virtual_ranks"], case.get("conditioner_active", True), case.get("meta_init", False), case.get("hybrid", False)
+        case["virtual_ranks"], case.get("conditioner_active", True), case.get("meta_init", False), case.get("hybrid", False),
+        case.get("moe", False),
     )
     data = TextDataModule(
         sources=[spec["corpus"]], seq_len=16, batch_size=case["batch_size"], cache_dir=spec["cache_dir"], seed=3
@@ -161,6 +184,7 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         "losses": record.losses,
         "initial": record.initial,
         "groups": record.groups,
+        "expert_loads": record.expert_loads,
         "rank": trainer.global_rank,
         "fsdp_units": units,
     }

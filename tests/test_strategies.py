@@ -55,6 +55,7 @@ CASES = {
     "v1_accumulate2": {"virtual_ranks": 1, "accumulate": 2},
     "v1_conditioner_off": {"virtual_ranks": 1, "conditioner_active": False},
     "v2_hybrid": {"virtual_ranks": 2, "hybrid": True},
+    "v2_moe": {"virtual_ranks": 2, "moe": True},
 }
 
 
@@ -124,7 +125,9 @@ def launch(
 
 
 def assert_matches_reference(name: str, ranks: list[dict[str, Any]], reference: dict[str, Any]) -> None:
-    initial = _dist_worker.tiny_module(1, hybrid=CASES[name].get("hybrid", False)).model.state_dict()
+    initial = _dist_worker.tiny_module(
+        1, hybrid=CASES[name].get("hybrid", False), moe=CASES[name].get("moe", False)
+    ).model.state_dict()
     assert [r["rank"] for r in ranks] == list(range(WORLD))
     for result in ranks:
         assert result["state"].keys() == reference["state"].keys()
@@ -137,6 +140,17 @@ def assert_matches_reference(name: str, ranks: list[dict[str, Any]], reference: 
     assert all(r["loops"][i][0] == step for r in ranks for i, (step, _) in enumerate(realised))
     assert realised == reference["loops"]
     assert any(len(set(loops)) > 1 for _, loops in realised), f"{name}: ranks never ran different k"
+    if CASES[name].get("moe"):
+        assert_moe_ranks_routed_apart(name, ranks, reference)
+
+
+def assert_moe_ranks_routed_apart(name: str, ranks: list[dict[str, Any]], reference: dict[str, Any]) -> None:
+    """Ranks left experts unused (no hang, same parameters as one process); the bias moved alike."""
+    local = torch.tensor([r["expert_loads"] for r in ranks])  # [rank, step, layer, expert]
+    assert (local == 0).any(), f"{name}: every rank used every expert; the unused-expert case went untested"
+    torch.testing.assert_close(local.sum(0), torch.tensor(reference["expert_loads"]))
+    biases = [k for k in reference["state"] if k.endswith("expert_bias")]
+    assert biases and all(reference["state"][k].abs().sum() > 0 for k in biases)
 
 
 def assert_checkpoint_has_tokenizer(path: Path) -> None:

@@ -3,6 +3,7 @@
 from elr_lightning.mixers.attention import Attention, Rotary, apply_rope
 from elr_lightning.mixers.base import CacheBytes, ChannelMixer, TokenMixer
 from elr_lightning.mixers.gdp import GatedDeltaProduct
+from elr_lightning.mixers.moe import MoE
 from elr_lightning.mixers.swiglu import SwiGLU
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "CacheBytes",
     "ChannelMixer",
     "GatedDeltaProduct",
+    "MoE",
     "Rotary",
     "SwiGLU",
     "TokenMixer",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -70,6 +70,10 @@ class _Mixer(nn.Module):
         (a mixture of experts runs a few experts) override it.
         """
         return 2.0 * sum(p.numel() for p in self.parameters() if p.ndim >= 2)
+
+    def active_parameters(self) -> int:
+        """Parameters each token uses: all of them by default (a mixture of experts uses top-k experts)."""
+        return sum(p.numel() for p in self.parameters())
 
     @torch.no_grad()
     def folded(self, pre: Tensor, shift: Tensor, gate: Tensor) -> "_Mixer":
@@ -141,4 +145,27 @@ class ChannelMixer(_Mixer):
 
     Every parameter should take part in every forward pass at every k (multiply by a zero gate
     rather than skip), or DDP needs ``find_unused_parameters`` and FSDP refuses (DESIGN §6).
+
+    A mixer that routes tokens (:attr:`routed`) honours ``arch.route_replay`` and may report its
+    per-expert load in :meth:`end_step`, which the training module calls once per optimizer step on
+    every rank.
     """
+
+    #: Whether the mixer routes tokens to experts (and so can replay routes across loops).
+    routed: bool = False
+
+    def end_step(self, reduce: Callable[[Tensor], Tensor]) -> Optional[Tensor]:
+        """Called after each optimizer step's backward, on every rank; ``None`` by default.
+
+        A routed mixer sums what it counted during the step over the ranks with ``reduce`` (a
+        collective: every rank calls it the same number of times whatever k it ran), updates state
+        kept outside the gradient (e.g. a balancing bias) and returns the per-expert load ``[E]``
+        of the step, which the module logs.
+        """
+        return None
+
+    def discard_step(self) -> None:
+        """Forget what was counted since the last :meth:`end_step` (e.g. by a strategy's setup probes).
+
+        The training module calls it on every rank when training starts. Nothing by default.
+        """

@@ -1,0 +1,122 @@
+"""Dropless expert dispatch: sort token copies by expert, run the experts as grouped matmuls, combine.
+
+A token routed to ``top_k`` experts becomes ``top_k`` copies. :func:`plan_dispatch` sorts the copies
+by expert once (a stable argsort) and counts them per expert; :func:`expert_swiglu` then runs every
+expert's SwiGLU on its contiguous slice of the sorted copies, and :func:`combine` scatters the gated
+results back to their tokens. No token is dropped and no Python loop runs over tokens.
+
+The grouped matmul is ``torch._grouped_mm`` where the device and dtype support it (see
+:func:`grouped_mm_supported`), else a loop over the experts' contiguous slices. Both use every
+expert's weights at every call, also an expert with no token (an empty slice multiplies, giving a zero
+gradient), so DDP and FSDP reduce the same parameters on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+#: Dispatch implementations: ``auto`` picks ``grouped`` where supported, else ``loop``.
+DISPATCH = ("auto", "grouped", "loop")
+
+
+@dataclass
+class DispatchPlan:
+    """Where the ``N x top_k`` token copies of one call go: what route replay keeps from loop 1.
+
+    Attributes:
+        experts: ``[N, top_k]`` expert index of each token's copies (the routes).
+        order: ``[N top_k]`` the copies sorted by expert (indices into the flattened ``experts``).
+        tokens: ``[N top_k]`` the token of each sorted copy (``order // top_k``).
+        counts: ``[E]`` copies per expert (int64).
+        sizes: ``counts`` as a Python list (the slice sizes of the loop path; one host sync).
+        offsets: ``[E]`` int32 cumulative counts (the ``offs`` of ``torch._grouped_mm``).
+    """
+
+    experts: Tensor
+    order: Tensor
+    tokens: Tensor
+    counts: Tensor
+    sizes: list[int]
+    offsets: Tensor
+
+
+def plan_dispatch(experts: Tensor, num_experts: int) -> DispatchPlan:
+    """Sort the copies of ``experts`` ``[N, top_k]`` by expert: the plan every later step reuses."""
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return DispatchPlan(
+        experts=experts,
+        order=order,
+        tokens=order // experts.shape[1],
+        counts=counts,
+        sizes=counts.tolist(),
+        offsets=counts.cumsum(0).to(torch.int32),
+    )
+
+
+def grouped_mm_supported(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``torch._grouped_mm(x, weight, offs=...)`` runs here.
+
+    It needs this torch to have it, a floating dtype, rows aligned to 16 bytes (the inner and outer
+    widths a multiple of 16 bytes), and on CUDA bf16 on a Hopper-class device (compute capability 9.0
+    or later).
+    """
+    if not hasattr(torch, "_grouped_mm") or not x.dtype.is_floating_point or x.dtype != weight.dtype:
+        return False
+    size = x.element_size()
+    if (weight.shape[1] * size) % 16 or (weight.shape[2] * size) % 16:
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu"
+
+
+def grouped_matmul(x: Tensor, weight: Tensor, plan: DispatchPlan, grouped: bool) -> Tensor:
+    """``x[rows of expert e] @ weight[e]`` for every expert: ``[M, n] x [E, n, m] -> [M, m]``.
+
+    Args:
+        x: The sorted token copies, expert by expert.
+        weight: The experts' stacked weights.
+        plan: The dispatch plan (slice sizes and offsets).
+        grouped: Use ``torch._grouped_mm`` (see :func:`grouped_mm_supported`); else loop over experts.
+    """
+    if grouped:
+        return torch._grouped_mm(x, weight, offs=plan.offsets)
+    parts = torch.split(x, plan.sizes)
+    return torch.cat([part @ weight[e] for e, part in enumerate(parts)])
+
+
+def expert_swiglu(x: Tensor, w_up: Tensor, w_down: Tensor, plan: DispatchPlan, grouped: bool) -> Tensor:
+    """Each sorted copy through its expert's SwiGLU: ``silu(x W1) * (x W3)`` then ``W2``.
+
+    Args:
+        x: ``[N, d]`` the tokens (unsorted; gathered here in the plan's order).
+        w_up: ``[E, d, 2 f]`` gate and up projections of every expert.
+        w_down: ``[E, f, d]`` down projections.
+        plan: The dispatch plan.
+        grouped: See :func:`grouped_matmul`.
+
+    Returns:
+        ``[N top_k, d]`` the expert outputs of the sorted copies.
+    """
+    h = grouped_matmul(x[plan.tokens], w_up, plan, grouped)
+    gate, up = h.chunk(2, dim=-1)
+    return grouped_matmul((F.silu(gate) * up).contiguous(), w_down, plan, grouped)
+
+
+def combine(y: Tensor, weights: Tensor, plan: DispatchPlan, num_tokens: int) -> Tensor:
+    """``out[t] = sum_j weights[t, j] y[copy (t, j)]``: the gated expert outputs summed per token.
+
+    Args:
+        y: ``[N top_k, d]`` expert outputs of the sorted copies.
+        weights: ``[N, top_k]`` gate weights of each token's copies (in ``plan.experts``' order).
+        plan: The dispatch plan.
+        num_tokens: N.
+    """
+    gated = y * weights.flatten()[plan.order, None].to(y.dtype)
+    return y.new_zeros(num_tokens, y.shape[1]).index_add_(0, plan.tokens, gated)

@@ -1,0 +1,212 @@
+"""Mixture-of-experts channel mixer with cross-loop route replay.
+
+A router scores the E experts of each token, the top-k run (dropless, see
+:mod:`elr_lightning.mixers.dispatch`) and their SwiGLU outputs are summed with the normalised top-k
+softmax weights; an optional shared expert runs on every token.
+
+**Route replay.** Inside the recurrent block the same layer runs at loops 1..k. Under replay, loop 1
+routes (router top-k and the dispatch sort) and stores the plan in the per-forward scratch of
+``(layer, loop 1)``; loops 2..k reuse it and skip the top-k and the sort. Under incremental decoding
+each forward pass covers the new tokens only, so the scratch holds the routes of exactly those
+(layer, token) pairs: loop 1 of a decode step routes the new token and loops 2..k replay. Modes:
+``dynamic`` (route at every loop; the paper's A), ``replay_inference`` (route at every loop while
+training, replay in eval mode; B), ``replay`` (always; C).
+
+**Gate weights under replay** (``replay_gates``): the paper replays "expert assignments". By default
+(``recompute``) only the expert indices are replayed and the gate weights are recomputed from the
+current loop's router logits at those indices: the router is a d x E matmul, cheap next to the
+experts, so the saving (top-k and sort) stays, while the mixture still follows the loop's state and
+the router learns from every loop, as under dynamic routing. ``replay`` reuses loop 1's weights as
+well, so loops 2..k skip the router entirely.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from typing_extensions import override
+
+from elr_lightning.config import ROUTE_REPLAY, ModelConfig
+from elr_lightning.context import LoopContext
+from elr_lightning.mixers.base import ChannelMixer
+from elr_lightning.mixers.dispatch import DISPATCH, DispatchPlan, combine, expert_swiglu, grouped_mm_supported, plan_dispatch
+from elr_lightning.roles import set_role
+
+#: What replay reuses at loops 2..k besides the expert indices.
+REPLAY_GATES = ("recompute", "replay")
+
+#: The name of the load-balancing loss in ``LoopContext.add_aux_loss`` (logged as ``train/moe_aux_loss``).
+AUX_LOSS = "moe_aux_loss"
+
+
+class MoE(ChannelMixer):
+    """Top-k routed SwiGLU experts, optionally a shared expert, with cross-loop route replay.
+
+    Load balancing: the Switch-Transformer loss ``coef * E * sum_i f_i P_i`` (f_i the fraction of
+    token copies sent to expert i, P_i the mean router probability of i) at every call that routes,
+    averaged over the loops that route, so its scale does not grow with k; and, with
+    ``balance_rate > 0``, auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the
+    scores for the top-k choice only (not to the gate weights), moved after every optimizer step by
+    ``balance_rate * sign(mean load - load_i)`` from the step's load summed over all ranks
+    (:meth:`end_step`), outside the gradient.
+
+    Args:
+        config: The architecture (``d_model``).
+        num_experts: Routed experts E (>= 1).
+        top_k: Experts per token (1 <= top_k <= E).
+        expert_dim: Hidden width of each routed expert; ``None`` means ``arch.d_ff`` / ``top_k``.
+        shared_expert_dim: Hidden width of a shared expert every token runs; 0 for none.
+        aux_loss_coef: Coefficient of the balance loss (>= 0; 0 turns it off).
+        balance_rate: Step of the auxiliary-loss-free bias update (>= 0; 0 turns it off).
+        replay: ``dynamic``, ``replay_inference`` or ``replay`` (see the module docstring); ``None``
+            takes ``arch.route_replay``, else ``dynamic``.
+        replay_gates: ``recompute`` (default) or ``replay`` (see the module docstring).
+        dispatch: ``auto`` (``torch._grouped_mm`` where supported, else a loop over experts),
+            ``grouped`` or ``loop``.
+    """
+
+    routed = True
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_experts: int = 8,
+        top_k: int = 2,
+        expert_dim: Optional[int] = None,
+        shared_expert_dim: int = 0,
+        aux_loss_coef: float = 0.01,
+        balance_rate: float = 0.0,
+        replay: Optional[str] = None,
+        replay_gates: str = "recompute",
+        dispatch: str = "auto",
+    ) -> None:
+        super().__init__(config)
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts={num_experts!r} must be an integer >= 1; give the layer at least one expert")
+        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k!r} must be in 1..num_experts={num_experts}; lower top_k or add experts")
+        expert_dim = max(1, config.ff_dim // top_k) if expert_dim is None else expert_dim
+        if not isinstance(expert_dim, int) or expert_dim < 1 or shared_expert_dim < 0:
+            raise ValueError(f"expert_dim={expert_dim!r} must be >= 1 and shared_expert_dim={shared_expert_dim} >= 0")
+        if aux_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef={aux_loss_coef} must be >= 0 (0 turns the balance loss off)")
+        if balance_rate < 0:
+            raise ValueError(f"balance_rate={balance_rate} must be >= 0 (0 turns bias balancing off)")
+        replay = replay if replay is not None else config.route_replay or "dynamic"
+        if replay not in ROUTE_REPLAY:
+            raise ValueError(f"replay={replay!r} is not a route replay mode; use one of {ROUTE_REPLAY}")
+        if replay_gates not in REPLAY_GATES:
+            raise ValueError(f"replay_gates={replay_gates!r} must be one of {REPLAY_GATES}")
+        if dispatch not in DISPATCH:
+            raise ValueError(f"dispatch={dispatch!r} must be one of {DISPATCH}")
+        d = config.d_model
+        self.num_experts, self.top_k, self.expert_dim = num_experts, top_k, expert_dim
+        self.aux_loss_coef, self.balance_rate = aux_loss_coef, balance_rate
+        self.replay, self.replay_gates, self.dispatch = replay, replay_gates, dispatch
+        self.router = nn.Linear(d, num_experts, bias=False)
+        self.w_up = set_role(nn.Parameter(torch.empty(num_experts, d, 2 * expert_dim)), init="normal")
+        self.w_down = set_role(nn.Parameter(torch.empty(num_experts, expert_dim, d)), init="scaled_normal")
+        self.shared_up = nn.Linear(d, 2 * shared_expert_dim, bias=False) if shared_expert_dim else None
+        self.shared_down = nn.Linear(shared_expert_dim, d, bias=False) if shared_expert_dim else None
+        if self.shared_down is not None:
+            set_role(self.shared_down.weight, init="scaled_normal")
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self._load: Optional[Tensor] = None  # not a buffer: DDP would broadcast rank 0's over the others
+
+    def reset_buffers(self) -> None:
+        """Zero the balancing bias (called by ``LoopedLM.init_weights``, also after a meta-device build)."""
+        self.expert_bias.zero_()
+
+    def replays(self, ctx: LoopContext) -> bool:
+        """Whether this call reuses loop 1's routes: loops 2..k under ``replay``, or in eval mode under ``replay_inference``."""
+        if ctx.loop < 2 or self.replay == "dynamic":
+            return False
+        return self.replay == "replay" or not self.training
+
+    def _grouped(self, x: Tensor) -> bool:
+        if self.dispatch == "auto":
+            return grouped_mm_supported(x, self.w_up) and grouped_mm_supported(x, self.w_down)
+        return self.dispatch == "grouped"
+
+    def route(self, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Top-k routing of router ``logits`` ``[N, E]``: ``(probs, experts, weights)``.
+
+        ``probs`` is the float32 softmax over experts; ``experts`` ``[N, top_k]`` the top-k of
+        ``probs + expert_bias`` (the bias steers the choice only); ``weights`` the chosen
+        probabilities normalised to sum to one per token.
+        """
+        probs = logits.float().softmax(dim=-1)
+        experts = torch.topk(probs + self.expert_bias, self.top_k, dim=-1, sorted=False).indices
+        return probs, experts, _normalised(probs.gather(-1, experts))
+
+    @override
+    def forward(self, x: Tensor, ctx: LoopContext, layer: int) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        first = ctx.scratch(layer, 1)
+        aux = None
+        if self.replays(ctx) and "plan" in first:
+            plan: DispatchPlan = first["plan"]
+            if self.replay_gates == "replay":
+                weights = first["weights"]
+            else:
+                weights = _normalised(self.router(x).float().softmax(dim=-1).gather(-1, plan.experts))
+        else:
+            probs, experts, weights = self.route(self.router(x))
+            plan = plan_dispatch(experts, self.num_experts)
+            if ctx.loop == 1 and self.replay != "dynamic":
+                first.update(plan=plan, weights=weights)
+            if self.training:
+                aux = self._account(probs, plan, ctx)
+        y = combine(expert_swiglu(x, self.w_up, self.w_down, plan, self._grouped(x)), weights, plan, x.shape[0])
+        if self.shared_up is not None and self.shared_down is not None:
+            gate, up = self.shared_up(x).chunk(2, dim=-1)
+            y = y + self.shared_down(F.silu(gate) * up)
+        if aux is not None:
+            ctx.add_aux_loss(AUX_LOSS, aux)
+        return y.reshape(shape)
+
+    def _account(self, probs: Tensor, plan: DispatchPlan, ctx: LoopContext) -> Optional[Tensor]:
+        """Count this routing call's load; its balance loss, or ``None`` (training only)."""
+        counts = plan.counts.detach().float()
+        self._load = counts if self._load is None else self._load + counts
+        if self.aux_loss_coef == 0:
+            return None
+        routing_calls = ctx.loops if ctx.loop >= 1 and self.replay != "replay" else 1
+        f = counts / counts.sum()
+        return self.aux_loss_coef * self.num_experts * (f * probs.mean(dim=0)).sum() / routing_calls
+
+    @override
+    @torch.no_grad()
+    def end_step(self, reduce: Callable[[Tensor], Tensor]) -> Optional[Tensor]:
+        """Sum the step's expert load over ranks, move the balancing bias, return the load ``[E]``."""
+        load = self._load if self._load is not None else self.expert_bias.new_zeros(self.num_experts)
+        self._load = None
+        load = reduce(load.to(self.expert_bias.device))
+        if self.balance_rate > 0:
+            self.expert_bias.add_(self.balance_rate * torch.sign(load.mean() - load))
+        return load
+
+    @override
+    def discard_step(self) -> None:
+        self._load = None
+
+    @override
+    def flops_per_token(self, context: float) -> float:
+        """Active forward FLOPs: the router, ``top_k`` routed experts and the shared expert."""
+        d = self.config.d_model
+        shared = self.shared_down.in_features if self.shared_down is not None else 0
+        return 2.0 * d * self.num_experts + 2.0 * 3 * d * (self.top_k * self.expert_dim + shared)
+
+    @override
+    def active_parameters(self) -> int:
+        """Parameters a token uses: the router, ``top_k`` of the E experts and the shared expert."""
+        routed = self.w_up.numel() + self.w_down.numel()
+        return sum(p.numel() for p in self.parameters()) - routed + routed * self.top_k // self.num_experts
+
+
+def _normalised(weights: Tensor) -> Tensor:
+    return weights / weights.sum(dim=-1, keepdim=True)
