@@ -25,6 +25,8 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from elr_lightning.ablate_report import write_report
+
 #: An arm's change to a config dict (edited in place), given the loop budget K.
 ArmEdit = Callable[[dict[str, Any], int], None]
 
@@ -213,25 +215,14 @@ def final_metrics(metrics_csv: str) -> tuple[int, dict[int, float], dict[int, fl
 
 
 def _fit_in_process(config_path: str, ckpt_path: Optional[str], callbacks: list[Any]) -> None:
-    from elr_lightning.cli import ELRCLI
-    from elr_lightning.data import TextDataModule
-    from elr_lightning.module import ELRModule
+    from elr_lightning.lightning_cli import ELRCLI, make_cli
 
     args = ["fit", "--config", config_path] + (["--ckpt_path", ckpt_path] if ckpt_path else [])
     with warnings.catch_warnings():
         # `elr ablate`'s own argv is not the arm's, and a resumed run appends to its own logs on purpose.
         warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
         warnings.filterwarnings("ignore", message=r"(Experiment logs|Checkpoint) directory .* exists and is not empty")
-        ELRCLI(
-            ELRModule,
-            TextDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            seed_everything_default=0,
-            save_config_kwargs={"overwrite": True},
-            trainer_defaults={"callbacks": list(callbacks)} if callbacks else {},
-            args=args,
-        )
+        make_cli(ELRCLI, args, trainer_defaults={"callbacks": list(callbacks)} if callbacks else None)
 
 
 def _fit_subprocess(config_path: str, ckpt_path: Optional[str]) -> None:
@@ -264,8 +255,6 @@ def run_ablation(
     Raises:
         ValueError: An unknown arm, an empty arm or seed list, or a run that ended before its last step.
     """
-    from elr_lightning.ablate_report import write_report
-
     arms = list(ARMS) if arms is None else arms
     seeds = [0] if seeds is None else seeds
     if not arms or not seeds:
@@ -318,7 +307,7 @@ def run_ablation(
         os.replace(result_path + ".tmp", result_path)
         results.append(json.loads(json.dumps(result)))
         log(f"{prefix}: done in {result['seconds']} s; val loss " + ", ".join(f"k={k} {v:.4f}" for k, v in loss.items()))
-    report = write_report(results, out, max_loops_of(base))
+    report = write_report(results, out, max_loops_of(base), {name: arm.description for name, arm in ARMS.items()})
     log(f"[ablate] report: {report}")
     return results
 

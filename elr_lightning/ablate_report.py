@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from statistics import mean
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 HOLDS, FAILS, NOISE, MISSING = "holds", "does not hold", "within spread", "n/a"
 
@@ -161,10 +161,13 @@ def _cell(values: Optional[list[float]], digits: int) -> str:
     return f"{mean(values):.{digits}f} ± {(max(values) - min(values)) / 2:.{digits}f}"
 
 
-def markdown(arms: dict[str, ArmSummary], checks: list[Check], k_max: int) -> str:
-    """The report's Markdown: one table of loss and one of bpb per arm and k, then the checks."""
-    from elr_lightning.ablate import ARMS
+def markdown(
+    arms: dict[str, ArmSummary], checks: list[Check], k_max: int, descriptions: Mapping[str, str]
+) -> str:
+    """The report's Markdown: one table of loss and one of bpb per arm and k, then the checks.
 
+    ``descriptions`` says in a few words what each arm changes (shown beside its name).
+    """
     ks = sorted({k for s in arms.values() for k in s.loss} | set(range(1, k_max + 1)))
     seeds = sorted({seed for s in arms.values() for seed in s.seeds})
     lines = [
@@ -180,7 +183,7 @@ def markdown(arms: dict[str, ArmSummary], checks: list[Check], k_max: int) -> st
         for name, s in arms.items():
             table = s.loss if key == "loss" else s.bpb
             gain = _cell(s.gain(k_max), digits) if key == "loss" and {1, k_max} <= set(s.loss) and k_max > 1 else "—"
-            label = f"`{name}`" + (f" ({ARMS[name].description})" if name in ARMS else "")
+            label = f"`{name}`" + (f" ({descriptions[name]})" if name in descriptions else "")
             lines.append(f"| {label} | " + " | ".join(_cell(table.get(k), digits) for k in ks) + f" | {gain} |")
         lines.append("")
     lines += ["## The paper's checks", "", "| check | figure | status |", "|---|---|---|"]
@@ -210,7 +213,7 @@ def plot(arms: dict[str, ArmSummary], path: str) -> None:
     fig.savefig(path)
 
 
-def write_report(results: list[dict[str, Any]], out: str, k_max: int) -> str:
+def write_report(results: list[dict[str, Any]], out: str, k_max: int, descriptions: Mapping[str, str]) -> str:
     """Write ``ablate.md``, ``loss_vs_k.png`` and ``results.json`` to ``out``; return the Markdown's path."""
     arms = summarise(results)
     checks = paper_checks(arms, k_max)
@@ -219,5 +222,5 @@ def write_report(results: list[dict[str, Any]], out: str, k_max: int) -> str:
     plot(arms, os.path.join(out, "loss_vs_k.png"))
     path = os.path.join(out, "ablate.md")
     with open(path, "w") as f:
-        f.write(markdown(arms, checks, k_max))
+        f.write(markdown(arms, checks, k_max, descriptions))
     return path

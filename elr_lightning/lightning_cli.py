@@ -117,9 +117,15 @@ class ConfigOnlyCLI(ELRCLI):
         """Nothing: only the parsed config is wanted."""
 
 
-def make_cli(cls: type[ELRCLI], args: Optional[list[str]] = None, run: bool = True) -> ELRCLI:
+def make_cli(
+    cls: type[ELRCLI],
+    args: Optional[list[str]] = None,
+    run: bool = True,
+    trainer_defaults: Optional[dict[str, Any]] = None,
+) -> ELRCLI:
     """``cls`` with ``elr``'s settings: any ``ELRModule`` and ``LightningDataModule`` by ``class_path``,
-    seed 0, the claimed log folder, parse errors raised (``elr`` prints them in one line)."""
+    seed 0, the claimed log folder, parse errors raised (``elr`` prints them in one line).
+    ``trainer_defaults`` are passed on to LightningCLI (e.g. extra callbacks of an in-process run)."""
     return cls(
         ELRModule,
         TextDataModule,
@@ -130,5 +136,6 @@ def make_cli(cls: type[ELRCLI], args: Optional[list[str]] = None, run: bool = Tr
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"exit_on_error": False},
         run=run,
+        trainer_defaults=trainer_defaults,
         args=args,
     )
