@@ -446,25 +446,35 @@ def _two_processes(run: Path, *extra: str, ckpt_path: Optional[Path] = None) -> 
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _stop_at(run: Path, step: int) -> list[str]:
+    """Command-line arguments that add ``StopAt(step)`` to ``run``'s callbacks."""
+    stop = run.parent / f"stop{step}.yaml"
+    stop.write_text(yaml.safe_dump({"trainer": {"callbacks+": [{"class_path": "elr_test_recorder.StopAt",
+                                                                  "init_args": {"step": step}}]}}))  # fmt: skip
+    return ["--config", str(stop)]
+
+
 @pytest.mark.slow
 def test_fsdp_resumes_exactly_from_a_sharded_checkpoint(single_process_run, tmp_path):
-    """Stop a 2-process FSDP run at step 6 (after the switch at 4) with sharded checkpoints, resume it
-    from the checkpoint folder to step 8: the same loop counts and final weights as one process run
-    straight through. (Resuming a sharded checkpoint written before the switch fails today: the heads
-    have no AdamW state yet, and torch's get_optimizer_state_dict expects state for every parameter.)"""
+    """Stop a 2-process FSDP run with sharded checkpoints at step 4 (before the switch at 4: the heads
+    have no AdamW state yet), resume it from the checkpoint folder and stop again at step 6 (after the
+    switch), resume again to step 8: the same loop counts and final weights as one process run
+    straight through, and no AdamW state for the heads until their first gradient."""
     run = write_run(tmp_path / "sharded", 8, 4, devices=2, strategy="fsdp", switch_at_step=True, sharded=True)
-    stop = run.parent / "stop.yaml"
-    stop.write_text(yaml.safe_dump({"trainer": {"callbacks+": [{"class_path": "elr_test_recorder.StopAt",
-                                                                  "init_args": {"step": 6}}]}}))  # fmt: skip
-    _two_processes(run, "--config", str(stop))
-    folder = run.parent / "ckpt" / "epoch=0-step=6.ckpt"
-    assert folder.is_dir() and (folder / ".metadata").is_file(), sorted(p.name for p in (run.parent / "ckpt").iterdir())
-    _two_processes(run, ckpt_path=folder)
+    _two_processes(run, *_stop_at(run, 4))
+    folders = [run.parent / "ckpt" / f"epoch=0-step={step}.ckpt" for step in (4, 6)]
+    assert (folders[0] / ".metadata").is_file(), sorted(p.name for p in (run.parent / "ckpt").iterdir())
+    _two_processes(run, *_stop_at(run, 6), ckpt_path=folders[0])
+    assert (folders[1] / ".metadata").is_file(), sorted(p.name for p in (run.parent / "ckpt").iterdir())
+    _two_processes(run, ckpt_path=folders[1])
     reference = by_step(read_steps(single_process_run))
     for rank in range(2):
         lines = by_step(read_steps(run.parent, rank))
         assert sorted(lines) == list(range(8))
         assert [lines[s]["active"] for s in range(8)] == [s >= 4 for s in range(8)]
+        assert all(lines[s]["cond_state"] == 0 for s in range(5)), "heads got AdamW state before their first gradient"
+        assert lines[4]["switch_equal"] is True
+        assert all(lines[s]["cond_state"] > 0 for s in range(5, 8))
         for s in range(8):
             assert lines[s]["loops"] == reference[s]["loops"][rank : rank + 1], f"step {s}: rank {rank}'s k"
     states = [torch.load(run.parent / f"final.rank{r}.pt") for r in range(2)]

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint, _load_checkpoint
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from typing_extensions import override
 
 try:  # FSDP2's public home since torch 2.6
@@ -211,3 +216,53 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         group = self.device_mesh["data_parallel"].get_group()
         verify_loop_schedule(self, self.check_schedule_every_n_steps, group=group)
         return super().training_step(*args, **kwargs)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a checkpoint; from a sharded one, optimizer state only for the parameters that had some.
+
+        Before the delayed switch the conditioning heads have no AdamW state (no gradient yet), so a
+        sharded checkpoint holds none for them. Lightning's loader asks torch's
+        ``get_optimizer_state_dict`` for the fresh optimizer's layout, which creates state for every
+        parameter, and then demands all of it from the checkpoint. Here the layout keeps only the
+        parameters the checkpoint has state for; the others end with no state, as in the run that
+        wrote it, so the resumed run continues exactly. Full (single-file) checkpoints go to Lightning.
+        """
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, weights_only=weights_only)
+        assert self.lightning_module is not None
+        metadata = _load_checkpoint(
+            path=path,
+            state={"state_dict": self.model},
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        for idx, optimizer in enumerate(self.optimizers):
+            self._load_sharded_optimizer_state(path, f"optimizer_{idx}", optimizer, stored.keys())
+        return metadata
+
+    def _load_sharded_optimizer_state(
+        self, path: Path, key: str, optimizer: torch.optim.Optimizer, stored: Any
+    ) -> None:
+        """Load ``optimizer``'s state saved under ``key``, skipping parameters the checkpoint has none for.
+
+        Args:
+            path: The checkpoint folder.
+            key: The optimizer's entry in the checkpoint (``optimizer_<index>``).
+            optimizer: The fresh optimizer.
+            stored: The checkpoint's flattened keys (``<key>.state.<parameter name>.<state name>``, ...).
+        """
+        prefix = f"{key}.state."
+        saved = {name[len(prefix) :].rsplit(".", 1)[0] for name in stored if name.startswith(prefix)}
+        # Creates (and so expects) state for every parameter; keep only the saved ones' entries.
+        layout = get_optimizer_state_dict(self.model, optimizer)
+        layout["state"] = {name: state for name, state in layout["state"].items() if name in saved}
+        wrapped = {key: layout}
+        dcp.load(wrapped, checkpoint_id=path)
+        # ``load_state_dict`` replaces the whole state, dropping the placeholder state created above;
+        # strict=False lets parameters without saved state stay without state.
+        set_optimizer_state_dict(
+            self.model, optimizer, optim_state_dict=wrapped[key], options=StateDictOptions(cpu_offload=True, strict=False)
+        )
