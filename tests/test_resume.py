@@ -455,18 +455,21 @@ def _stop_at(run: Path, step: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_fsdp_resumes_exactly_from_a_sharded_checkpoint(single_process_run, tmp_path):
-    """Stop a 2-process FSDP run with sharded checkpoints at step 4 (before the switch at 4: the heads
-    have no AdamW state yet), resume it from the checkpoint folder and stop again at step 6 (after the
-    switch), resume again to step 8: the same loop counts and final weights as one process run
-    straight through, and no AdamW state for the heads until their first gradient."""
-    run = write_run(tmp_path / "sharded", 8, 4, devices=2, strategy="fsdp", switch_at_step=True, sharded=True)
-    _two_processes(run, *_stop_at(run, 4))
-    folders = [run.parent / "ckpt" / f"epoch=0-step={step}.ckpt" for step in (4, 6)]
-    assert (folders[0] / ".metadata").is_file(), sorted(p.name for p in (run.parent / "ckpt").iterdir())
-    _two_processes(run, *_stop_at(run, 6), ckpt_path=folders[0])
-    assert (folders[1] / ".metadata").is_file(), sorted(p.name for p in (run.parent / "ckpt").iterdir())
-    _two_processes(run, ckpt_path=folders[1])
+@pytest.mark.parametrize(("sharded", "stops"), [(True, (4, 6)), (False, (4,))], ids=["sharded", "full"])
+def test_fsdp_resumes_exactly_from_a_checkpoint(sharded, stops, single_process_run, tmp_path):
+    """Stop a 2-process FSDP run at step 4, before the switch at 4 (the heads have no AdamW state yet),
+    and, for sharded checkpoints, again at step 6 after it; resume each time from that checkpoint and
+    finish at step 8: the same loop counts and final weights as one process run straight through, and
+    no AdamW state for the heads until their first gradient (placeholder state would shift AdamW's
+    bias correction)."""
+    run = write_run(tmp_path / "run", 8, 4, devices=2, strategy="fsdp", switch_at_step=True, sharded=sharded)
+    ckpt_path = None
+    for step in stops:
+        _two_processes(run, *_stop_at(run, step), ckpt_path=ckpt_path)
+        ckpt_path = run.parent / "ckpt" / f"epoch=0-step={step}.ckpt"
+        written = (ckpt_path / ".metadata").is_file() if sharded else ckpt_path.is_file()
+        assert written, sorted(p.name for p in (run.parent / "ckpt").iterdir())
+    _two_processes(run, ckpt_path=ckpt_path)
     reference = by_step(read_steps(single_process_run))
     for rank in range(2):
         lines = by_step(read_steps(run.parent, rank))
