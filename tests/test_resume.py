@@ -450,25 +450,39 @@ def _two_processes(run: Path, *extra: str, ckpt_path: Optional[Path] = None) -> 
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.slow
-def test_fsdp_resumes_exactly_from_a_sharded_checkpoint(single_process_run, tmp_path):
-    """Stop a 2-process FSDP run at step 6 (after the switch at 4) with sharded checkpoints, resume it
-    from the checkpoint folder to step 8: the same loop counts and final weights as one process run
-    straight through. (Resuming a sharded checkpoint written before the switch fails today: the heads
-    have no AdamW state yet, and torch's get_optimizer_state_dict expects state for every parameter.)"""
-    run = write_run(tmp_path / "sharded", 8, 4, devices=2, strategy="fsdp", switch_at_step=True, sharded=True)
-    stop = run.parent / "stop.yaml"
+def _stop_at(run: Path, step: int) -> list[str]:
+    """Command-line arguments that add ``StopAt(step)`` to ``run``'s callbacks."""
+    stop = run.parent / f"stop{step}.yaml"
     stop.write_text(yaml.safe_dump({"trainer": {"callbacks+": [{"class_path": "elr_test_recorder.StopAt",
-                                                                  "init_args": {"step": 6}}]}}))  # fmt: skip
-    _two_processes(run, "--config", str(stop))
-    folder = run.parent / "ckpt" / "epoch=0-step=6.ckpt"
-    assert folder.is_dir() and (folder / ".metadata").is_file(), sorted(p.name for p in (run.parent / "ckpt").iterdir())
-    _two_processes(run, ckpt_path=folder)
+                                                                  "init_args": {"step": step}}]}}))  # fmt: skip
+    return ["--config", str(stop)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sharded", "stops"), [(True, (4, 6)), (False, (2,))], ids=["sharded", "full"])
+def test_fsdp_resumes_exactly_from_a_checkpoint(sharded, stops, single_process_run, tmp_path):
+    """Stop a 2-process FSDP run before the switch at 4 (the heads have no AdamW state yet): with
+    sharded checkpoints at step 4 and again at step 6 after it, with a full checkpoint at step 2
+    (its resumed steps 2 and 3 run before ``ZeroInitConditioning`` clears the heads' state at the
+    switch). Resume each time from that checkpoint and finish at step 8: the same loop counts and
+    final weights as one process run straight through, and no AdamW state for the heads until
+    their first gradient."""
+    run = write_run(tmp_path / "run", 8, 4, devices=2, strategy="fsdp", switch_at_step=True, sharded=sharded)
+    ckpt_path = None
+    for step in stops:
+        _two_processes(run, *_stop_at(run, step), ckpt_path=ckpt_path)
+        ckpt_path = run.parent / "ckpt" / f"epoch=0-step={step}.ckpt"
+        written = (ckpt_path / ".metadata").is_file() if sharded else ckpt_path.is_file()
+        assert written, sorted(p.name for p in (run.parent / "ckpt").iterdir())
+    _two_processes(run, ckpt_path=ckpt_path)
     reference = by_step(read_steps(single_process_run))
     for rank in range(2):
         lines = by_step(read_steps(run.parent, rank))
         assert sorted(lines) == list(range(8))
         assert [lines[s]["active"] for s in range(8)] == [s >= 4 for s in range(8)]
+        assert all(lines[s]["cond_state"] == 0 for s in range(5)), "heads got AdamW state before their first gradient"
+        assert lines[4]["switch_equal"] is True
+        assert all(lines[s]["cond_state"] > 0 for s in range(5, 8))
         for s in range(8):
             assert lines[s]["loops"] == reference[s]["loops"][rank : rank + 1], f"step {s}: rank {rank}'s k"
     states = [torch.load(run.parent / f"final.rank{r}.pt") for r in range(2)]

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import (
+    _is_sharded_checkpoint,
+    _load_checkpoint,
+    _rekey_optimizer_state_if_needed,
+)
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from typing_extensions import override
 
 try:  # FSDP2's public home since torch 2.6
@@ -211,3 +220,61 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         group = self.device_mesh["data_parallel"].get_group()
         verify_loop_schedule(self, self.check_schedule_every_n_steps, group=group)
         return super().training_step(*args, **kwargs)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a checkpoint, optimizer state only for the parameters that had some when it was written.
+
+        Before the delayed switch the conditioning heads have no AdamW state (no gradient yet), so the
+        checkpoint holds none for them. Lightning's loader gives every parameter of the fresh optimizer
+        state (torch's ``get_optimizer_state_dict``) and then demands all of it from the checkpoint:
+        resuming failed with ``Missing key ... conditioner.mlp.0.weight.step`` (sharded) or ``Missing
+        optimizer state for parameter`` (full). Here the parameters without saved state end without
+        state, as in the run that wrote the checkpoint, so the resumed run continues exactly. The
+        model's weights and the metadata load as in Lightning.
+        """
+        path = Path(self.broadcast(checkpoint_path))
+        assert self.lightning_module is not None
+        checkpoint = _load_checkpoint(
+            path=path,
+            state={"state_dict": self.model},
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+        for idx, optimizer in enumerate(self.optimizers):
+            if _is_sharded_checkpoint(path):
+                self._load_sharded_optimizer_state(path, f"optimizer_{idx}", optimizer)
+            else:
+                self._load_full_optimizer_state(checkpoint["optimizer_states"][idx], optimizer)
+        return checkpoint
+
+    def _load_sharded_optimizer_state(self, path: Path, key: str, optimizer: torch.optim.Optimizer) -> None:
+        """Load ``optimizer``'s state saved under ``key`` in the checkpoint folder ``path``.
+
+        The checkpoint's flattened keys read ``<key>.state.<parameter name>.<state name>``; torch's
+        layout asks for every parameter's state, so it is cut down to the parameters saved with state.
+        """
+        prefix = f"{key}.state."
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        saved = {name[len(prefix) :].rsplit(".", 1)[0] for name in stored if name.startswith(prefix)}
+        layout = get_optimizer_state_dict(self.model, optimizer)
+        layout["state"] = {name: state for name, state in layout["state"].items() if name in saved}
+        wrapped = {key: layout}
+        dcp.load(wrapped, checkpoint_id=path)
+        # The optimizer's ``load_state_dict`` replaces its whole state, so the placeholder state that
+        # ``get_optimizer_state_dict`` created for the unsaved parameters goes; strict=False lets it.
+        options = StateDictOptions(cpu_offload=True, strict=False)
+        set_optimizer_state_dict(self.model, optimizer, optim_state_dict=wrapped[key], options=options)
+
+    def _load_full_optimizer_state(self, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        """Load ``optimizer``'s state from a full (single-file) checkpoint's ``optimizer_states`` entry.
+
+        torch keeps its placeholder state for parameters the checkpoint has none for; it is dropped.
+        """
+        saved = _rekey_optimizer_state_if_needed(saved, self.model)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        set_optimizer_state_dict(self.model, optimizer, optim_state_dict=saved, options=options)
+        named = self.model.named_parameters(remove_duplicate=False)
+        with_state = {id(param) for name, param in named if name in saved["state"]}
+        for param in [param for param in optimizer.state if id(param) not in with_state]:
+            del optimizer.state[param]
