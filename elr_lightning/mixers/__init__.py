@@ -1,8 +1,8 @@
 """Token mixers and channel mixers: the two seams of a layer, and their implementations."""
 
 from elr_lightning.mixers.attention import Attention, Rotary, apply_rope
-from elr_lightning.mixers.base import CacheBytes, ChannelMixer, TokenMixer
+from elr_lightning.mixers.base import CacheBytes, ChannelMixer, Modulation, TokenMixer
 from elr_lightning.mixers.gdp import GatedDeltaProduct
 from elr_lightning.mixers.swiglu import SwiGLU
 
-__all__ = ["Attention", "CacheBytes", "ChannelMixer", "GatedDeltaProduct", "Rotary", "SwiGLU", "TokenMixer", "apply_rope"]
+__all__ = ["Attention", "CacheBytes", "ChannelMixer", "GatedDeltaProduct", "Modulation", "Rotary", "SwiGLU", "TokenMixer", "apply_rope"]

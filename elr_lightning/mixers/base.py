@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext
@@ -29,6 +31,28 @@ class CacheBytes:
 
     per_token: int = 0
     fixed: int = 0
+
+
+@dataclass(frozen=True)
+class Modulation:
+    """Eq. (4) at one loop for one sublayer, as a handful of vectors and one low-rank map.
+
+    The sublayer computes ``y = gate * f(P (h + shift))`` with ``P = I + up @ down`` from the
+    normalised input ``h``. The FiLM scale ``(1 + lambda)`` is not here: the layer folds it into its
+    RMSNorm weight. All fields are functions of the context c_i alone, computed once per loop in the
+    autograd graph (:meth:`~elr_lightning.layers.Modulator.modulation`).
+
+    Attributes:
+        shift: ``[d]``, the FiLM shift mu.
+        up: ``[d, r]``, the adapter's ``A diag(g(c))``; ``None`` for no adapter.
+        down: ``[r, d]``, the adapter's ``B``; ``None`` for no adapter.
+        gate: ``[d]``, the exit gate ``1 + omega(c)``.
+    """
+
+    shift: Tensor
+    up: Optional[Tensor]
+    down: Optional[Tensor]
+    gate: Tensor
 
 
 class _Mixer(nn.Module):
@@ -54,6 +78,41 @@ class _Mixer(nn.Module):
             layer: This layer's number, the key under which it reads and writes ``ctx``'s stores.
         """
         raise NotImplementedError
+
+    def modulated(self, x: Tensor, ctx: LoopContext, layer: int, mod: Modulation) -> Tensor:
+        """``mod.gate * self(P (x + mod.shift))`` (eq. 4), at the cost of ``self(x)``.
+
+        The default folds the modulation into the weights, inside the autograd graph: every Linear
+        named in :attr:`fold_inputs` runs with ``W P`` and the bias ``W P shift`` (one rank-r
+        update per loop), every one in :attr:`fold_outputs` with its rows scaled by the gate; then
+        ``forward`` runs once over the activations with these weights
+        (``torch.func.functional_call``), so no extra pass over the activations is made. Exact when
+        the mixer reads its input only through ``fold_inputs`` and writes its output only through
+        ``fold_outputs`` (the contract of :meth:`folded`). A mixer that names no ``fold_inputs``
+        (or ``fold_outputs``) gets the modulation applied to its activations instead: correct, at
+        the cost of a few passes. Override it for a cheaper exact form.
+        """
+        if not self.fold_inputs or not self.fold_outputs:
+            h = x + mod.shift
+            if mod.up is not None and mod.down is not None:
+                h = h + (h @ mod.down.T) @ mod.up.T
+            return mod.gate * self(h, ctx, layer)
+        weights: dict[str, Tensor] = {}
+        for name in self.fold_inputs:
+            linear: nn.Linear = getattr(self, name)
+            w = linear.weight
+            if mod.up is not None and mod.down is not None:
+                w = torch.addmm(w, w @ mod.up.to(w.dtype), mod.down.to(w.dtype))
+            weights[f"{name}.weight"] = w
+            shift = torch.mv(w, mod.shift.to(w.dtype))
+            weights[f"{name}.bias"] = shift if linear.bias is None else shift + linear.bias
+        for name in self.fold_outputs:
+            linear = getattr(self, name)
+            gate = mod.gate.to(linear.weight.dtype)
+            weights[f"{name}.weight"] = gate[:, None] * linear.weight
+            if linear.bias is not None:
+                weights[f"{name}.bias"] = gate * linear.bias
+        return functional_call(self, weights, (x, ctx, layer), strict=False)
 
     def cache_bytes(self, dtype: torch.dtype) -> CacheBytes:
         """Generation-cache memory of this mixer per cache slot and sequence (nothing by default)."""

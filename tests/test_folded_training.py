@@ -1,0 +1,67 @@
+"""Eq. (4) folded into the sublayer weights per loop: the same function and gradients as applying it to
+the activations (the reference ``Modulator.pre`` / ``post``), for attention, SwiGLU and GatedDeltaProduct."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import GQA_CONFIG, perturbed_model
+from elr_lightning.conditioning import FiLMAdapterModulator
+from elr_lightning.model import LoopedLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+HYBRID = replace(
+    GQA_CONFIG,
+    token_pattern={"in": ["gdp"], "rec": ["gdp", "attention"], "out": ["attention"]},
+    mixers={"gdp": {"class_path": "elr_lightning.mixers.GatedDeltaProduct", "init_args": {"chunk_size": 8}}},
+)
+
+
+def loss_and_grads(model: LoopedLM, ids: torch.Tensor, loops: int, mask: torch.Tensor | None = None):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids[:, :-1], loops, None if mask is None else mask[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every modulator apply eq. (4) to the activations (the implementation before folding)."""
+
+    def unfoldable(self, c):
+        raise NotImplementedError
+
+    monkeypatch.setattr(FiLMAdapterModulator, "modulation", unfoldable)
+
+
+@pytest.mark.parametrize("config", [GQA_CONFIG, HYBRID], ids=["attention", "hybrid"])
+@pytest.mark.parametrize("loops", [1, 3])
+def test_folded_gradients_equal_the_activation_form(config, loops: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = perturbed_model(config).train()
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(loops))
+    loss, grads = loss_and_grads(model, ids, loops)
+    reference(monkeypatch)
+    ref_loss, ref_grads = loss_and_grads(model, ids, loops)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    assert any(n.endswith("attn_mod.g.weight") for n in grads)  # the adapter gate is trained
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], atol=2e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_folded_gradients_equal_with_padding(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = perturbed_model(HYBRID).train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    loss, grads = loss_and_grads(model, ids, 2, mask)
+    reference(monkeypatch)
+    ref_loss, ref_grads = loss_and_grads(model, ids, 2, mask)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], atol=2e-5, rtol=1e-4)
