@@ -108,10 +108,10 @@ class FiLMAdapterModulator(Modulator):
         return (1 + self.omega(c)) * y
 
     @override
-    def modulation(self, c: Tensor) -> tuple[Tensor, Modulation]:
+    def modulation(self, c: Tensor) -> tuple[Tensor, Tensor, Modulation]:
         """``pre(h) = P ((1 + lambda) h + mu)`` with ``P = I + A diag(g) B``; the gate ``1 + omega``."""
         scale, shift = self.film(c).chunk(2, dim=-1)
-        return 1 + scale, Modulation(shift, self.up.weight * self.g(c), self.down.weight, 1 + self.omega(c))
+        return 1 + scale, shift, Modulation(self.up.weight * self.g(c), self.down.weight, 1 + self.omega(c))
 
     def affine(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``M = (I + A diag(g) B) diag(1 + lambda)``, ``m = (I + A diag(g) B) mu``, ``gate = 1 + omega``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -26,14 +27,14 @@ class Modulator(nn.Module):
     so inserting a modulator never changes a trained model's function.
 
     ``pre`` and ``post`` define the function. A modulator whose ``pre`` is ``P (s * h + m)`` for a
-    scale ``s``, shift ``m`` and ``P = I + U D`` of low rank, and whose ``post`` is a gate, also
+    scale ``s``, shift ``m`` and ``P = I + U D`` of low rank, and whose ``post`` is a gate, may also
     implements :meth:`modulation`; the layer then folds it into the sublayer's weights per loop
     (:meth:`~elr_lightning.mixers.TokenMixer.modulated`) and runs as many passes over the
     activations as a plain layer.
     """
 
-    def modulation(self, c: Tensor) -> tuple[Tensor, Modulation]:
-        """``(s, terms)``: the FiLM scale ``s`` ``[d]`` (folded into the RMSNorm weight) and the rest.
+    def modulation(self, c: Tensor) -> tuple[Tensor, Tensor, Modulation]:
+        """``(s, m, terms)``: the FiLM scale ``s`` and shift ``m`` ``[d]``, applied with the norm, and the rest.
 
         Optional; without it the layer applies :meth:`pre` and :meth:`post` to the activations.
         """
@@ -101,16 +102,17 @@ class Block(nn.Module):
     ) -> Tensor:
         """The residual branch ``f(norm(x))``, modulated under ``ctx.cond`` (eq. 4).
 
-        A modulator with a :meth:`Modulator.modulation` is folded into the weights: its scale into
-        the norm's weight, the rest by the mixer (:meth:`~elr_lightning.mixers.TokenMixer.modulated`).
+        A modulator with a :meth:`Modulator.modulation` is folded: its scale into the norm's
+        weight and its shift into the norm's last multiply (``addcmul``), the adapter and gate by
+        the mixer (:meth:`~elr_lightning.mixers.TokenMixer.modulated`).
         """
         c = ctx.cond
         if c is None or mod is None:
             return mixer(norm(x), ctx, self.index)
         try:
-            scale, terms = mod.modulation(c)
+            scale, shift, terms = mod.modulation(c)
         except NotImplementedError:
             return mod.post(mixer(mod.pre(norm(x), c), ctx, self.index), c)
         weight = scale if norm.weight is None else norm.weight * scale
-        h = F.rms_norm(x, norm.normalized_shape, weight, norm.eps)
+        h = torch.addcmul(shift.to(x.dtype), F.rms_norm(x, norm.normalized_shape, None, norm.eps), weight.to(x.dtype))
         return mixer.modulated(h, ctx, self.index, terms)

@@ -41,9 +41,14 @@ def reference(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("config", [GQA_CONFIG, HYBRID], ids=["attention", "hybrid"])
 @pytest.mark.parametrize("loops", [1, 3])
-def test_folded_gradients_equal_the_activation_form(config, loops: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("shape", [(2, 17), (6, 64)], ids=["activation-form", "weight-form"])
+def test_folded_gradients_equal_the_activation_form(
+    config, loops: int, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """32 tokens: every mixer's projections are wider than the batch, so P and the gate act on the
+    activations; 378 tokens: all are folded into the weights (Mixer.modulated picks by shape)."""
     model = perturbed_model(config).train()
-    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(loops))
+    ids = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(loops))
     loss, grads = loss_and_grads(model, ids, loops)
     reference(monkeypatch)
     ref_loss, ref_grads = loss_and_grads(model, ids, loops)

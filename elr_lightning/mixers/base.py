@@ -35,21 +35,19 @@ class CacheBytes:
 
 @dataclass(frozen=True)
 class Modulation:
-    """Eq. (4) at one loop for one sublayer, as a handful of vectors and one low-rank map.
+    """Eq. (4)'s adapter and exit gate at one loop for one sublayer: a low-rank map and a vector.
 
-    The sublayer computes ``y = gate * f(P (h + shift))`` with ``P = I + up @ down`` from the
-    normalised input ``h``. The FiLM scale ``(1 + lambda)`` is not here: the layer folds it into its
-    RMSNorm weight. All fields are functions of the context c_i alone, computed once per loop in the
-    autograd graph (:meth:`~elr_lightning.layers.Modulator.modulation`).
+    The mixer computes ``y = gate * f(P h)`` with ``P = I + up @ down`` from its input ``h``. The
+    FiLM scale and shift are not here: the layer applies them with its RMSNorm (scale folded into
+    the norm's weight, shift added in the same pass). Both fields are functions of the context c_i
+    alone, computed once per loop in the autograd graph (:meth:`~elr_lightning.layers.Modulator.modulation`).
 
     Attributes:
-        shift: ``[d]``, the FiLM shift mu.
         up: ``[d, r]``, the adapter's ``A diag(g(c))``; ``None`` for no adapter.
         down: ``[r, d]``, the adapter's ``B``; ``None`` for no adapter.
         gate: ``[d]``, the exit gate ``1 + omega(c)``.
     """
 
-    shift: Tensor
     up: Optional[Tensor]
     down: Optional[Tensor]
     gate: Tensor
@@ -80,39 +78,44 @@ class _Mixer(nn.Module):
         raise NotImplementedError
 
     def modulated(self, x: Tensor, ctx: LoopContext, layer: int, mod: Modulation) -> Tensor:
-        """``mod.gate * self(P (x + mod.shift))`` (eq. 4), at the cost of ``self(x)``.
+        """``mod.gate * self(P x, ctx, layer)`` with ``P = I + mod.up @ mod.down`` (eq. 4).
 
-        The default folds the modulation into the weights, inside the autograd graph: every Linear
-        named in :attr:`fold_inputs` runs with ``W P`` and the bias ``W P shift`` (one rank-r
-        update per loop), every one in :attr:`fold_outputs` with its rows scaled by the gate; then
-        ``forward`` runs once over the activations with these weights
-        (``torch.func.functional_call``), so no extra pass over the activations is made. Exact when
-        the mixer reads its input only through ``fold_inputs`` and writes its output only through
-        ``fold_outputs`` (the contract of :meth:`folded`). A mixer that names no ``fold_inputs``
-        (or ``fold_outputs``) gets the modulation applied to its activations instead: correct, at
-        the cost of a few passes. Override it for a cheaper exact form.
+        The default folds each term into the weights where that is cheaper than a pass over the
+        activations, inside the autograd graph, and runs ``forward`` once with the folded weights
+        (``torch.func.functional_call``):
+
+        * the adapter: every Linear named in :attr:`fold_inputs` runs with ``W P = W + (W up) down``
+          when their output widths sum to fewer than the tokens of ``x``; else ``P x`` is one
+          ``addmm`` over the activations, shared by all of them;
+        * the gate: every Linear named in :attr:`fold_outputs` runs with its rows scaled when its
+          input width is below the tokens of ``x``; else the output is multiplied.
+
+        Folding is exact when the mixer reads its input only through ``fold_inputs`` and writes
+        its output only through ``fold_outputs`` (the contract of :meth:`folded`). A mixer that
+        names neither gets the modulation on its activations. Which form runs depends on shapes
+        only, never on tensor values.
         """
-        if not self.fold_inputs or not self.fold_outputs:
-            h = x + mod.shift
-            if mod.up is not None and mod.down is not None:
-                h = h + (h @ mod.down.T) @ mod.up.T
-            return mod.gate * self(h, ctx, layer)
+        tokens = x.numel() // x.shape[-1]
         weights: dict[str, Tensor] = {}
-        for name in self.fold_inputs:
-            linear: nn.Linear = getattr(self, name)
-            w = linear.weight
-            if mod.up is not None and mod.down is not None:
-                w = torch.addmm(w, w @ mod.up.to(w.dtype), mod.down.to(w.dtype))
-            weights[f"{name}.weight"] = w
-            shift = torch.mv(w, mod.shift.to(w.dtype))
-            weights[f"{name}.bias"] = shift if linear.bias is None else shift + linear.bias
-        for name in self.fold_outputs:
-            linear = getattr(self, name)
-            gate = mod.gate.to(linear.weight.dtype)
-            weights[f"{name}.weight"] = gate[:, None] * linear.weight
-            if linear.bias is not None:
-                weights[f"{name}.bias"] = gate * linear.bias
-        return functional_call(self, weights, (x, ctx, layer), strict=False)
+        inputs = [getattr(self, name) for name in self.fold_inputs]
+        outputs = [getattr(self, name) for name in self.fold_outputs]
+        if mod.up is not None and mod.down is not None:
+            if inputs and outputs and sum(linear.out_features for linear in inputs) < tokens:
+                for name, linear in zip(self.fold_inputs, inputs):
+                    w = linear.weight
+                    weights[f"{name}.weight"] = torch.addmm(w, w @ mod.up.to(w.dtype), mod.down.to(w.dtype))
+            else:
+                flat = x.reshape(tokens, x.shape[-1])
+                x = torch.addmm(flat, flat @ mod.down.T.to(x.dtype), mod.up.T.to(x.dtype)).view_as(x)
+        fold_gate = bool(inputs and outputs) and all(linear.in_features < tokens for linear in outputs)
+        if fold_gate:
+            for name, linear in zip(self.fold_outputs, outputs):
+                gate = mod.gate.to(linear.weight.dtype)
+                weights[f"{name}.weight"] = gate[:, None] * linear.weight
+                if linear.bias is not None:
+                    weights[f"{name}.bias"] = gate * linear.bias
+        y = functional_call(self, weights, (x, ctx, layer)) if weights else self(x, ctx, layer)
+        return y if fold_gate else mod.gate.to(y.dtype) * y
 
     def cache_bytes(self, dtype: torch.dtype) -> CacheBytes:
         """Generation-cache memory of this mixer per cache slot and sequence (nothing by default)."""
