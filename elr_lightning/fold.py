@@ -84,7 +84,12 @@ class FoldedLM(nn.Module):
 
     @override
     def forward(
-        self, input_ids: Tensor, loops: int, attention_mask: Optional[Tensor] = None, cache: Optional[KVCache] = None
+        self,
+        input_ids: Tensor,
+        loops: int,
+        attention_mask: Optional[Tensor] = None,
+        cache: Optional[KVCache] = None,
+        aux_losses: Optional[dict[str, Tensor]] = None,
     ) -> Tensor:
         """Logits ``[B, T, vocab]``, as :meth:`LoopedLM.forward` at ``loops`` (which must be k).
 
@@ -93,7 +98,7 @@ class FoldedLM(nn.Module):
         """
         if loops != self.loops:
             raise ValueError(f"this model is folded for loops={self.loops}, called with loops={loops}; fold again")
-        return LoopedLM.forward(self, input_ids, loops, attention_mask, cache)
+        return LoopedLM.run(self, input_ids, loops, attention_mask, cache, aux_losses)
 
 
 def _fold_block(block: Block, c: Tensor) -> Block:

@@ -104,6 +104,9 @@ class LoopedLM(nn.Module):
             self.head.weight = self.embed.weight
         self.rotary = Rotary(config)
         self.roles: dict[str, Role] = role_table(self)
+        #: Decode with a cache through weights folded per k (see :meth:`forward`); off trades speed for memory.
+        self.serve_folded = True
+        self._served: tuple[tuple[tuple[int, int, int], ...], dict[int, nn.Module]] = ((), {})
         self.init_weights()
 
     @classmethod
@@ -250,7 +253,47 @@ class LoopedLM(nn.Module):
             attention_mask: ``[B, T_cached + T]`` with 1 for real tokens and 0 for padding.
             cache: A cache policy for incremental decoding; its offset is advanced here.
             aux_losses: A dict that receives the auxiliary losses the mixers added (by name).
+
+        Incremental decoding (a ``cache``, gradients off) with active conditioning runs through
+        :func:`~elr_lightning.fold.fold_conditioning`'s folded layers for ``loops``, built on the first
+        such call and kept while no parameter changes (their version counters are compared; no
+        device read): decoding then costs what the unconditioned model costs, and holds the recurrent
+        layers once per loop of every k served. Set :attr:`serve_folded` to False to decode unfolded.
         """
+        if loops < 1:
+            raise ValueError(f"loops={loops} must be >= 1")
+        if (
+            cache is not None
+            and self.serve_folded
+            and self.conditioner is not None
+            and self.conditioner.active
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        ):
+            return self._folded(loops)(input_ids, loops, attention_mask, cache, aux_losses)
+        return self.run(input_ids, loops, attention_mask, cache, aux_losses)
+
+    def _folded(self, loops: int) -> nn.Module:
+        """The folded model for ``loops``, rebuilt after any parameter changed (in place or replaced)."""
+        from elr_lightning.fold import fold_conditioning  # fold builds on this module
+
+        versions = tuple((id(p), p.data_ptr(), p._version) for p in self.parameters())
+        if versions != self._served[0]:
+            self._served = (versions, {})
+        served = self._served[1]
+        if loops not in served:
+            served[loops] = fold_conditioning(self, loops)
+        return served[loops]
+
+    def run(
+        self,
+        input_ids: Tensor,
+        loops: int = 1,
+        attention_mask: Optional[Tensor] = None,
+        cache: Optional[KVCache] = None,
+        aux_losses: Optional[dict[str, Tensor]] = None,
+    ) -> Tensor:
+        """The forward pass of :meth:`forward` over this model's own layers (never the folded ones)."""
         if loops < 1:
             raise ValueError(f"loops={loops} must be >= 1")
         ctx = self.loop_context(input_ids, loops, attention_mask, cache)
