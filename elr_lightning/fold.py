@@ -37,11 +37,13 @@ class _FoldedCore(nn.Module):
 
     #: The same k-loop as the source core (DESIGN §2), over :meth:`layers_at`.
     forward = RecurrentCore.forward
+    loop = RecurrentCore.loop
 
     def __init__(self, source: RecurrentCore, per_loop: list[list[Block]]) -> None:
         super().__init__()
         self.config, self.update = source.config, source.update
         self.conditioner = None
+        self.checkpointing, self.backprop_loops = "none", None
         self.per_loop = nn.ModuleList(nn.ModuleList(layers) for layers in per_loop)
 
     def layers_at(self, loop: int) -> nn.ModuleList:

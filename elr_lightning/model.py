@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
 from elr_lightning.cache import KVCache
@@ -33,28 +34,63 @@ class RecurrentCore(nn.Module):
         self.update = update
         self.conditioner = conditioner
         self.layers = _blocks(config, "rec", conditioner)
+        #: ``none``, ``loop`` or ``layer``: what the backward pass recomputes (see :meth:`LoopedLM.set_backprop`).
+        self.checkpointing = "none"
+        #: Backpropagate through the last this many loops only (``None``: all).
+        self.backprop_loops: Optional[int] = None
 
     def forward(self, h_in: Tensor, ctx: LoopContext) -> tuple[Tensor, Optional[Tensor]]:
         """Run ``ctx.loops`` passes (DESIGN §2); return the final state s_k and the last context c_k.
 
-        c_k is returned as a fresh tensor, not a view, since sharding wrappers refuse views as outputs.
+        With gradients on, loops before the last :attr:`backprop_loops` run without a graph
+        (truncated backpropagation: their state enters the later loops as a constant, while the
+        injected input h_in still gets the later loops' gradients), and under ``loop``
+        checkpointing each tracked loop keeps only its input state and recomputes the rest in the
+        backward pass. c_k is returned as a fresh tensor, not a view, since sharding wrappers refuse
+        views as outputs.
         """
         s = self.update.init(h_in)
         c = None
+        tracked = torch.is_grad_enabled()
+        first = 1 if self.backprop_loops is None else ctx.loops - self.backprop_loops + 1
         for i in range(1, ctx.loops + 1):
             if self.conditioner is not None:
                 c = self.conditioner(i, ctx.loops, ctx.max_loops, h_in)
-            s_tilde = self.update.inject(s, h_in)
-            r = s_tilde
             loop_ctx = ctx.at(i, c)
-            for layer in self.layers_at(i):
-                r = layer(r, loop_ctx)
-            s = self.update(s, r, s_tilde)
+            if tracked and i < first:
+                with torch.no_grad():
+                    s = self.loop(s, h_in, loop_ctx)
+            elif tracked and self.checkpointing == "loop":
+                s = checkpoint(self.loop, s, h_in, loop_ctx, use_reentrant=False, preserve_rng_state=False)
+            else:
+                s = self.loop(s, h_in, loop_ctx)
         return s, None if c is None else c.clone()
+
+    def loop(self, s: Tensor, h_in: Tensor, ctx: LoopContext) -> Tensor:
+        """One pass of loop ``ctx.loop``: inject h_in into s_{i-1}, run the layers, update to s_i."""
+        s_tilde = self.update.inject(s, h_in)
+        r = s_tilde
+        for layer in self.layers_at(ctx.loop):
+            r = run_layer(layer, r, ctx, self.checkpointing == "layer")
+        return self.update(s, r, s_tilde)
 
     def layers_at(self, loop: int) -> nn.ModuleList:
         """The layers loop ``loop`` runs: the same shared ones at every loop."""
         return self.layers
+
+
+def run_layer(layer: nn.Module, x: Tensor, ctx: LoopContext, recompute: bool) -> Tensor:
+    """``layer(x, ctx)``; with ``recompute`` and gradients on, its activations are recomputed in the backward pass.
+
+    The forward pass draws no random numbers, so the RNG state is not saved for the recomputation.
+    """
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(layer, x, ctx, use_reentrant=False, preserve_rng_state=False)
+    return layer(x, ctx)
+
+
+#: The ``activation_checkpointing`` settings of :meth:`LoopedLM.set_backprop`.
+CHECKPOINTING = ("none", "loop", "layer")
 
 
 def _modulators(conditioner: Optional[Conditioner], config: ModelConfig) -> Optional[tuple[Modulator, Modulator]]:
@@ -113,6 +149,29 @@ class LoopedLM(nn.Module):
     def baseline(cls, config: ModelConfig) -> "LoopedLM":
         """The non-recurrent baseline: the same layers, no state update or conditioning, run once."""
         return cls(config, update=NonRecurrent(), conditioner=None)
+
+    def set_backprop(self, activation_checkpointing: str = "none", backprop_loops: Optional[int] = None) -> None:
+        """Choose what training keeps for the backward pass; the forward's values never change.
+
+        Args:
+            activation_checkpointing: ``none`` keeps every activation (memory grows with k);
+                ``loop`` keeps each loop's input state and recomputes the loop in the backward pass
+                (memory nearly flat in k, about one more forward of the recurrent block); ``layer``
+                keeps each layer's input, input and output layers included, and recomputes layer by
+                layer (least memory).
+            backprop_loops: Backpropagate through the last n loops only; earlier loops run without
+                a graph (truncated backpropagation). ``None``: all loops.
+
+        Raises:
+            ValueError: an unknown setting or ``backprop_loops < 1``.
+        """
+        if activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(
+                f"activation_checkpointing={activation_checkpointing!r} must be one of {CHECKPOINTING}"
+            )
+        if backprop_loops is not None and (not isinstance(backprop_loops, int) or backprop_loops < 1):
+            raise ValueError(f"backprop_loops={backprop_loops!r} must be an integer >= 1, or null for all loops")
+        self.core.checkpointing, self.core.backprop_loops = activation_checkpointing, backprop_loops
 
     @property
     def update(self) -> StateUpdate:
@@ -298,12 +357,13 @@ class LoopedLM(nn.Module):
             raise ValueError(f"loops={loops} must be >= 1")
         ctx = self.loop_context(input_ids, loops, attention_mask, cache)
         x = self.embed(input_ids)
+        per_layer = self.core.checkpointing == "layer"
         for layer in self.input_layers:
-            x = layer(x, ctx)
+            x = run_layer(layer, x, ctx, per_layer)
         s, c = self.core(x, ctx)
         out_ctx = ctx.at(0, c)
         for layer in self.output_layers:
-            s = layer(s, out_ctx)
+            s = run_layer(layer, s, out_ctx, per_layer)
         if cache is not None:
             cache.advance(input_ids.shape[1])
         if aux_losses is not None:

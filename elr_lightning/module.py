@@ -109,6 +109,11 @@ class ELRModule(LightningModule):
         meta_init: Build the model on the meta device (no memory); ``OneLoopOverrideFSDPStrategy``
             then shards it, materialises each rank's shard and initialises it. For models too
             large to build in full on every rank's host. Needs that strategy.
+        activation_checkpointing: ``none``, ``loop`` (recompute each loop in the backward pass:
+            activation memory nearly flat in k) or ``layer`` (recompute each layer); see
+            :meth:`~elr_lightning.model.LoopedLM.set_backprop`. Gradients are the same.
+        backprop_loops: Truncated backpropagation through the last n loops of each forward; the
+            earlier loops run without a graph. ``None``: through all loops.
     """
 
     def __init__(
@@ -127,6 +132,8 @@ class ELRModule(LightningModule):
         loop_seed: Optional[int] = None,
         compile_layers: bool = False,
         meta_init: bool = False,
+        activation_checkpointing: str = "none",
+        backprop_loops: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -152,6 +159,7 @@ class ELRModule(LightningModule):
                 self.model = LoopedLM(arch, update=update, conditioner=conditioner).to("meta")
         else:
             self.model = LoopedLM(arch, update=update, conditioner=conditioner)
+        self.model.set_backprop(activation_checkpointing, backprop_loops)
         self.val_loss = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.val_bpb = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.register_buffer("token_bytes", torch.ones(arch.vocab_size), persistent=False)

@@ -59,8 +59,13 @@ class RecordLoops(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def tiny_module(virtual_ranks: int, conditioner_active: bool = True, meta_init: bool = False) -> ELRModule:
-    """d = 32, one layer per block, K = 3, conditioning, one-loop overrides with f = 0.5."""
+def tiny_module(
+    virtual_ranks: int, conditioner_active: bool = True, meta_init: bool = False, **backprop: Any
+) -> ELRModule:
+    """d = 32, one layer per block, K = 3, conditioning, one-loop overrides with f = 0.5.
+
+    ``backprop``: ``activation_checkpointing`` and ``backprop_loops`` of :class:`ELRModule`.
+    """
     seed_everything(0)
     module = ELRModule(
         arch=ModelConfig(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=32, max_loops=3),
@@ -71,6 +76,7 @@ def tiny_module(virtual_ranks: int, conditioner_active: bool = True, meta_init: 
         warmup_steps=0,
         loop_seed=7,
         meta_init=meta_init,
+        **backprop,
     )
     if not conditioner_active:
         module.model.conditioner.set_active(False)
@@ -95,11 +101,15 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     """Train one case; return this rank's ``{"state", "loops", "rank", "fsdp_units"}``.
 
     A case names ``virtual_ranks``, the per-rank ``batch_size``, and optionally ``accumulate``
-    (micro-batches per step), ``conditioner_active`` and ``meta_init``. The result also holds the
+    (micro-batches per step), ``conditioner_active``, ``meta_init``, ``activation_checkpointing``
+    and ``backprop_loops``. The result also holds the
     per-micro-batch ``losses`` and, from the start of training, the ``initial`` state and the
     optimizer ``groups`` (``{name: {"weight_decay", "params"}}``).
     """
-    module = tiny_module(case["virtual_ranks"], case.get("conditioner_active", True), case.get("meta_init", False))
+    backprop = {key: case[key] for key in ("activation_checkpointing", "backprop_loops") if key in case}
+    module = tiny_module(
+        case["virtual_ranks"], case.get("conditioner_active", True), case.get("meta_init", False), **backprop
+    )
     data = TextDataModule(
         sources=[spec["corpus"]], seq_len=16, batch_size=case["batch_size"], cache_dir=spec["cache_dir"], seed=3
     )
