@@ -284,7 +284,7 @@ class LoopedLM(nn.Module):
             mask = mask & attention_mask.bool()[:, None, None, :]
             mask = mask | (k_pos == q_pos)[None, None]
             padding = attention_mask[:, offset:].bool()
-            return Positions(cos, sin, mask, False, None if bool(padding.all()) else padding, offset)
+            return Positions(cos, sin, mask, False, padding, offset)  # no host read of the mask
         return Positions(cos, sin, mask, False, None, offset)
 
     def loop_context(

@@ -287,7 +287,8 @@ class ELRModule(LightningModule):
         schedule = self.step_schedule()
         loops = schedule[self.local_shards()]
         loss = self.shard_loss(batch, loops)
-        if not torch.isfinite(loss):
+        # Reading the loss stalls the device: check it on the steps that log it anyway.
+        if self.trainer.global_step % self.trainer.log_every_n_steps == 0 and not torch.isfinite(loss):
             raise FloatingPointError(
                 f"train/loss is {loss.item()} at step {self.trainer.global_step} (loops {loops}); "
                 "lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
