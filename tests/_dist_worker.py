@@ -59,16 +59,24 @@ class RecordLoops(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+#: The hybrid cases' token mixers: Gated DeltaProduct in the input and recurrent layers.
+HYBRID_ARCH = dict(
+    token_pattern={"in": ["gdp"], "rec": ["gdp"], "out": ["attention"]},
+    mixers={"gdp": {"class_path": "elr_lightning.mixers.GatedDeltaProduct", "init_args": {"chunk_size": 8}}},
+)
+
+
 def tiny_module(
-    virtual_ranks: int, conditioner_active: bool = True, meta_init: bool = False, **backprop: Any
+    virtual_ranks: int, conditioner_active: bool = True, meta_init: bool = False, hybrid: bool = False, **backprop: Any
 ) -> ELRModule:
-    """d = 32, one layer per block, K = 3, conditioning, one-loop overrides with f = 0.5.
+    """d = 32, one layer per block, K = 3, conditioning, one-loop overrides with f = 0.5; GDP layers if ``hybrid``.
 
     ``backprop``: ``activation_checkpointing`` and ``backprop_loops`` of :class:`ELRModule`.
     """
     seed_everything(0)
+    arch = dict(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=32, max_loops=3)
     module = ELRModule(
-        arch=ModelConfig(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=32, max_loops=3),
+        arch=ModelConfig(**arch, **(HYBRID_ARCH if hybrid else {})),
         sampler=OneLoopOverride(max_loops=3, override_fraction=0.5),
         conditioner=LoopConditioner(d_cond=16, rank=4, n_freqs=4),
         virtual_ranks=virtual_ranks,
@@ -101,14 +109,18 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     """Train one case; return this rank's ``{"state", "loops", "rank", "fsdp_units"}``.
 
     A case names ``virtual_ranks``, the per-rank ``batch_size``, and optionally ``accumulate``
-    (micro-batches per step), ``conditioner_active``, ``meta_init``, ``activation_checkpointing``
-    and ``backprop_loops``. The result also holds the
+    (micro-batches per step), ``conditioner_active``, ``meta_init``, ``hybrid``,
+    ``activation_checkpointing`` and ``backprop_loops``. The result also holds the
     per-micro-batch ``losses`` and, from the start of training, the ``initial`` state and the
     optimizer ``groups`` (``{name: {"weight_decay", "params"}}``).
     """
     backprop = {key: case[key] for key in ("activation_checkpointing", "backprop_loops") if key in case}
     module = tiny_module(
-        case["virtual_ranks"], case.get("conditioner_active", True), case.get("meta_init", False), **backprop
+        case["virtual_ranks"],
+        case.get("conditioner_active", True),
+        case.get("meta_init", False),
+        case.get("hybrid", False),
+        **backprop,
     )
     data = TextDataModule(
         sources=[spec["corpus"]], seq_len=16, batch_size=case["batch_size"], cache_dir=spec["cache_dir"], seed=3

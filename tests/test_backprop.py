@@ -126,7 +126,9 @@ def test_compiled_layers_with_checkpointing_match_eager() -> None:
 
 BACKPROP_CASES = {
     "v1_ckpt_loop": {"virtual_ranks": 1, "activation_checkpointing": "loop"},
-    "v2_ckpt_layer_bp1": {"virtual_ranks": 2, "activation_checkpointing": "layer", "backprop_loops": 1},
+    "v2_hybrid_ckpt_layer_bp1": {
+        "virtual_ranks": 2, "hybrid": True, "activation_checkpointing": "layer", "backprop_loops": 1
+    },
 }
 
 

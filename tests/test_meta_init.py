@@ -72,3 +72,22 @@ def test_meta_init_without_the_fsdp_strategy_says_what_to_do():
     )
     with pytest.raises(ValueError, match="meta_init: true needs OneLoopOverrideFSDPStrategy"):
         trainer.fit(_module(meta_init=True), train_dataloaders=data)
+
+
+def test_materialised_meta_hybrid_model_gets_the_gdp_init():
+    """A Gated DeltaProduct layer's own parameters (decay rates, conv) are initialised by ``init_weights`` too."""
+    arch = ModelConfig(**{**SWITCH_ARCH, "token_pattern": ["gdp"]})
+    module = ELRModule(arch=arch, conditioner=LoopConditioner(d_cond=16, rank=4, n_freqs=4), meta_init=True)
+    model = module.model
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(math.nan)
+    model.init_weights()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    gdp = model.core.layers[0].attn
+    assert model.roles["core.layers.0.attn.A_log"] == ("module", "no_decay")
+    assert bool(((gdp.A_log.exp() >= 1) & (gdp.A_log.exp() <= 16)).all())
+    dt = torch.nn.functional.softplus(gdp.dt_bias)
+    assert bool(((dt >= 1e-3 * 0.999) & (dt <= 0.1 * 1.001)).all())
+    assert gdp.conv_weight.abs().max() <= 1 / math.sqrt(gdp.conv_size)

@@ -26,6 +26,8 @@ from elr_lightning.module import ELRModule
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCH = SWITCH_ARCH
+#: The kill-and-resume run's model: a Gated DeltaProduct recurrent layer between attention layers.
+HYBRID_ARCH = {**SWITCH_ARCH, "token_pattern": {"in": ["attention"], "rec": ["gdp"], "out": ["attention"]}}
 
 
 def make_module(conditioner: bool = True, **arch: Any) -> ELRModule:
@@ -208,7 +210,13 @@ STRATEGIES = {
 
 
 def write_run(
-    folder: Path, steps: int, switch: int, devices: int = 1, pause: float = 0.0, strategy: str = "ddp"
+    folder: Path,
+    steps: int,
+    switch: int,
+    devices: int = 1,
+    pause: float = 0.0,
+    strategy: str = "ddp",
+    arch: Optional[dict[str, Any]] = None,
 ) -> Path:
     """A YAML for ``elr fit``: tiny model, delayed switch, checkpoints every step, a recorder."""
     folder.mkdir(parents=True)
@@ -244,7 +252,7 @@ def write_run(
         "model": {
             "class_path": "elr_lightning.ELRModule",
             "init_args": {
-                "arch": ARCH,
+                "arch": ARCH if arch is None else arch,
                 "sampler": {
                     "class_path": "elr_lightning.sampling.OneLoopOverride",
                     "init_args": {"max_loops": 3, "override_fraction": 0.5},
@@ -328,15 +336,16 @@ def by_step(lines: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 @pytest.mark.slow
 def test_a_run_killed_before_and_after_the_switch_resumes_exactly(tmp_path):
+    """With a hybrid model (GDP recurrent layer, attention input and output layers)."""
     steps, switch = 16, 8
-    straight = write_run(tmp_path / "straight", steps, switch)
+    straight = write_run(tmp_path / "straight", steps, switch, arch=HYBRID_ARCH)
     finish(launch(straight))
     reference = by_step(read_steps(straight.parent))
     assert sorted(reference) == list(range(steps))
 
     rng = random.Random(2024)
     kills = [rng.randint(2, switch - 3), rng.randint(switch + 1, steps - 3)]
-    killed = write_run(tmp_path / "killed", steps, switch, pause=0.15)
+    killed = write_run(tmp_path / "killed", steps, switch, pause=0.15, arch=HYBRID_ARCH)
     last = killed.parent / "ckpt" / "last.ckpt"
     resumed_from = []
     for i, kill in enumerate(kills):

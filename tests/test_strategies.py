@@ -51,6 +51,7 @@ CASES = {
     "v2": {"virtual_ranks": 2},
     "v1_accumulate2": {"virtual_ranks": 1, "accumulate": 2},
     "v1_conditioner_off": {"virtual_ranks": 1, "conditioner_active": False},
+    "v2_hybrid": {"virtual_ranks": 2, "hybrid": True},
 }
 
 
@@ -120,7 +121,7 @@ def launch(
 
 
 def assert_matches_reference(name: str, ranks: list[dict[str, Any]], reference: dict[str, Any]) -> None:
-    initial = _dist_worker.tiny_module(1).model.state_dict()
+    initial = _dist_worker.tiny_module(1, hybrid=CASES[name].get("hybrid", False)).model.state_dict()
     assert [r["rank"] for r in ranks] == list(range(WORLD))
     for result in ranks:
         assert result["state"].keys() == reference["state"].keys()
@@ -161,9 +162,18 @@ def test_fsdp_two_processes_match_one_process_with_virtual_ranks(corpus, referen
 def test_fsdp_meta_init_trains_like_an_eager_init(corpus, tmp_path):
     """``meta_init``: each rank materialises its shards and ``init_weights`` runs on them (not Lightning's
     ``reset_parameters``); roles and optimizer groups survive; training matches an eager init in kind."""
-    cases = {"meta": {"virtual_ranks": 1, "meta_init": True}, "eager": {"virtual_ranks": 1}}
+    cases = {
+        "meta": {"virtual_ranks": 1, "meta_init": True},
+        "eager": {"virtual_ranks": 1},
+        "meta_hybrid": {"virtual_ranks": 1, "meta_init": True, "hybrid": True},
+    }
     results = launch("fsdp", corpus, tmp_path / "fsdp_meta", cases)
     meta, eager = results["meta"], results["eager"]
+    hybrid = results["meta_hybrid"]
+    a = hybrid[0]["initial"]["core.layers.0.attn.A_log"].exp()
+    assert bool(((a >= 1) & (a <= 16)).all()) and a.std() > 0  # the GDP's own init ran on its shards
+    assert all(math.isfinite(loss) for r in hybrid for loss in r["losses"])
+    assert all(torch.equal(hybrid[0]["state"][k], hybrid[1]["state"][k]) for k in hybrid[0]["state"])
     roles = _dist_worker.tiny_module(1).model.roles
     initial = meta[0]["initial"]
     assert initial.keys() == eager[0]["initial"].keys()
