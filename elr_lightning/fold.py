@@ -1,5 +1,10 @@
 """Fold loop conditioning (eq. 4) into the sublayers' own linear maps for serving at a fixed k.
 
+Training folds the conditioning per loop inside the autograd graph
+(:meth:`~elr_lightning.mixers.TokenMixer.modulated`); this module builds the folded weights once,
+as plain layers: :class:`~elr_lightning.model.LoopedLM` serves cached decoding through it, and an
+exporter gets an unmodulated model at one k.
+
 At a fixed loop count k the context c_i = MLP([phi(i / k); phi(k / K)]) of loop i depends on
 ``(i, k, K)`` alone, so every modulated sublayer's FiLM-plus-adapter pre-map and exit gate are
 constants. With ``A = up.weight`` ``[d, r]``, ``B = down.weight`` ``[r, d]``, ``g = g(c_i)`` and
