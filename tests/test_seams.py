@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import replace
 
 import pytest
@@ -180,6 +182,8 @@ def test_the_readme_mixer_trains_from_yaml_and_decodes(tmp_path, monkeypatch) ->
     (tmp_path / "my_lab" / "__init__.py").write_text("")
     (tmp_path / "my_lab" / "mixers.py").write_text(_readme_block("python", "# my_lab/mixers.py"))
     monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("my_lab", "my_lab.mixers"):  # another test's my_lab package may be imported already
+        monkeypatch.delitem(sys.modules, name, raising=False)
     arch = yaml.safe_load(_readme_block("yaml", "model:\n  class_path: elr_lightning.ELRModule\n  init_args:\n    arch:"))
     arch = arch["model"]["init_args"]["arch"]
     arch.update(vocab_size=256, d_model=32, n_heads=2, n_in=2, n_rec=2, n_out=2, max_seq_len=32, max_loops=2)
