@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -79,6 +79,18 @@ class RecurrentCore(nn.Module):
         return self.layers
 
 
+#: Parameters registered on any module so far (a module-registration hook counts them), so
+#: :meth:`LoopedLM._folded` notices replaced parameters without walking the modules per call.
+_REGISTRATIONS = [0]
+
+
+def _count_registration(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+
+
 def run_layer(layer: nn.Module, x: Tensor, ctx: LoopContext, recompute: bool) -> Tensor:
     """``layer(x, ctx)``; with ``recompute`` and gradients on, its activations are recomputed in the backward pass.
 
@@ -142,7 +154,7 @@ class LoopedLM(nn.Module):
         self.roles: dict[str, Role] = role_table(self)
         #: Decode with a cache through weights folded per k (see :meth:`forward`); off trades speed for memory.
         self.serve_folded = True
-        self._served: tuple[tuple[tuple[int, int, int], ...], dict[int, nn.Module]] = ((), {})
+        self._served: tuple[tuple[Any, ...], list[nn.Parameter], dict[int, nn.Module]] = ((), [], {})
         self.init_weights()
 
     @classmethod
@@ -333,15 +345,25 @@ class LoopedLM(nn.Module):
         return self.run(input_ids, loops, attention_mask, cache, aux_losses)
 
     def _folded(self, loops: int) -> nn.Module:
-        """The folded model for ``loops``, rebuilt after any parameter changed (in place or replaced)."""
+        """The folded model for ``loops``, rebuilt after any parameter changed (in place or replaced).
+
+        The parameters are listed once per build (walking the modules costs more than a decode
+        step's Python); a parameter registered anywhere since (``_REGISTRATIONS``) lists them again.
+        """
         from elr_lightning.fold import fold_conditioning  # fold builds on this module
 
-        versions = tuple((id(p), p.data_ptr(), p._version) for p in self.parameters())
-        if versions != self._served[0]:
-            self._served = (versions, {})
-        served = self._served[1]
+        key, params, served = self._served
+        if key and key[0] == _REGISTRATIONS[0]:
+            current = (_REGISTRATIONS[0], *((id(p), p.data_ptr(), p._version) for p in params))
+        else:
+            params = list(self.parameters())
+            current = (_REGISTRATIONS[0], *((id(p), p.data_ptr(), p._version) for p in params))
+        if current != key:
+            served = {}
         if loops not in served:
             served[loops] = fold_conditioning(self, loops)
+            current = (_REGISTRATIONS[0], *current[1:])  # the fold registered its own (new) parameters
+        self._served = (current, params, served)
         return served[loops]
 
     def run(
