@@ -200,4 +200,13 @@ class ChannelMixer(_Mixer):
 
     Every parameter should take part in every forward pass at every k (multiply by a zero gate
     rather than skip), or DDP needs ``find_unused_parameters`` and FSDP refuses (DESIGN §6).
+
+    Conditioning (eq. 4) reaches a mixer through :meth:`modulated`, called instead of ``forward``
+    in modulated layers. The default folds the adapter and gate into the Linears named in
+    ``fold_inputs`` / ``fold_outputs``; a mixer whose weights are not such Linears (e.g. experts
+    stored as one ``[E, d, h]`` tensor) names none and gets the activation form, or overrides
+    :meth:`modulated` (e.g. folding ``P`` into every expert's input weights). Either way it must
+    equal ``mod.gate * self(P x)``. Under activation checkpointing a loop's forward runs twice;
+    scratch written at loop i is written again with equal values, and auxiliary losses added
+    during the recomputation are not collected again.
     """
