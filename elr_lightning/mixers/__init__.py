@@ -5,4 +5,14 @@ from elr_lightning.mixers.base import CacheBytes, ChannelMixer, Modulation, Toke
 from elr_lightning.mixers.gdp import GatedDeltaProduct
 from elr_lightning.mixers.swiglu import SwiGLU
 
-__all__ = ["Attention", "CacheBytes", "ChannelMixer", "GatedDeltaProduct", "Modulation", "Rotary", "SwiGLU", "TokenMixer", "apply_rope"]
+__all__ = [
+    "Attention",
+    "CacheBytes",
+    "ChannelMixer",
+    "GatedDeltaProduct",
+    "Modulation",
+    "Rotary",
+    "SwiGLU",
+    "TokenMixer",
+    "apply_rope",
+]

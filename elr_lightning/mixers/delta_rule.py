@@ -22,7 +22,9 @@ so everything but the chunk-to-chunk state hand-over is a batched matrix product
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -103,8 +105,9 @@ def chunked_delta_product(
     return o.transpose(1, 2).to(dtype), state
 
 
-def _fla_kernel():
-    """fla's ``chunk_gated_delta_product`` if fla imports, else ``None``."""
+@functools.cache
+def _fla_kernel() -> Optional[Callable[..., tuple[Tensor, Tensor]]]:
+    """fla's ``chunk_gated_delta_product`` if fla imports, else ``None`` (tried once per process)."""
     try:
         from fla.ops.gated_delta_product import chunk_gated_delta_product
     except Exception:  # noqa: BLE001 - any import failure (no fla, no triton, no driver) means "not available"
@@ -154,7 +157,11 @@ def delta_product(
             )
         if kernels == "fla" and not _FLA_WARNED:
             _FLA_WARNED = True
-            why = "the tensors are not on CUDA" if not q.is_cuda else "fla does not import (pip install 'elr-lightning[fla]')"
+            why = (
+                "the tensors are not on CUDA"
+                if not q.is_cuda
+                else "fla does not import (pip install 'elr-lightning[fla]')"
+            )
             warnings.warn(
                 f"GatedDeltaProduct: kernels='fla' but {why}; using the PyTorch chunked path instead",
                 stacklevel=2,
