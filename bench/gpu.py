@@ -45,7 +45,7 @@ def peak_tflops(name: str, override: float | None) -> float | None:
 
 def build(cfg: ModelConfig, compiled: bool, checkpointing: str = "none") -> LoopedLM:
     torch.manual_seed(0)
-    model = LoopedLM(cfg, conditioner=LoopConditioner(d_cond=64, rank=16)).cuda()
+    model = LoopedLM(cfg, conditioner=LoopConditioner(d_cond=64, rank=16)).to("cuda")
     model.set_backprop(checkpointing)
     if compiled:
         for layer in [*model.input_layers, *model.core.layers, *model.output_layers]:
