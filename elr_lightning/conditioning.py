@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
-from elr_lightning.layers import Modulator
+from elr_lightning.layers import Modulation, Modulator
 from elr_lightning.roles import set_module_role
 
 
@@ -106,6 +106,12 @@ class FiLMAdapterModulator(Modulator):
 
     def post(self, y: Tensor, c: Tensor) -> Tensor:
         return (1 + self.omega(c)) * y
+
+    @override
+    def modulation(self, c: Tensor) -> tuple[Tensor, Tensor, Modulation]:
+        """``pre(h) = P ((1 + lambda) h + mu)`` with ``P = I + A diag(g) B``; the gate ``1 + omega``."""
+        scale, shift = self.film(c).chunk(2, dim=-1)
+        return 1 + scale, shift, Modulation(self.up.weight * self.g(c), self.down.weight, 1 + self.omega(c))
 
     def affine(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``M = (I + A diag(g) B) diag(1 + lambda)``, ``m = (I + A diag(g) B) mu``, ``gate = 1 + omega``."""

@@ -45,8 +45,8 @@ class Positions:
         mask: Boolean attention mask ``[B or 1, 1, T, T_cached + T]`` (True attends), or ``None``
             with ``is_causal``.
         is_causal: Plain causal attention over the new tokens only (no cache, no padding).
-        padding: ``[B, T]`` bool, True for the real tokens among the new ones; ``None`` when no
-            new token is padding. Recurrent mixers must leave their state untouched at padding.
+        padding: ``[B, T]`` bool, True for the real tokens among the new ones; ``None`` without an
+            attention mask (whether a given mask pads anything is not read: that would stall the device). Recurrent mixers must leave their state untouched at padding.
         offset: Tokens already cached before the new ones.
     """
 

@@ -1,5 +1,10 @@
 """Fold loop conditioning (eq. 4) into the sublayers' own linear maps for serving at a fixed k.
 
+Training folds the conditioning per loop inside the autograd graph
+(:meth:`~elr_lightning.mixers.TokenMixer.modulated`); this module builds the folded weights once,
+as plain layers: :class:`~elr_lightning.model.LoopedLM` serves cached decoding through it, and an
+exporter gets an unmodulated model at one k.
+
 At a fixed loop count k the context c_i = MLP([phi(i / k); phi(k / K)]) of loop i depends on
 ``(i, k, K)`` alone, so every modulated sublayer's FiLM-plus-adapter pre-map and exit gate are
 constants. With ``A = up.weight`` ``[d, r]``, ``B = down.weight`` ``[r, d]``, ``g = g(c_i)`` and
@@ -37,11 +42,13 @@ class _FoldedCore(nn.Module):
 
     #: The same k-loop as the source core (DESIGN §2), over :meth:`layers_at`.
     forward = RecurrentCore.forward
+    loop = RecurrentCore.loop
 
     def __init__(self, source: RecurrentCore, per_loop: list[list[Block]]) -> None:
         super().__init__()
         self.config, self.update = source.config, source.update
         self.conditioner = None
+        self.checkpointing, self.backprop_loops = "none", None
         self.per_loop = nn.ModuleList(nn.ModuleList(layers) for layers in per_loop)
 
     def layers_at(self, loop: int) -> nn.ModuleList:
@@ -84,7 +91,12 @@ class FoldedLM(nn.Module):
 
     @override
     def forward(
-        self, input_ids: Tensor, loops: int, attention_mask: Optional[Tensor] = None, cache: Optional[KVCache] = None
+        self,
+        input_ids: Tensor,
+        loops: int,
+        attention_mask: Optional[Tensor] = None,
+        cache: Optional[KVCache] = None,
+        aux_losses: Optional[dict[str, Tensor]] = None,
     ) -> Tensor:
         """Logits ``[B, T, vocab]``, as :meth:`LoopedLM.forward` at ``loops`` (which must be k).
 
@@ -93,7 +105,7 @@ class FoldedLM(nn.Module):
         """
         if loops != self.loops:
             raise ValueError(f"this model is folded for loops={self.loops}, called with loops={loops}; fold again")
-        return LoopedLM.forward(self, input_ids, loops, attention_mask, cache)
+        return LoopedLM.run(self, input_ids, loops, attention_mask, cache, aux_losses)
 
 
 def _fold_block(block: Block, c: Tensor) -> Block:

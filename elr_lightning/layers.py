@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext
-from elr_lightning.mixers import Attention, ChannelMixer, Rotary, SwiGLU, TokenMixer, apply_rope
+from elr_lightning.mixers import Attention, ChannelMixer, Modulation, Rotary, SwiGLU, TokenMixer, apply_rope
+from elr_lightning.mixers.base import _Mixer
 
-__all__ = ["Attention", "Block", "Modulator", "Rotary", "SwiGLU", "apply_rope"]
+__all__ = ["Attention", "Block", "Modulation", "Modulator", "Rotary", "SwiGLU", "apply_rope"]
 
 
 class Modulator(nn.Module):
@@ -22,7 +25,20 @@ class Modulator(nn.Module):
 
     With all heads at their zero init, ``pre`` and ``post`` must return their input bit for bit,
     so inserting a modulator never changes a trained model's function.
+
+    ``pre`` and ``post`` define the function. A modulator whose ``pre`` is ``P (s * h + m)`` for a
+    scale ``s``, shift ``m`` and ``P = I + U D`` of low rank, and whose ``post`` is a gate, may also
+    implements :meth:`modulation`; the layer then folds it into the sublayer's weights per loop
+    (:meth:`~elr_lightning.mixers.TokenMixer.modulated`) and runs as many passes over the
+    activations as a plain layer.
     """
+
+    def modulation(self, c: Tensor) -> tuple[Tensor, Tensor, Modulation]:
+        """``(s, m, terms)``: the FiLM scale ``s`` and shift ``m`` ``[d]``, applied with the norm, and the rest.
+
+        Optional; without it the layer applies :meth:`pre` and :meth:`post` to the activations.
+        """
+        raise NotImplementedError
 
     def pre(self, h: Tensor, c: Tensor) -> Tensor:
         """Modulate the normalised sublayer input (FiLM and low-rank adapter in eq. 4)."""
@@ -78,15 +94,25 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, ctx: LoopContext) -> Tensor:
         """Apply the layer at ``ctx``'s loop; ``ctx.cond`` is c_i, or ``None`` for the plain layer."""
-        c, j = ctx.cond, self.index
-        h = self.attn_norm(x)
-        if c is not None and self.attn_mod is not None:
-            h = self.attn_mod.pre(h, c)
-            x = x + self.attn_mod.post(self.attn(h, ctx, j), c)
-        else:
-            x = x + self.attn(h, ctx, j)
-        h = self.mlp_norm(x)
-        if c is not None and self.mlp_mod is not None:
-            h = self.mlp_mod.pre(h, c)
-            return x + self.mlp_mod.post(self.mlp(h, ctx, j), c)
-        return x + self.mlp(h, ctx, j)
+        x = x + self._sublayer(x, self.attn_norm, self.attn, self.attn_mod, ctx)
+        return x + self._sublayer(x, self.mlp_norm, self.mlp, self.mlp_mod, ctx)
+
+    def _sublayer(
+        self, x: Tensor, norm: nn.RMSNorm, mixer: _Mixer, mod: Optional[Modulator], ctx: LoopContext
+    ) -> Tensor:
+        """The residual branch ``f(norm(x))``, modulated under ``ctx.cond`` (eq. 4).
+
+        A modulator with a :meth:`Modulator.modulation` is folded: its scale into the norm's
+        weight and its shift into the norm's last multiply (``addcmul``), the adapter and gate by
+        the mixer (:meth:`~elr_lightning.mixers.TokenMixer.modulated`).
+        """
+        c = ctx.cond
+        if c is None or mod is None:
+            return mixer(norm(x), ctx, self.index)
+        try:
+            scale, shift, terms = mod.modulation(c)
+        except NotImplementedError:
+            return mod.post(mixer(mod.pre(norm(x), c), ctx, self.index), c)
+        weight = scale if norm.weight is None else norm.weight * scale
+        h = torch.addcmul(shift.to(x.dtype), F.rms_norm(x, norm.normalized_shape, None, norm.eps), weight.to(x.dtype))
+        return mixer.modulated(h, ctx, self.index, terms)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import MutableMapping, Optional
+from typing import Any, MutableMapping, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
 from elr_lightning.cache import KVCache
@@ -33,28 +34,75 @@ class RecurrentCore(nn.Module):
         self.update = update
         self.conditioner = conditioner
         self.layers = _blocks(config, "rec", conditioner)
+        #: ``none``, ``loop`` or ``layer``: what the backward pass recomputes (see :meth:`LoopedLM.set_backprop`).
+        self.checkpointing = "none"
+        #: Backpropagate through the last this many loops only (``None``: all).
+        self.backprop_loops: Optional[int] = None
 
     def forward(self, h_in: Tensor, ctx: LoopContext) -> tuple[Tensor, Optional[Tensor]]:
         """Run ``ctx.loops`` passes (DESIGN §2); return the final state s_k and the last context c_k.
 
-        c_k is returned as a fresh tensor, not a view, since sharding wrappers refuse views as outputs.
+        With gradients on, loops before the last :attr:`backprop_loops` run without a graph
+        (truncated backpropagation: their state enters the later loops as a constant, while the
+        injected input h_in still gets the later loops' gradients), and under ``loop``
+        checkpointing each tracked loop keeps only its input state and recomputes the rest in the
+        backward pass. c_k is returned as a fresh tensor, not a view, since sharding wrappers refuse
+        views as outputs.
         """
         s = self.update.init(h_in)
         c = None
+        tracked = torch.is_grad_enabled()
+        first = 1 if self.backprop_loops is None else ctx.loops - self.backprop_loops + 1
         for i in range(1, ctx.loops + 1):
             if self.conditioner is not None:
                 c = self.conditioner(i, ctx.loops, ctx.max_loops, h_in)
-            s_tilde = self.update.inject(s, h_in)
-            r = s_tilde
             loop_ctx = ctx.at(i, c)
-            for layer in self.layers_at(i):
-                r = layer(r, loop_ctx)
-            s = self.update(s, r, s_tilde)
+            if tracked and i < first:
+                with torch.no_grad():
+                    s = self.loop(s, h_in, loop_ctx)
+            elif tracked and self.checkpointing == "loop":
+                s = checkpoint(self.loop, s, h_in, loop_ctx, use_reentrant=False, preserve_rng_state=False)
+            else:
+                s = self.loop(s, h_in, loop_ctx)
         return s, None if c is None else c.clone()
+
+    def loop(self, s: Tensor, h_in: Tensor, ctx: LoopContext) -> Tensor:
+        """One pass of loop ``ctx.loop``: inject h_in into s_{i-1}, run the layers, update to s_i."""
+        s_tilde = self.update.inject(s, h_in)
+        r = s_tilde
+        for layer in self.layers_at(ctx.loop):
+            r = run_layer(layer, r, ctx, self.checkpointing == "layer")
+        return self.update(s, r, s_tilde)
 
     def layers_at(self, loop: int) -> nn.ModuleList:
         """The layers loop ``loop`` runs: the same shared ones at every loop."""
         return self.layers
+
+
+#: Parameters registered on any module so far (a module-registration hook counts them), so
+#: :meth:`LoopedLM._folded` notices replaced parameters without walking the modules per call.
+_REGISTRATIONS = [0]
+
+
+def _count_registration(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+
+
+def run_layer(layer: nn.Module, x: Tensor, ctx: LoopContext, recompute: bool) -> Tensor:
+    """``layer(x, ctx)``; with ``recompute`` and gradients on, its activations are recomputed in the backward pass.
+
+    The forward pass draws no random numbers, so the RNG state is not saved for the recomputation.
+    """
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(layer, x, ctx, use_reentrant=False, preserve_rng_state=False)
+    return layer(x, ctx)
+
+
+#: The ``activation_checkpointing`` settings of :meth:`LoopedLM.set_backprop`.
+CHECKPOINTING = ("none", "loop", "layer")
 
 
 def _modulators(conditioner: Optional[Conditioner], config: ModelConfig) -> Optional[tuple[Modulator, Modulator]]:
@@ -104,12 +152,38 @@ class LoopedLM(nn.Module):
             self.head.weight = self.embed.weight
         self.rotary = Rotary(config)
         self.roles: dict[str, Role] = role_table(self)
+        #: Decode with a cache through weights folded per k (see :meth:`forward`); off trades speed for memory.
+        self.serve_folded = True
+        self._served: tuple[tuple[Any, ...], list[nn.Parameter], dict[int, nn.Module]] = ((), [], {})
         self.init_weights()
 
     @classmethod
     def baseline(cls, config: ModelConfig) -> "LoopedLM":
         """The non-recurrent baseline: the same layers, no state update or conditioning, run once."""
         return cls(config, update=NonRecurrent(), conditioner=None)
+
+    def set_backprop(self, activation_checkpointing: str = "none", backprop_loops: Optional[int] = None) -> None:
+        """Choose what training keeps for the backward pass; the forward's values never change.
+
+        Args:
+            activation_checkpointing: ``none`` keeps every activation (memory grows with k);
+                ``loop`` keeps each loop's input state and recomputes the loop in the backward pass
+                (memory nearly flat in k, about one more forward of the recurrent block); ``layer``
+                keeps each layer's input, input and output layers included, and recomputes layer by
+                layer (least memory).
+            backprop_loops: Backpropagate through the last n loops only; earlier loops run without
+                a graph (truncated backpropagation). ``None``: all loops.
+
+        Raises:
+            ValueError: an unknown setting or ``backprop_loops < 1``.
+        """
+        if activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(
+                f"activation_checkpointing={activation_checkpointing!r} must be one of {CHECKPOINTING}"
+            )
+        if backprop_loops is not None and (not isinstance(backprop_loops, int) or backprop_loops < 1):
+            raise ValueError(f"backprop_loops={backprop_loops!r} must be an integer >= 1, or null for all loops")
+        self.core.checkpointing, self.core.backprop_loops = activation_checkpointing, backprop_loops
 
     @property
     def update(self) -> StateUpdate:
@@ -167,7 +241,7 @@ class LoopedLM(nn.Module):
         (parameters may be DTensors).
 
         Raises:
-            AssertionError: if some parameter got no decision.
+            ValueError: if some parameter got no decision.
         """
         cfg = self.config
         scaled_std = cfg.init_std / math.sqrt(2 * cfg.effective_depth(1))
@@ -195,7 +269,8 @@ class LoopedLM(nn.Module):
             if callable(reset_buffers := getattr(module, "reset_buffers", None)):
                 reset_buffers()
         missing = [n for n, p in self.named_parameters() if id(p) not in decided]
-        assert not missing, f"init_weights has no decision for parameters {missing}; tag them with set_role"
+        if missing:
+            raise ValueError(f"init_weights has no decision for parameters {missing}; tag them with set_role")
 
     def positions(
         self, batch: int, length: int, device: torch.device, attention_mask: Optional[Tensor], offset: int
@@ -222,7 +297,7 @@ class LoopedLM(nn.Module):
             mask = mask & attention_mask.bool()[:, None, None, :]
             mask = mask | (k_pos == q_pos)[None, None]
             padding = attention_mask[:, offset:].bool()
-            return Positions(cos, sin, mask, False, None if bool(padding.all()) else padding, offset)
+            return Positions(cos, sin, mask, False, padding, offset)  # no host read of the mask
         return Positions(cos, sin, mask, False, None, offset)
 
     def loop_context(
@@ -251,17 +326,68 @@ class LoopedLM(nn.Module):
             cache: A cache policy for incremental decoding; its offset is advanced here.
             aux_losses: A mapping that receives the auxiliary losses the mixers added (by name). Under
                 FSDP2 pass a ``collections.UserDict``: the sharded root copies a plain dict argument.
+
+        Incremental decoding (a ``cache``, gradients off) with active conditioning runs through
+        :func:`~elr_lightning.fold.fold_conditioning`'s folded layers for ``loops``, built on the first
+        such call and kept while no parameter changes (their version counters are compared; no
+        device read): decoding then costs what the unconditioned model costs, and holds the recurrent
+        layers once per loop of every k served. Set :attr:`serve_folded` to False to decode unfolded.
         """
+        if loops < 1:
+            raise ValueError(f"loops={loops} must be >= 1")
+        if (
+            cache is not None
+            and self.serve_folded
+            and self.conditioner is not None
+            and self.conditioner.active
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        ):
+            return self._folded(loops)(input_ids, loops, attention_mask, cache, aux_losses)
+        return self.run(input_ids, loops, attention_mask, cache, aux_losses)
+
+    def _folded(self, loops: int) -> nn.Module:
+        """The folded model for ``loops``, rebuilt after any parameter changed (in place or replaced).
+
+        The parameters are listed once per build (walking the modules costs more than a decode
+        step's Python); a parameter registered anywhere since (``_REGISTRATIONS``) lists them again.
+        """
+        from elr_lightning.fold import fold_conditioning  # fold builds on this module
+
+        key, params, served = self._served
+        if key and key[0] == _REGISTRATIONS[0]:
+            current = (_REGISTRATIONS[0], *((id(p), p.data_ptr(), p._version) for p in params))
+        else:
+            params = list(self.parameters())
+            current = (_REGISTRATIONS[0], *((id(p), p.data_ptr(), p._version) for p in params))
+        if current != key:
+            served = {}
+        if loops not in served:
+            served[loops] = fold_conditioning(self, loops)
+            current = (_REGISTRATIONS[0], *current[1:])  # the fold registered its own (new) parameters
+        self._served = (current, params, served)
+        return served[loops]
+
+    def run(
+        self,
+        input_ids: Tensor,
+        loops: int = 1,
+        attention_mask: Optional[Tensor] = None,
+        cache: Optional[KVCache] = None,
+        aux_losses: Optional[MutableMapping[str, Tensor]] = None,
+    ) -> Tensor:
+        """The forward pass of :meth:`forward` over this model's own layers (never the folded ones)."""
         if loops < 1:
             raise ValueError(f"loops={loops} must be >= 1")
         ctx = self.loop_context(input_ids, loops, attention_mask, cache)
         x = self.embed(input_ids)
+        per_layer = self.core.checkpointing == "layer"
         for layer in self.input_layers:
-            x = layer(x, ctx)
+            x = run_layer(layer, x, ctx, per_layer)
         s, c = self.core(x, ctx)
         out_ctx = ctx.at(0, c)
         for layer in self.output_layers:
-            s = layer(s, out_ctx)
+            s = run_layer(layer, s, out_ctx, per_layer)
         if cache is not None:
             cache.advance(input_ids.shape[1])
         if aux_losses is not None:

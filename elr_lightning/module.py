@@ -147,6 +147,11 @@ class ELRModule(LightningModule):
             then shards it, materialises each rank's shard and initialises it. For models too
             large to build in full on every rank's host. Needs a strategy whose
             ``materializes_meta_models`` is true (that one).
+        activation_checkpointing: ``none``, ``loop`` (recompute each loop in the backward pass:
+            activation memory nearly flat in k) or ``layer`` (recompute each layer); see
+            :meth:`~elr_lightning.model.LoopedLM.set_backprop`. Gradients are the same.
+        backprop_loops: Truncated backpropagation through the last n loops of each forward; the
+            earlier loops run without a graph. ``None``: through all loops.
     """
 
     def __init__(
@@ -165,6 +170,8 @@ class ELRModule(LightningModule):
         loop_seed: Optional[int] = None,
         compile_layers: bool = False,
         meta_init: bool = False,
+        activation_checkpointing: str = "none",
+        backprop_loops: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -195,6 +202,7 @@ class ELRModule(LightningModule):
                 self.model = LoopedLM(arch, update=update, conditioner=conditioner).to("meta")
         else:
             self.model = LoopedLM(arch, update=update, conditioner=conditioner)
+        self.model.set_backprop(activation_checkpointing, backprop_loops)
         self.val_loss = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.val_bpb = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.register_buffer("token_bytes", torch.ones(arch.vocab_size), persistent=False)
@@ -352,14 +360,16 @@ class ELRModule(LightningModule):
         loss = loss + sum(aux.values(), start=torch.zeros_like(loss))
         for name, value in aux.items():  # a copy: syncing under some strategies reduces in place
             self.log(f"train/{name}", value.detach().clone(), sync_dist=True)
-        finite = bool(torch.isfinite(loss))
-        # Every rank takes part, so a rank-local NaN stops all ranks now, not at the collective timeout.
-        if not self.trainer.strategy.reduce_boolean_decision(finite, all=True):
-            where = f"is {loss.item()}" if not finite else "is finite here but not on another rank"
-            raise FloatingPointError(
-                f"train/loss {where} at step {self.trainer.global_step} (loops {loops}); "
-                "lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
-            )
+        # Reading the loss stalls the device: check it on the steps that log it anyway. Every rank
+        # takes part, so a rank-local NaN stops all ranks together, not at the collective timeout.
+        if self.trainer.global_step % self.trainer.log_every_n_steps == 0:
+            finite = bool(torch.isfinite(loss))
+            if not self.trainer.strategy.reduce_boolean_decision(finite, all=True):
+                where = f"is {loss.item()}" if not finite else "is finite here but not on another rank"
+                raise FloatingPointError(
+                    f"train/loss {where} at step {self.trainer.global_step} (loops {loops}); "
+                    "lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
+                )
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         self.log("train/loops_mean", sum(schedule) / len(schedule))
         self.log("train/p1", sum(k == 1 for k in schedule) / len(schedule))

@@ -88,10 +88,18 @@ MOE_ARCH = dict(
 
 
 def tiny_module(
-    virtual_ranks: int, conditioner_active: bool = True, meta_init: bool = False, hybrid: bool = False, moe: bool = False
+    virtual_ranks: int,
+    conditioner_active: bool = True,
+    meta_init: bool = False,
+    hybrid: bool = False,
+    moe: bool = False,
+    **backprop: Any,
 ) -> ELRModule:
     """d = 32, one layer per block, K = 3, conditioning, one-loop overrides with f = 0.5; GDP layers if
-    ``hybrid``; MoE channel mixers if ``moe``."""
+    ``hybrid``; MoE channel mixers if ``moe``.
+
+    ``backprop``: ``activation_checkpointing`` and ``backprop_loops`` of :class:`ELRModule`.
+    """
     seed_everything(0)
     arch = dict(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=32, max_loops=3)
     module = ELRModule(
@@ -103,6 +111,7 @@ def tiny_module(
         warmup_steps=0,
         loop_seed=7,
         meta_init=meta_init,
+        **backprop,
     )
     if not conditioner_active:
         module.model.conditioner.set_active(False)
@@ -127,7 +136,8 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     """Train one case; return this rank's ``{"state", "loops", "rank", "fsdp_units"}``.
 
     A case names ``virtual_ranks``, the per-rank ``batch_size``, and optionally ``accumulate``
-    (micro-batches per step), ``conditioner_active``, ``meta_init``, ``hybrid``, ``moe``, ``save_checkpoint`` (write
+    (micro-batches per step), ``conditioner_active``, ``meta_init``, ``hybrid``, ``moe``, ``activation_checkpointing``,
+    ``backprop_loops``, ``save_checkpoint`` (write
     ``<out>/<case>.ckpt`` after training), ``init_from`` (a weights file
     that ``DelayedMixedDepth`` starts the mixed phase from), and ``nan_rank``/``nan_step``
     (that rank's loss is NaN at that step; the result is then ``{"rank", "error", "step"}``). The result also holds the
@@ -135,9 +145,14 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     optimizer ``groups`` (``{name: {"weight_decay", "params"}}``) and this rank's ``expert_loads``
     per step and MoE layer.
     """
+    backprop = {key: case[key] for key in ("activation_checkpointing", "backprop_loops") if key in case}
     module = tiny_module(
-        case["virtual_ranks"], case.get("conditioner_active", True), case.get("meta_init", False), case.get("hybrid", False),
+        case["virtual_ranks"],
+        case.get("conditioner_active", True),
+        case.get("meta_init", False),
+        case.get("hybrid", False),
         case.get("moe", False),
+        **backprop,
     )
     data = TextDataModule(
         sources=[spec["corpus"]], seq_len=16, batch_size=case["batch_size"], cache_dir=spec["cache_dir"], seed=3
@@ -152,6 +167,7 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         strategy=make_strategy(spec.get("strategy")),
         max_steps=spec["steps"],
         accumulate_grad_batches=case.get("accumulate", 1),
+        log_every_n_steps=1 if "nan_rank" in case else 50,  # the loss is checked on logging steps
         limit_val_batches=0,
         num_sanity_val_steps=0,
         logger=False,

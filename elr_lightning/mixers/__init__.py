@@ -1,7 +1,7 @@
 """Token mixers and channel mixers: the two seams of a layer, and their implementations."""
 
 from elr_lightning.mixers.attention import Attention, Rotary, apply_rope
-from elr_lightning.mixers.base import CacheBytes, ChannelMixer, TokenMixer
+from elr_lightning.mixers.base import CacheBytes, ChannelMixer, Modulation, TokenMixer
 from elr_lightning.mixers.gdp import GatedDeltaProduct
 from elr_lightning.mixers.moe import MoE
 from elr_lightning.mixers.swiglu import SwiGLU
@@ -12,6 +12,7 @@ __all__ = [
     "ChannelMixer",
     "GatedDeltaProduct",
     "MoE",
+    "Modulation",
     "Rotary",
     "SwiGLU",
     "TokenMixer",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from elr_lightning.context import LoopContext
 
@@ -32,6 +33,26 @@ class CacheBytes:
 
     per_token: int = 0
     fixed: int = 0
+
+
+@dataclass(frozen=True)
+class Modulation:
+    """Eq. (4)'s adapter and exit gate at one loop for one sublayer: a low-rank map and a vector.
+
+    The mixer computes ``y = gate * f(P h)`` with ``P = I + up @ down`` from its input ``h``. The
+    FiLM scale and shift are not here: the layer applies them with its RMSNorm (scale folded into
+    the norm's weight, shift added in the same pass). Both fields are functions of the context c_i
+    alone, computed once per loop in the autograd graph (:meth:`~elr_lightning.layers.Modulator.modulation`).
+
+    Attributes:
+        up: ``[d, r]``, the adapter's ``A diag(g(c))``; ``None`` for no adapter.
+        down: ``[r, d]``, the adapter's ``B``; ``None`` for no adapter.
+        gate: ``[d]``, the exit gate ``1 + omega(c)``.
+    """
+
+    up: Optional[Tensor]
+    down: Optional[Tensor]
+    gate: Tensor
 
 
 class _Mixer(nn.Module):
@@ -57,6 +78,46 @@ class _Mixer(nn.Module):
             layer: This layer's number, the key under which it reads and writes ``ctx``'s stores.
         """
         raise NotImplementedError
+
+    def modulated(self, x: Tensor, ctx: LoopContext, layer: int, mod: Modulation) -> Tensor:
+        """``mod.gate * self(P x, ctx, layer)`` with ``P = I + mod.up @ mod.down`` (eq. 4).
+
+        The default folds each term into the weights where that is cheaper than a pass over the
+        activations, inside the autograd graph, and runs ``forward`` once with the folded weights
+        (``torch.func.functional_call``):
+
+        * the adapter: every Linear named in :attr:`fold_inputs` runs with ``W P = W + (W up) down``
+          when their output widths sum to fewer than the tokens of ``x``; else ``P x`` is one
+          ``addmm`` over the activations, shared by all of them;
+        * the gate: every Linear named in :attr:`fold_outputs` runs with its rows scaled when its
+          input width is below the tokens of ``x``; else the output is multiplied.
+
+        Folding is exact when the mixer reads its input only through ``fold_inputs`` and writes
+        its output only through ``fold_outputs`` (the contract of :meth:`folded`). A mixer that
+        names neither gets the modulation on its activations. Which form runs depends on shapes
+        only, never on tensor values.
+        """
+        tokens = x.numel() // x.shape[-1]
+        weights: dict[str, Tensor] = {}
+        inputs = [getattr(self, name) for name in self.fold_inputs]
+        outputs = [getattr(self, name) for name in self.fold_outputs]
+        if mod.up is not None and mod.down is not None:
+            if inputs and outputs and sum(linear.out_features for linear in inputs) < tokens:
+                for name, linear in zip(self.fold_inputs, inputs):
+                    w = linear.weight
+                    weights[f"{name}.weight"] = torch.addmm(w, w @ mod.up.to(w.dtype), mod.down.to(w.dtype))
+            else:
+                flat = x.reshape(tokens, x.shape[-1])
+                x = torch.addmm(flat, flat @ mod.down.T.to(x.dtype), mod.up.T.to(x.dtype)).view_as(x)
+        fold_gate = bool(inputs and outputs) and all(linear.in_features < tokens for linear in outputs)
+        if fold_gate:
+            for name, linear in zip(self.fold_outputs, outputs):
+                gate = mod.gate.to(linear.weight.dtype)
+                weights[f"{name}.weight"] = gate[:, None] * linear.weight
+                if linear.bias is not None:
+                    weights[f"{name}.bias"] = gate * linear.bias
+        y = functional_call(self, weights, (x, ctx, layer)) if weights else self(x, ctx, layer)
+        return y if fold_gate else mod.gate.to(y.dtype) * y
 
     def cache_bytes(self, dtype: torch.dtype) -> CacheBytes:
         """Generation-cache memory of this mixer per cache slot and sequence (nothing by default)."""
@@ -149,6 +210,15 @@ class ChannelMixer(_Mixer):
     A mixer that routes tokens (:attr:`routed`) honours ``arch.route_replay`` and may report its
     per-expert load in :meth:`end_step`, which the training module calls once per optimizer step on
     every rank.
+
+    Conditioning (eq. 4) reaches a mixer through :meth:`modulated`, called instead of ``forward``
+    in modulated layers. The default folds the adapter and gate into the Linears named in
+    ``fold_inputs`` / ``fold_outputs``; a mixer whose weights are not such Linears (e.g. experts
+    stored as one ``[E, d, h]`` tensor) names none and gets the activation form, or overrides
+    :meth:`modulated` (e.g. folding ``P`` into every expert's input weights). Either way it must
+    equal ``mod.gate * self(P x)``. Under activation checkpointing a loop's forward runs twice;
+    scratch written at loop i is written again with equal values, and auxiliary losses added
+    during the recomputation are not collected again.
     """
 
     #: Whether the mixer routes tokens to experts (and so can replay routes across loops).

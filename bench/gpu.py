@@ -1,0 +1,194 @@
+"""The GPU figures of ``bench/gpu.sh``: one CUDA device, a ``config/gpt_0.5b.yaml``-shaped model.
+
+The width, heads, vocabulary and sequence length of GPT-0.5B (d = 1152, 18 heads, 50304 tokens,
+2048 positions) at a shortened depth (``--layers``, 2/4/2 by default), conditioning on (rank 16). Prints
+
+1. bf16 training tokens/s and model FLOPs utilisation at k = 1..4, eager and with ``compile_layers``
+   (every layer compiled, as ``ELRModule(compile_layers=True)`` does), AdamW included; MFU counts
+   the model FLOPs of ``elr_lightning.flops.train_flops_per_token`` against the device's dense bf16
+   peak (``--peak_tflops``, else looked up from the device name);
+2. the peak allocated memory of a training step at each k with ``activation_checkpointing`` none
+   and loop (``torch.cuda.max_memory_allocated``);
+3. greedy decode tokens/s at each k under both cache policies (batch 1, 128-token prompt);
+4. whether a training step makes a host sync (``torch.cuda.set_sync_debug_mode("error")``).
+
+Writes ``bench/results/gpu.json``. Figures are from this run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.config import ModelConfig
+from elr_lightning.flops import train_flops_per_token
+from elr_lightning.generation import CACHE_POLICIES, stream_generate
+from elr_lightning.model import LoopedLM
+from elr_lightning.optim import param_groups
+
+#: Dense bf16 tensor-core peaks (TFLOP/s) by device-name fragment, first match wins.
+PEAKS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0}
+
+
+def peak_tflops(name: str, override: float | None) -> float | None:
+    if override is not None:
+        return override
+    return next((v for k, v in PEAKS.items() if k in name), None)
+
+
+def build(cfg: ModelConfig, compiled: bool, checkpointing: str = "none") -> LoopedLM:
+    torch.manual_seed(0)
+    model = LoopedLM(cfg, conditioner=LoopConditioner(d_cond=64, rank=16)).to("cuda")
+    model.set_backprop(checkpointing)
+    if compiled:
+        for layer in [*model.input_layers, *model.core.layers, *model.output_layers]:
+            layer.compile()
+    return model
+
+
+def train_step(model: LoopedLM, optimizer, batch: torch.Tensor, loops: int) -> torch.Tensor:
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(batch[:, :-1], loops)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def throughput(cfg, args, batch, compiled: bool) -> list[dict]:
+    model = build(cfg, compiled)
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, fused=True)
+    rows = []
+    for k in range(1, args.max_loops + 1):
+        for _ in range(args.warmup):
+            train_step(model, optimizer, batch, k)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            train_step(model, optimizer, batch, k)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        t = statistics.median(times)
+        tokens = batch.shape[0] * (batch.shape[1] - 1)
+        flops = train_flops_per_token(cfg, k, cfg.max_seq_len, adapter_rank=16) * tokens / t
+        peak = peak_tflops(torch.cuda.get_device_name(), args.peak_tflops)
+        rows.append({"compile_layers": compiled, "loops": k, "step_s": t, "tokens_per_s": tokens / t,
+                     "model_tflops": flops / 1e12, "mfu": None if peak is None else flops / 1e12 / peak})
+        mfu = "n/a" if peak is None else f"{100 * rows[-1]['mfu']:.1f}%"
+        print(f"train  compile={str(compiled):<5} k={k}  {tokens / t:>10.0f} tok/s  {flops / 1e12:7.1f} TFLOP/s  MFU {mfu}",
+              flush=True)
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return rows
+
+
+def memory(cfg, args, batch) -> list[dict]:
+    rows = []
+    for checkpointing in ("none", "loop"):
+        model = build(cfg, False, checkpointing)
+        for k in range(1, args.max_loops + 1):
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(batch[:, :-1], k)
+            F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
+            del logits
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - before
+            rows.append({"activation_checkpointing": checkpointing, "loops": k, "peak_bytes": peak})
+            print(f"memory checkpointing={checkpointing:<4} k={k}  peak {peak / 2**30:6.2f} GiB above weights", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode(cfg, args) -> list[dict]:
+    model = build(cfg, False).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (1, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    rows = []
+    for policy in ("per_loop", "last_loop"):
+        for k in range(1, args.max_loops + 1):
+            rates = []
+            for _ in range(2):  # the first run folds the conditioning for k and warms the kernels
+                cache = CACHE_POLICIES[policy](max_len=128 + args.new_tokens)
+                stream = stream_generate(model, prompt, loops=k, kv_cache=cache, max_new_tokens=args.new_tokens,
+                                         greedy=True, autocast_dtype=torch.bfloat16)
+                next(stream)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                n = sum(1 for _ in stream)
+                torch.cuda.synchronize()
+                rates.append(n / (time.perf_counter() - start))
+            rows.append({"policy": policy, "loops": k, "decode_tokens_per_s": rates[-1]})
+            print(f"decode policy={policy:<9} k={k}  {rates[-1]:8.1f} tok/s", flush=True)
+    return rows
+
+
+def sync_check(cfg, args, batch) -> str:
+    model = build(cfg, False, "loop")
+    model.set_backprop("loop", 2)
+    train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, 3)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(batch[:, :-1], 3)
+        F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
+        verdict = "none"
+    except RuntimeError as error:
+        verdict = f"SYNC: {str(error).splitlines()[0]}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    print(f"host syncs in a training forward and backward (k = 3, loop checkpointing, backprop_loops = 2): {verdict}",
+          flush=True)
+    return verdict
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, nargs=3, default=[2, 4, 2], metavar=("N_IN", "N_REC", "N_OUT"))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--max_loops", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--new_tokens", type=int, default=64)
+    parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak of the device")
+    parser.add_argument("--out", default="bench/results/gpu.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/gpu.py: no CUDA device visible to torch; run it on a machine with one GPU")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    n_in, n_rec, n_out = args.layers
+    cfg = ModelConfig(vocab_size=50304, d_model=1152, n_heads=18, n_in=n_in, n_rec=n_rec, n_out=n_out,
+                      max_seq_len=args.seq_len, max_loops=args.max_loops)
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, layers {args.layers}, "
+          f"batch {args.batch} x {args.seq_len}", flush=True)
+    batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), device="cuda")
+    started = time.perf_counter()
+    result = {"config": vars(args), "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result["sync_check"] = sync_check(cfg, args, batch)
+    result["train"] = throughput(cfg, args, batch, False) + throughput(cfg, args, batch, True)
+    result["memory"] = memory(cfg, args, batch)
+    result["decode"] = decode(cfg, args)
+    result["wall_s"] = time.perf_counter() - started
+    print(f"done in {result['wall_s']:.0f} s", flush=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

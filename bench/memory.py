@@ -1,0 +1,175 @@
+"""Peak training memory and step time per loop count k under each backward setting.
+
+Settings: ``none`` (every activation kept), ``loop`` and ``layer`` (activation checkpointing, see
+``ELRModule(activation_checkpointing=...)``) and ``bp1`` (``backprop_loops=1``: truncated
+backpropagation through the last loop). Every (setting, k) runs in a fresh process, so one case's
+allocations cannot hide another's peak:
+
+* on CUDA the allocator's own ``max_memory_allocated`` over one training step (forward and
+  backward), minus what was allocated before it (weights and their gradients);
+* on the CPU the process's peak resident set (``ru_maxrss``) over the first full-size training step
+  minus the resident set just before it, with the gradients allocated and a two-token warm-up step
+  done; the workers run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the
+  resident set. Noisier than CUDA's figure; run with ``--memory_repeats`` > 1 and read the range.
+
+Then a few more steps give the median step time (forward and backward; the optimizer costs the same
+under every setting). Ratios are printed against ``k = 1`` of the same setting (memory) and against
+``none`` at the same k (time), all from this run.
+
+    python bench/memory.py                                  # CPU defaults, k = 1, 2, 4, 8
+    python bench/memory.py --device cuda --precision bf16 --d_model 1024 --batch 8 --seq_len 1024
+
+Targets (issue: memory flat in k): ``loop`` peak at k = 8 at most 1.5x its k = 1 peak, at a step
+time at most 1.4x that of ``none``; ``bp1`` step time at k = 4 at most 0.6x that of ``none``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+
+SETTINGS = {
+    "none": {"activation_checkpointing": "none", "backprop_loops": None},
+    "loop": {"activation_checkpointing": "loop", "backprop_loops": None},
+    "layer": {"activation_checkpointing": "layer", "backprop_loops": None},
+    "bp1": {"activation_checkpointing": "none", "backprop_loops": 1},
+}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """One (setting, k) in this process: ``{"peak_bytes", "step_s": [...]}``."""
+    import torch
+    import torch.nn.functional as F
+
+    from elr_lightning.conditioning import LoopConditioner
+    from elr_lightning.config import ModelConfig
+    from elr_lightning.model import LoopedLM
+
+    torch.set_flush_denormal(True)
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    n_in, n_rec, n_out = args.layers
+    cfg = ModelConfig(
+        vocab_size=args.vocab, d_model=args.d_model, n_heads=args.n_heads, n_in=n_in, n_rec=n_rec, n_out=n_out,
+        max_seq_len=args.seq_len, max_loops=max(args.loops),
+    )
+    model = LoopedLM(cfg, conditioner=LoopConditioner() if args.conditioning else None).to(device)
+    model.set_backprop(**SETTINGS[args.setting])
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext()
+
+    def step() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with autocast:
+            logits = model(batch[:, :-1], args.k)
+        F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    with autocast:  # warm-up on two tokens: lazy library state is allocated outside the measured step
+        F.cross_entropy(model(batch[:1, :2], args.k).flatten(0, 1).float(), batch[:1, 1:3].flatten()).backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        before = _rss_bytes()
+        step()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    times = [step() for _ in range(args.steps)]
+    return {"peak_bytes": peak, "step_s": times}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--d_model", type=int, default=128)
+    parser.add_argument("--n_heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--layers", type=int, nargs=3, default=[2, 4, 2], metavar=("N_IN", "N_REC", "N_OUT"))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--loops", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--conditioning", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps after the measured one")
+    parser.add_argument("--memory_repeats", type=int, default=1, help="fresh processes per (setting, k)")
+    parser.add_argument("--out", default="bench/results/memory.json")
+    parser.add_argument("--setting", help=argparse.SUPPRESS)
+    parser.add_argument("--k", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.setting is not None:
+        print(json.dumps(worker(args)))
+        return
+
+    passthrough, skip = [], False
+    for arg in sys.argv[1:]:  # the workers take every option but --out
+        if not skip and not arg.startswith("--out"):
+            passthrough.append(arg)
+        skip = arg == "--out"
+    cases: dict[tuple[str, int], dict] = {}
+    for repeat in range(args.memory_repeats):  # interleaved, so drift hits every case alike
+        for k in args.loops:
+            for setting in args.settings:
+                cmd = [sys.executable, __file__, *passthrough, "--setting", setting, "--k", str(k)]
+                env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+                result = json.loads(out.strip().splitlines()[-1])
+                case = cases.setdefault((setting, k), {"peak_bytes": [], "step_s": []})
+                case["peak_bytes"].append(result["peak_bytes"])
+                case["step_s"].extend(result["step_s"])
+    rows = []
+    print(f"{'setting':<8}{'k':>3}{'peak MiB (min-max)':>22}{'vs k=1':>9}{'ms/step':>10}{'vs none':>9}")
+    for setting in args.settings:
+        for k in args.loops:
+            case = cases[(setting, k)]
+            peak = statistics.median(case["peak_bytes"])
+            first = statistics.median(cases[(setting, args.loops[0])]["peak_bytes"])
+            t = statistics.median(case["step_s"])
+            ref = cases.get(("none", k))
+            vs_none = t / statistics.median(ref["step_s"]) if ref else float("nan")
+            lo, hi = min(case["peak_bytes"]) / 2**20, max(case["peak_bytes"]) / 2**20
+            rows.append({
+                "setting": setting, "loops": k, "peak_bytes": case["peak_bytes"], "peak_vs_k1": peak / first,
+                "step_s": case["step_s"], "median_step_s": t, "time_vs_none": vs_none,
+            })
+            print(f"{setting:<8}{k:>3}{f'{peak / 2**20:.1f} ({lo:.1f}-{hi:.1f})':>22}{peak / first:>9.2f}"
+                  f"{1e3 * t:>10.1f}{vs_none:>9.2f}")
+    by = {(r["setting"], r["loops"]): r for r in rows}
+    summary = {}
+    if ("loop", 8) in by and ("loop", 1) in by:
+        summary["loop_peak_k8_over_k1"] = by[("loop", 8)]["peak_vs_k1"]
+        summary["loop_time_k8_over_none"] = by[("loop", 8)]["time_vs_none"]
+    if ("bp1", 4) in by and ("none", 4) in by:
+        summary["bp1_time_k4_over_none"] = by[("bp1", 4)]["time_vs_none"]
+    for name, value in summary.items():
+        print(f"{name}: {value:.3f}")
+    print("targets: loop_peak_k8_over_k1 <= 1.5, loop_time_k8_over_none <= 1.4, bp1_time_k4_over_none <= 0.6")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"config": vars(args), "rows": rows, "summary": summary}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

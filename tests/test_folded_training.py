@@ -1,0 +1,108 @@
+"""Eq. (4) folded into the sublayer weights per loop: the same function and gradients as applying it to
+the activations (the reference ``Modulator.pre`` / ``post``), for attention, SwiGLU and GatedDeltaProduct."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import GQA_CONFIG, perturbed_model
+from elr_lightning.conditioning import FiLMAdapterModulator
+from elr_lightning.model import LoopedLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+HYBRID = replace(
+    GQA_CONFIG,
+    token_pattern={"in": ["gdp"], "rec": ["gdp", "attention"], "out": ["attention"]},
+    mixers={"gdp": {"class_path": "elr_lightning.mixers.GatedDeltaProduct", "init_args": {"chunk_size": 8}}},
+)
+
+
+def loss_and_grads(model: LoopedLM, ids: torch.Tensor, loops: int, mask: torch.Tensor | None = None):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids[:, :-1], loops, None if mask is None else mask[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every modulator apply eq. (4) to the activations (the implementation before folding)."""
+
+    def unfoldable(self, c):
+        raise NotImplementedError
+
+    monkeypatch.setattr(FiLMAdapterModulator, "modulation", unfoldable)
+
+
+@pytest.mark.parametrize("config", [GQA_CONFIG, HYBRID], ids=["attention", "hybrid"])
+@pytest.mark.parametrize("loops", [1, 3])
+@pytest.mark.parametrize("shape", [(2, 17), (6, 64)], ids=["activation-form", "weight-form"])
+def test_folded_gradients_equal_the_activation_form(
+    config, loops: int, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """32 tokens: every mixer's projections are wider than the batch, so P and the gate act on the
+    activations; 378 tokens: all are folded into the weights (Mixer.modulated picks by shape)."""
+    model = perturbed_model(config).train()
+    ids = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(loops))
+    loss, grads = loss_and_grads(model, ids, loops)
+    reference(monkeypatch)
+    ref_loss, ref_grads = loss_and_grads(model, ids, loops)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    assert any(n.endswith("attn_mod.g.weight") for n in grads)  # the adapter gate is trained
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], atol=2e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_folded_gradients_equal_with_padding(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = perturbed_model(HYBRID).train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    loss, grads = loss_and_grads(model, ids, 2, mask)
+    reference(monkeypatch)
+    ref_loss, ref_grads = loss_and_grads(model, ids, 2, mask)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], atol=2e-5, rtol=1e-4)
+
+
+def test_cached_decoding_serves_folded_weights_and_refolds_after_an_update() -> None:
+    from elr_lightning.generation import generate
+
+    model = perturbed_model(GQA_CONFIG)
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(loops=3, kv_cache="per_loop", max_new_tokens=6, greedy=True, output_logits=True)
+    served = generate(model, prompt, **kwargs)
+    assert set(model._served[2]) == {3}
+    model.serve_folded = False
+    plain = generate(model, prompt, **kwargs)
+    torch.testing.assert_close(served.logits, plain.logits, atol=1e-4, rtol=0)
+    model.serve_folded = True
+    with torch.no_grad():
+        model.core.layers[0].attn_mod.omega.bias.add_(0.5)  # an optimizer step would do this in place
+    changed = generate(model, prompt, **kwargs)
+    model.serve_folded = False
+    torch.testing.assert_close(changed.logits, generate(model, prompt, **kwargs).logits, atol=1e-4, rtol=0)
+    assert not torch.allclose(changed.logits, served.logits, atol=1e-3)
+
+
+def test_served_folds_are_rebuilt_when_a_parameter_is_replaced() -> None:
+    from elr_lightning.generation import generate
+
+    model = perturbed_model(GQA_CONFIG)
+    prompt = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(loops=2, kv_cache="last_loop", max_new_tokens=3, greedy=True, output_logits=True)
+    before = generate(model, prompt, **kwargs).logits
+    assert generate(model, prompt, **kwargs).logits.equal(before)  # served from the same fold
+    weight = model.output_layers[0].mlp_mod.omega.bias
+    model.output_layers[0].mlp_mod.omega.bias = torch.nn.Parameter(weight.detach() + 1.0)
+    after = generate(model, prompt, **kwargs).logits
+    model.serve_folded = False
+    torch.testing.assert_close(after, generate(model, prompt, **kwargs).logits, atol=1e-4, rtol=0)
+    assert not torch.allclose(after, before, atol=1e-3)
