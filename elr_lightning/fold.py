@@ -23,7 +23,7 @@ sequence of the non-recurrent baseline plus the state update.
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import TYPE_CHECKING, MutableMapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -32,7 +32,10 @@ from typing_extensions import override
 from elr_lightning.cache import KVCache
 from elr_lightning.config import ModelConfig
 from elr_lightning.layers import Block
-from elr_lightning.model import LoopedLM, RecurrentCore
+from elr_lightning.core import LoopedForward, RecurrentCore
+
+if TYPE_CHECKING:  # the model serves cached decoding through this module
+    from elr_lightning.model import LoopedLM
 
 __all__ = ["FoldedLM", "fold_conditioning"]
 
@@ -56,7 +59,7 @@ class _FoldedCore(nn.Module):
         return self.per_loop[loop - 1]
 
 
-class FoldedLM(nn.Module):
+class FoldedLM(LoopedForward):
     """An inference-only :class:`LoopedLM` at one loop count k, with conditioning folded in.
 
     ``forward(input_ids, loops, attention_mask, cache)`` is :meth:`LoopedLM.forward` at
@@ -70,10 +73,6 @@ class FoldedLM(nn.Module):
         recurrent_layers: One list of ``n_rec`` plain blocks per loop ``1..k``.
         output_layers: The ``n_out`` plain output blocks (folded with c_k).
     """
-
-    #: RoPE tables, the causal/padding mask and the loop context, exactly as :class:`LoopedLM`'s.
-    positions = LoopedLM.positions
-    loop_context = LoopedLM.loop_context
 
     def __init__(
         self, source: LoopedLM, loops: int, recurrent_layers: list[list[Block]], output_layers: list[Block]
@@ -96,7 +95,7 @@ class FoldedLM(nn.Module):
         loops: int,
         attention_mask: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
-        aux_losses: Optional[dict[str, Tensor]] = None,
+        aux_losses: Optional[MutableMapping[str, Tensor]] = None,
     ) -> Tensor:
         """Logits ``[B, T, vocab]``, as :meth:`LoopedLM.forward` at ``loops`` (which must be k).
 
@@ -105,7 +104,7 @@ class FoldedLM(nn.Module):
         """
         if loops != self.loops:
             raise ValueError(f"this model is folded for loops={self.loops}, called with loops={loops}; fold again")
-        return LoopedLM.run(self, input_ids, loops, attention_mask, cache, aux_losses)
+        return self.run(input_ids, loops, attention_mask, cache, aux_losses)
 
 
 def _fold_block(block: Block, c: Tensor) -> Block:

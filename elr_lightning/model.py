@@ -3,81 +3,21 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, MutableMapping, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
 from elr_lightning.cache import KVCache
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
-from elr_lightning.context import LoopContext, Positions
-from elr_lightning.layers import Block, Modulator, Rotary
+from elr_lightning.core import CHECKPOINTING, LoopedForward, RecurrentCore, blocks
+from elr_lightning.fold import fold_conditioning
+from elr_lightning.layers import Rotary
 from elr_lightning.roles import Role, role_table
 from elr_lightning.updates import AdaptiveDelta, NonRecurrent, StateUpdate
-
-
-class RecurrentCore(nn.Module):
-    """The shared block R_theta with its state update and conditioner; ``forward`` runs all k loops.
-
-    Keeping the whole k-loop inside one module's ``forward`` lets a sharding strategy wrap it as a
-    single unit, so ranks running different k issue the same collectives (DESIGN §6).
-    """
-
-    def __init__(
-        self, config: ModelConfig, update: StateUpdate, conditioner: Optional[Conditioner]
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.update = update
-        self.conditioner = conditioner
-        self.layers = _blocks(config, "rec", conditioner)
-        #: ``none``, ``loop`` or ``layer``: what the backward pass recomputes (see :meth:`LoopedLM.set_backprop`).
-        self.checkpointing = "none"
-        #: Backpropagate through the last this many loops only (``None``: all).
-        self.backprop_loops: Optional[int] = None
-
-    def forward(self, h_in: Tensor, ctx: LoopContext) -> tuple[Tensor, Optional[Tensor]]:
-        """Run ``ctx.loops`` passes (DESIGN §2); return the final state s_k and the last context c_k.
-
-        With gradients on, loops before the last :attr:`backprop_loops` run without a graph
-        (truncated backpropagation: their state enters the later loops as a constant, while the
-        injected input h_in still gets the later loops' gradients), and under ``loop``
-        checkpointing each tracked loop keeps only its input state and recomputes the rest in the
-        backward pass. c_k is returned as a fresh tensor, not a view, since sharding wrappers refuse
-        views as outputs.
-        """
-        s = self.update.init(h_in)
-        c = None
-        tracked = torch.is_grad_enabled()
-        first = 1 if self.backprop_loops is None else ctx.loops - self.backprop_loops + 1
-        for i in range(1, ctx.loops + 1):
-            if self.conditioner is not None:
-                c = self.conditioner(i, ctx.loops, ctx.max_loops, h_in)
-            loop_ctx = ctx.at(i, c)
-            if tracked and i < first:
-                with torch.no_grad():
-                    s = self.loop(s, h_in, loop_ctx)
-            elif tracked and self.checkpointing == "loop":
-                s = checkpoint(self.loop, s, h_in, loop_ctx, use_reentrant=False, preserve_rng_state=False)
-            else:
-                s = self.loop(s, h_in, loop_ctx)
-        return s, None if c is None else c.clone()
-
-    def loop(self, s: Tensor, h_in: Tensor, ctx: LoopContext) -> Tensor:
-        """One pass of loop ``ctx.loop``: inject h_in into s_{i-1}, run the layers, update to s_i."""
-        s_tilde = self.update.inject(s, h_in)
-        r = s_tilde
-        for layer in self.layers_at(ctx.loop):
-            r = run_layer(layer, r, ctx, self.checkpointing == "layer")
-        return self.update(s, r, s_tilde)
-
-    def layers_at(self, loop: int) -> nn.ModuleList:
-        """The layers loop ``loop`` runs: the same shared ones at every loop."""
-        return self.layers
-
 
 #: Parameters registered on any module so far (a module-registration hook counts them), so
 #: :meth:`LoopedLM._folded` notices replaced parameters without walking the modules per call.
@@ -91,36 +31,7 @@ def _count_registration(module: nn.Module, name: str, param: Optional[nn.Paramet
 torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 
 
-def run_layer(layer: nn.Module, x: Tensor, ctx: LoopContext, recompute: bool) -> Tensor:
-    """``layer(x, ctx)``; with ``recompute`` and gradients on, its activations are recomputed in the backward pass.
-
-    The forward pass draws no random numbers, so the RNG state is not saved for the recomputation.
-    """
-    if recompute and torch.is_grad_enabled():
-        return checkpoint(layer, x, ctx, use_reentrant=False, preserve_rng_state=False)
-    return layer(x, ctx)
-
-
-#: The ``activation_checkpointing`` settings of :meth:`LoopedLM.set_backprop`.
-CHECKPOINTING = ("none", "loop", "layer")
-
-
-def _modulators(conditioner: Optional[Conditioner], config: ModelConfig) -> Optional[tuple[Modulator, Modulator]]:
-    if conditioner is None:
-        return None
-    return conditioner.make_modulator(config.d_model), conditioner.make_modulator(config.d_model)
-
-
-def _blocks(config: ModelConfig, block: str, conditioner: Optional[Conditioner]) -> nn.ModuleList:
-    """The layers of ``block`` (``in``, ``rec``, ``out``) with their mixers from the patterns."""
-    n = {"in": config.n_in, "rec": config.n_rec, "out": config.n_out}[block]
-    return nn.ModuleList(
-        Block(config, config.layer_index(block, j), *config.layer_mixers(block, j), _modulators(conditioner, config))
-        for j in range(n)
-    )
-
-
-class LoopedLM(nn.Module):
+class LoopedLM(LoopedForward):
     """A latent-recurrent LM whose compute is chosen per call by the loop count k.
 
     ``forward(input_ids, loops)`` runs ``D_eff(k) = L_in + k L_rec + L_out`` layers (eq. 1); at
@@ -143,9 +54,9 @@ class LoopedLM(nn.Module):
         update = AdaptiveDelta() if update is None else update
         update.build(config.d_model)
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.input_layers = _blocks(config, "in", None)
+        self.input_layers = blocks(config, "in", None)
         self.core = RecurrentCore(config, update, conditioner)
-        self.output_layers = _blocks(config, "out", conditioner)
+        self.output_layers = blocks(config, "out", conditioner)
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -272,43 +183,6 @@ class LoopedLM(nn.Module):
         if missing:
             raise ValueError(f"init_weights has no decision for parameters {missing}; tag them with set_role")
 
-    def positions(
-        self, batch: int, length: int, device: torch.device, attention_mask: Optional[Tensor], offset: int
-    ) -> Positions:
-        """RoPE tables, causal/padding mask and padding for ``length`` new tokens after ``offset`` cached ones."""
-        end = offset + length
-        if end > self.config.max_seq_len:
-            raise ValueError(
-                f"sequence of {end} tokens exceeds arch.max_seq_len={self.config.max_seq_len} (the RoPE "
-                "table); raise arch.max_seq_len or use shorter sequences (data.seq_len)"
-            )
-        cos, sin = self.rotary(offset, length)
-        if attention_mask is None and offset == 0:
-            return Positions(cos, sin, None, True, None, offset)
-        q_pos = torch.arange(offset, end, device=device)[:, None]
-        k_pos = torch.arange(end, device=device)[None, :]
-        mask = (k_pos <= q_pos)[None, None]
-        if attention_mask is not None:
-            if attention_mask.shape != (batch, end):
-                raise ValueError(
-                    f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(batch, end)} "
-                    "(cached plus new tokens)"
-                )
-            mask = mask & attention_mask.bool()[:, None, None, :]
-            mask = mask | (k_pos == q_pos)[None, None]
-            padding = attention_mask[:, offset:].bool()
-            return Positions(cos, sin, mask, False, padding, offset)  # no host read of the mask
-        return Positions(cos, sin, mask, False, None, offset)
-
-    def loop_context(
-        self, input_ids: Tensor, loops: int, attention_mask: Optional[Tensor] = None, cache: Optional[KVCache] = None
-    ) -> LoopContext:
-        """The loop context of a forward pass over ``input_ids`` at loop ``0`` (the input block)."""
-        b, t = input_ids.shape
-        offset = 0 if cache is None else cache.offset
-        positions = self.positions(b, t, input_ids.device, attention_mask, offset)
-        return LoopContext(positions, loops, self.config.max_loops, cache=cache)
-
     def forward(
         self,
         input_ids: Tensor,
@@ -331,7 +205,8 @@ class LoopedLM(nn.Module):
         :func:`~elr_lightning.fold.fold_conditioning`'s folded layers for ``loops``, built on the first
         such call and kept while no parameter changes (their version counters are compared; no
         device read): decoding then costs what the unconditioned model costs, and holds the recurrent
-        layers once per loop of every k served. Set :attr:`serve_folded` to False to decode unfolded.
+        layers once per loop of every k served. Set :attr:`serve_folded` to False to decode unfolded;
+        a model that cannot be folded (a mixer or modulator without a fold) decodes unfolded, saying so once.
         """
         if loops < 1:
             raise ValueError(f"loops={loops} must be >= 1")
@@ -343,7 +218,13 @@ class LoopedLM(nn.Module):
             and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
         ):
-            return self._folded(loops)(input_ids, loops, attention_mask, cache, aux_losses)
+            try:
+                folded = self._folded(loops)
+            except NotImplementedError as err:  # e.g. a mixture of experts or a modulator without affine()
+                warnings.warn(f"decoding unfolded: {err}", stacklevel=2)
+                self.serve_folded = False
+            else:
+                return folded(input_ids, loops, attention_mask, cache, aux_losses)
         return self.run(input_ids, loops, attention_mask, cache, aux_losses)
 
     def _folded(self, loops: int) -> nn.Module:
@@ -352,8 +233,6 @@ class LoopedLM(nn.Module):
         The parameters are listed once per build (walking the modules costs more than a decode
         step's Python); a parameter registered anywhere since (``_REGISTRATIONS``) lists them again.
         """
-        from elr_lightning.fold import fold_conditioning  # fold builds on this module
-
         key, params, served = self._served
         if key and key[0] == _REGISTRATIONS[0]:
             current = (_REGISTRATIONS[0], *((id(p), p.data_ptr(), p._version) for p in params))
@@ -367,29 +246,3 @@ class LoopedLM(nn.Module):
             current = (_REGISTRATIONS[0], *current[1:])  # the fold registered its own (new) parameters
         self._served = (current, params, served)
         return served[loops]
-
-    def run(
-        self,
-        input_ids: Tensor,
-        loops: int = 1,
-        attention_mask: Optional[Tensor] = None,
-        cache: Optional[KVCache] = None,
-        aux_losses: Optional[MutableMapping[str, Tensor]] = None,
-    ) -> Tensor:
-        """The forward pass of :meth:`forward` over this model's own layers (never the folded ones)."""
-        if loops < 1:
-            raise ValueError(f"loops={loops} must be >= 1")
-        ctx = self.loop_context(input_ids, loops, attention_mask, cache)
-        x = self.embed(input_ids)
-        per_layer = self.core.checkpointing == "layer"
-        for layer in self.input_layers:
-            x = run_layer(layer, x, ctx, per_layer)
-        s, c = self.core(x, ctx)
-        out_ctx = ctx.at(0, c)
-        for layer in self.output_layers:
-            s = run_layer(layer, s, out_ctx, per_layer)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])
-        if aux_losses is not None:
-            aux_losses.update(ctx.aux_losses)
-        return self.head(self.norm(s))

@@ -1,0 +1,189 @@
+"""The recurrent core and the forward pass that a looped model and its folded copies share.
+
+:class:`RecurrentCore` runs the k loops of the shared block (DESIGN §2); :class:`LoopedForward`
+runs embedding, input block, core, output block and head over whatever layers a model holds, so
+:class:`~elr_lightning.model.LoopedLM` and :class:`~elr_lightning.fold.FoldedLM` compute the same
+function with the same cache numbering.
+"""
+
+from __future__ import annotations
+
+from typing import MutableMapping, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from elr_lightning.cache import KVCache
+from elr_lightning.conditioning import Conditioner
+from elr_lightning.config import ModelConfig
+from elr_lightning.context import LoopContext, Positions
+from elr_lightning.layers import Block, Modulator, Rotary
+from elr_lightning.updates import StateUpdate
+
+
+class RecurrentCore(nn.Module):
+    """The shared block R_theta with its state update and conditioner; ``forward`` runs all k loops.
+
+    Keeping the whole k-loop inside one module's ``forward`` lets a sharding strategy wrap it as a
+    single unit, so ranks running different k issue the same collectives (DESIGN §6).
+    """
+
+    def __init__(
+        self, config: ModelConfig, update: StateUpdate, conditioner: Optional[Conditioner]
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.update = update
+        self.conditioner = conditioner
+        self.layers = blocks(config, "rec", conditioner)
+        #: ``none``, ``loop`` or ``layer``: what the backward pass recomputes (see :meth:`LoopedLM.set_backprop`).
+        self.checkpointing = "none"
+        #: Backpropagate through the last this many loops only (``None``: all).
+        self.backprop_loops: Optional[int] = None
+
+    def forward(self, h_in: Tensor, ctx: LoopContext) -> tuple[Tensor, Optional[Tensor]]:
+        """Run ``ctx.loops`` passes (DESIGN §2); return the final state s_k and the last context c_k.
+
+        With gradients on, loops before the last :attr:`backprop_loops` run without a graph
+        (truncated backpropagation: their state enters the later loops as a constant, while the
+        injected input h_in still gets the later loops' gradients), and under ``loop``
+        checkpointing each tracked loop keeps only its input state and recomputes the rest in the
+        backward pass. c_k is returned as a fresh tensor, not a view, since sharding wrappers refuse
+        views as outputs.
+        """
+        s = self.update.init(h_in)
+        c = None
+        tracked = torch.is_grad_enabled()
+        first = 1 if self.backprop_loops is None else ctx.loops - self.backprop_loops + 1
+        for i in range(1, ctx.loops + 1):
+            if self.conditioner is not None:
+                c = self.conditioner(i, ctx.loops, ctx.max_loops, h_in)
+            loop_ctx = ctx.at(i, c)
+            if tracked and i < first:
+                with torch.no_grad():
+                    s = self.loop(s, h_in, loop_ctx)
+            elif tracked and self.checkpointing == "loop":
+                s = checkpoint(self.loop, s, h_in, loop_ctx, use_reentrant=False, preserve_rng_state=False)
+            else:
+                s = self.loop(s, h_in, loop_ctx)
+        return s, None if c is None else c.clone()
+
+    def loop(self, s: Tensor, h_in: Tensor, ctx: LoopContext) -> Tensor:
+        """One pass of loop ``ctx.loop``: inject h_in into s_{i-1}, run the layers, update to s_i."""
+        s_tilde = self.update.inject(s, h_in)
+        r = s_tilde
+        for layer in self.layers_at(ctx.loop):
+            r = run_layer(layer, r, ctx, self.checkpointing == "layer")
+        return self.update(s, r, s_tilde)
+
+    def layers_at(self, loop: int) -> nn.ModuleList:
+        """The layers loop ``loop`` runs: the same shared ones at every loop."""
+        return self.layers
+
+
+def run_layer(layer: nn.Module, x: Tensor, ctx: LoopContext, recompute: bool) -> Tensor:
+    """``layer(x, ctx)``; with ``recompute`` and gradients on, its activations are recomputed in the backward pass.
+
+    The forward pass draws no random numbers, so the RNG state is not saved for the recomputation.
+    """
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(layer, x, ctx, use_reentrant=False, preserve_rng_state=False)
+    return layer(x, ctx)
+
+
+#: The ``activation_checkpointing`` settings of :meth:`LoopedLM.set_backprop`.
+CHECKPOINTING = ("none", "loop", "layer")
+
+
+def _modulators(conditioner: Optional[Conditioner], config: ModelConfig) -> Optional[tuple[Modulator, Modulator]]:
+    if conditioner is None:
+        return None
+    return conditioner.make_modulator(config.d_model), conditioner.make_modulator(config.d_model)
+
+
+def blocks(config: ModelConfig, block: str, conditioner: Optional[Conditioner]) -> nn.ModuleList:
+    """The layers of ``block`` (``in``, ``rec``, ``out``) with their mixers from the patterns."""
+    n = {"in": config.n_in, "rec": config.n_rec, "out": config.n_out}[block]
+    return nn.ModuleList(
+        Block(config, config.layer_index(block, j), *config.layer_mixers(block, j), _modulators(conditioner, config))
+        for j in range(n)
+    )
+
+
+class LoopedForward(nn.Module):
+    """The forward pass of a looped LM over the layers it holds (eq. 1: L_in + k L_rec + L_out layers).
+
+    A subclass sets ``config`` (:class:`ModelConfig`), ``embed``, ``input_layers``, ``core`` (a
+    module whose ``forward(h_in, ctx)`` returns ``(s_k, c_k)``), ``output_layers``, ``norm``,
+    ``head`` and ``rotary`` (:class:`Rotary`).
+    """
+
+    config: ModelConfig
+    rotary: Rotary
+
+    def positions(
+        self, batch: int, length: int, device: torch.device, attention_mask: Optional[Tensor], offset: int
+    ) -> Positions:
+        """RoPE tables, causal/padding mask and padding for ``length`` new tokens after ``offset`` cached ones."""
+        end = offset + length
+        if end > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence of {end} tokens exceeds arch.max_seq_len={self.config.max_seq_len} (the RoPE "
+                "table); raise arch.max_seq_len or use shorter sequences (data.seq_len)"
+            )
+        cos, sin = self.rotary(offset, length)
+        if attention_mask is None and offset == 0:
+            return Positions(cos, sin, None, True, None, offset)
+        q_pos = torch.arange(offset, end, device=device)[:, None]
+        k_pos = torch.arange(end, device=device)[None, :]
+        mask = (k_pos <= q_pos)[None, None]
+        if attention_mask is not None:
+            if attention_mask.shape != (batch, end):
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(batch, end)} "
+                    "(cached plus new tokens)"
+                )
+            mask = mask & attention_mask.bool()[:, None, None, :]
+            mask = mask | (k_pos == q_pos)[None, None]
+            padding = attention_mask[:, offset:].bool()
+            return Positions(cos, sin, mask, False, padding, offset)  # no host read of the mask
+        return Positions(cos, sin, mask, False, None, offset)
+
+    def loop_context(
+        self, input_ids: Tensor, loops: int, attention_mask: Optional[Tensor] = None, cache: Optional[KVCache] = None
+    ) -> LoopContext:
+        """The loop context of a forward pass over ``input_ids`` at loop ``0`` (the input block)."""
+        b, t = input_ids.shape
+        offset = 0 if cache is None else cache.offset
+        positions = self.positions(b, t, input_ids.device, attention_mask, offset)
+        return LoopContext(positions, loops, self.config.max_loops, cache=cache)
+
+    def run(
+        self,
+        input_ids: Tensor,
+        loops: int = 1,
+        attention_mask: Optional[Tensor] = None,
+        cache: Optional[KVCache] = None,
+        aux_losses: Optional[MutableMapping[str, Tensor]] = None,
+    ) -> Tensor:
+        """Logits ``[B, T, vocab]`` of ``input_ids`` at ``loops``, over this module's own layers.
+
+        Args and padding/cache semantics as :meth:`elr_lightning.model.LoopedLM.forward`.
+        """
+        if loops < 1:
+            raise ValueError(f"loops={loops} must be >= 1")
+        ctx = self.loop_context(input_ids, loops, attention_mask, cache)
+        x = self.embed(input_ids)
+        per_layer = self.core.checkpointing == "layer"
+        for layer in self.input_layers:
+            x = run_layer(layer, x, ctx, per_layer)
+        s, c = self.core(x, ctx)
+        out_ctx = ctx.at(0, c)
+        for layer in self.output_layers:
+            s = run_layer(layer, s, out_ctx, per_layer)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        if aux_losses is not None:
+            aux_losses.update(ctx.aux_losses)
+        return self.head(self.norm(s))
