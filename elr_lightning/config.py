@@ -136,12 +136,15 @@ class ModelConfig:
         from elr_lightning.mixers.base import ChannelMixer, TokenMixer
 
         if not isinstance(self.mixers, dict):
-            raise ValueError(f"arch.mixers={self.mixers!r} must be a mapping {{name: class_path or {{class_path, init_args}}}}")
+            raise ValueError(
+                f"arch.mixers={self.mixers!r} must be a mapping {{name: class_path or {{class_path, init_args}}}}"
+            )
         for field_name, base in (("token_pattern", TokenMixer), ("channel_pattern", ChannelMixer)):
             value = getattr(self, field_name)
             if isinstance(value, dict) and set(value) - set(BLOCKS):
                 raise ValueError(
-                    f"arch.{field_name} has keys {sorted(set(value) - set(BLOCKS))}; a per-block pattern takes keys {list(BLOCKS)}"
+                    f"arch.{field_name} has keys {sorted(set(value) - set(BLOCKS))}; "
+                    f"a per-block pattern takes keys {list(BLOCKS)}"
                 )
             for block, n in zip(BLOCKS, (self.n_in, self.n_rec, self.n_out)):
                 where = f"arch.{field_name}.{block}" if isinstance(value, dict) else f"arch.{field_name}"

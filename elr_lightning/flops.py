@@ -132,8 +132,9 @@ def forward_flops_per_token(
 ) -> float:
     """Forward FLOPs per token at loop count ``loops``.
 
-    ``F_in + k (F_rec + F_gate) + F_out + F_head`` (each ``F_block`` is :func:`block_flops_per_token`,
-    ``(L_in + L_out) F_layer + k (L_rec F_layer + F_gate) + F_head`` for a single-mixer model) where ``F_gate = 2 d^2`` is
+    ``F_in + k (F_rec + F_gate) + F_out + F_head`` (each ``F_block`` is :func:`block_flops_per_token`;
+    ``(L_in + L_out) F_layer + k (L_rec F_layer + F_gate) + F_head`` for a single-mixer model) where
+    ``F_gate = 2 d^2`` is
     the adaptive-delta gate ``W_beta`` (eq. 2) and ``F_head = 2 d V`` the LM head. Adapters
     (``adapter_rank > 0``) are counted on the recurrent and output layers, which carry them (eq. 4).
 
@@ -150,7 +151,9 @@ def forward_flops_per_token(
     _check(loops=loops)
     gate_flops = 2.0 * config.d_model**2 if gate else 0.0
     head = 2.0 * config.d_model * config.vocab_size
-    blocks = {b: block_flops_per_token(config, b, seq_len, 0 if b == "in" else adapter_rank) for b in ("in", "rec", "out")}
+    blocks = {
+        b: block_flops_per_token(config, b, seq_len, 0 if b == "in" else adapter_rank) for b in ("in", "rec", "out")
+    }
     return blocks["in"] + loops * (blocks["rec"] + gate_flops) + blocks["out"] + head
 
 

@@ -20,14 +20,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ATOL, RTOL = 2e-5, 1e-4
 
 
-def token_by_token(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, n: int, state: Tensor) -> tuple[Tensor, Tensor]:
+def token_by_token(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, n: int, state: Tensor
+) -> tuple[Tensor, Tensor]:
     """The recurrence as written: decay, then n steps S <- S - b k (k^T S) + b k v^T, then o = S^T q."""
     outs = []
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[..., None, None]
         for j in range(n):
             kk, vv, bb = k[:, t * n + j], v[:, t * n + j], beta[:, t * n + j][..., None, None]
-            state = state - bb * kk[..., :, None] * (kk[..., None, :] @ state) + bb * kk[..., :, None] * vv[..., None, :]
+            state = state - bb * kk[..., :, None] * (kk[..., None, :] @ state)
+            state = state + bb * kk[..., :, None] * vv[..., None, :]
         outs.append((q[:, t, ..., None] * state).sum(-2))
     return torch.stack(outs, 1), state
 
@@ -114,7 +117,8 @@ def test_left_padding_does_not_leak_into_the_state() -> None:
 
 @pytest.mark.parametrize("name, value", [("num_householder", 0), ("conv_size", 0), ("kernels", "cuda")])
 def test_bad_gdp_arguments_name_the_field(name: str, value: object) -> None:
-    cfg = hybrid_config(mixers={"gdp": {"class_path": "elr_lightning.mixers.GatedDeltaProduct", "init_args": {name: value}}})
+    spec = {"class_path": "elr_lightning.mixers.GatedDeltaProduct", "init_args": {name: value}}
+    cfg = hybrid_config(mixers={"gdp": spec})
     with pytest.raises(ValueError, match=rf"arch.mixers.gdp.init_args.*{name}") as err:
         LoopedLM(cfg)
     assert "\n" not in str(err.value)

@@ -174,7 +174,7 @@ def test_test_and_predict_report_every_k(tmp_path):
 def test_compiled_layers_match_eager(tmp_path, pattern):
     """``compile_layers`` compiles each layer once; one graph serves every k and matches eager."""
     torch.manual_seed(0)
-    arch = tiny_config(vocab_size=256, token_pattern={"in": pattern, "rec": pattern})
+    arch = tiny_config(vocab_size=256, token_pattern={"rec": pattern})
     eager = ELRModule(arch=arch, conditioner=LoopConditioner(d_cond=8, rank=2))
     compiled = ELRModule(arch=arch, conditioner=LoopConditioner(d_cond=8, rank=2), compile_layers=True)
     compiled.load_state_dict(eager.state_dict())

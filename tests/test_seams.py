@@ -82,7 +82,8 @@ def test_layer_numbering_is_one_place() -> None:
     indices = [b.index for b in (*model.input_layers, *model.core.layers, *model.output_layers)]
     assert indices == list(range(6))
     calls = list(cfg.layer_calls(2))
-    assert [(layer, loop) for layer, loop, _ in calls] == [(0, 0), (1, 0), (2, 1), (3, 1), (4, 1), (2, 2), (3, 2), (4, 2), (5, 0)]
+    expected = [(0, 0), (1, 0), (2, 1), (3, 1), (4, 1), (2, 2), (3, 2), (4, 2), (5, 0)]
+    assert [(layer, loop) for layer, loop, _ in calls] == expected
 
 
 def test_user_token_mixer_by_class_path_and_pattern() -> None:
@@ -157,3 +158,63 @@ def test_dense_model_output_is_unchanged_by_the_seams() -> None:
         first = model(x[:, :6], 3, cache=cache)
         rest = model(x[:, 6:], 3, cache=cache)
     assert torch.allclose(torch.cat((first, rest), 1), full, atol=1e-5)
+
+
+def _readme_block(language: str, first_line: str) -> str:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(rf"```{language}\n(.*?)```", readme, flags=re.S)
+    return next(b for b in blocks if b.startswith(first_line))
+
+
+@pytest.mark.slow
+def test_the_readme_mixer_trains_from_yaml_and_decodes(tmp_path, monkeypatch) -> None:
+    """The README's user mixer, from its own package, trained by ``elr fit`` from the README's YAML."""
+    import sys
+
+    import yaml
+
+    from elr_lightning.cli import main
+    from elr_lightning.generation import generate, load_model
+
+    (tmp_path / "my_lab").mkdir()
+    (tmp_path / "my_lab" / "__init__.py").write_text("")
+    (tmp_path / "my_lab" / "mixers.py").write_text(_readme_block("python", "# my_lab/mixers.py"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "my_lab" or m.startswith("my_lab.")]:  # another test's my_lab
+        monkeypatch.delitem(sys.modules, name)
+    head = "model:\n  class_path: elr_lightning.ELRModule\n  init_args:\n    arch:"
+    arch = yaml.safe_load(_readme_block("yaml", head))
+    arch = arch["model"]["init_args"]["arch"]
+    arch.update(vocab_size=256, d_model=32, n_heads=2, n_in=2, n_rec=2, n_out=2, max_seq_len=32, max_loops=2)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 200)
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "max_steps": 3, "limit_val_batches": 1, "val_check_interval": 3,
+                    "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
+                    "default_root_dir": str(tmp_path / "run")},
+        "model": {"class_path": "elr_lightning.ELRModule", "init_args": {"arch": arch, "warmup_steps": 1,
+                  "sampler": {"class_path": "elr_lightning.sampling.UniformLoops", "init_args": {"max_loops": 2}}}},
+        "data": {"class_path": "elr_lightning.data.TextDataModule",
+                 "init_args": {"sources": [str(corpus)], "seq_len": 16, "batch_size": 4, "val_batches": 1,
+                               "cache_dir": str(tmp_path / "cache")}},
+    }  # fmt: skip
+    try:
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(config))
+        main(["fit", "--config", str(path)])
+        ckpt = next((tmp_path / "run").rglob("*.ckpt"))
+        model, _ = load_model(str(ckpt))
+        assert type(model.core.layers[0].attn).__name__ == "CausalConv"
+        assert model.core.layers[0].attn.kernel.abs().sum() > 0
+        out = generate(model, [[1, 2, 3, 4, 5]], loops=2, max_new_tokens=6, greedy=True, output_logits=True)
+        with torch.no_grad():
+            full = model(out.sequences[:, :-1], 2)[:, 4:]
+        torch.testing.assert_close(out.logits, full, atol=1e-4, rtol=0)
+        assert out.cache.state_nbytes() > 0
+    finally:  # leave no my_lab behind for other tests (test_plugins has its own)
+        for name in [m for m in sys.modules if m == "my_lab" or m.startswith("my_lab.")]:
+            del sys.modules[name]

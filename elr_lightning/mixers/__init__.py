@@ -6,4 +6,14 @@ from elr_lightning.mixers.gdp import GatedDeltaProduct
 from elr_lightning.mixers.moe import MoE
 from elr_lightning.mixers.swiglu import SwiGLU
 
-__all__ = ["Attention", "CacheBytes", "ChannelMixer", "GatedDeltaProduct", "MoE", "Rotary", "SwiGLU", "TokenMixer", "apply_rope"]
+__all__ = [
+    "Attention",
+    "CacheBytes",
+    "ChannelMixer",
+    "GatedDeltaProduct",
+    "MoE",
+    "Rotary",
+    "SwiGLU",
+    "TokenMixer",
+    "apply_rope",
+]

@@ -22,7 +22,9 @@ so everything but the chunk-to-chunk state hand-over is a batched matrix product
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -30,22 +32,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 _FLA_WARNED = False
-
-
-def _expand(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, n: int) -> tuple[Tensor, ...]:
-    """Lay the ``n`` sub-steps of each token out in sequence: ``[B, T, H, ...]`` to ``[B, H, T n, ...]``."""
-    b, t, h, dk = q.shape
-    q_sub = q.new_zeros(b, t, n, h, dk)
-    q_sub[:, :, -1] = q
-    g_sub = g.new_zeros(b, t, n, h)
-    g_sub[:, :, 0] = g
-    return (
-        q_sub.reshape(b, t * n, h, dk).transpose(1, 2),
-        k.reshape(b, t * n, h, dk).transpose(1, 2),
-        v.reshape(b, t * n, h, -1).transpose(1, 2),
-        g_sub.reshape(b, t * n, h).transpose(1, 2),
-        beta.reshape(b, t * n, h).transpose(1, 2),
-    )
 
 
 def chunked_delta_product(
@@ -60,6 +46,10 @@ def chunked_delta_product(
 ) -> tuple[Tensor, Tensor]:
     """The gated delta-product recurrence (module docstring) in chunks, computed in float32.
 
+    A chunk holds ``max(1, chunk_size // n)`` tokens (fewer for a shorter input, e.g. one decode
+    step), that is ``n`` times as many sub-steps; outputs are computed at each token's last
+    sub-step only.
+
     Args:
         q: Queries ``[B, T, H, d_k]`` (already scaled).
         k: Keys ``[B, T n, H, d_k]``, the ``n`` Householder keys of each token in turn (unit norm).
@@ -68,48 +58,56 @@ def chunked_delta_product(
         beta: Step sizes ``[B, T n, H]``.
         num_householder: ``n``.
         initial_state: ``S`` before the first token ``[B, H, d_k, d_v]``; zeros if ``None``.
-        chunk_size: Sub-steps per chunk ``C``.
+        chunk_size: Sub-steps per chunk (rounded down to a multiple of ``n``).
 
     Returns:
         ``(o, S)``: outputs ``[B, T, H, d_v]`` in ``q``'s dtype and the final state ``[B, H, d_k, d_v]`` (float32).
     """
     dtype = q.dtype
     b, t, h, dk = q.shape
-    n = num_householder
-    q, k, v, g, beta = (x.float() for x in _expand(q, k, v, g, beta, n))
-    dv = v.shape[-1]
-    length = t * n
-    c = chunk_size
-    pad = -length % c
+    n, dv = num_householder, v.shape[-1]
+    tokens = max(1, min(chunk_size // n, t))
+    c = tokens * n
+    pad = -t % tokens
+    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
+    beta = beta.float().transpose(1, 2)
+    g = F.pad(g.float().transpose(1, 2)[..., None], (0, n - 1)).reshape(b, h, t * n)  # decay on sub-step 0
     if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    m = (length + pad) // c
-    q, k, v = (x.reshape(b, h, m, c, -1) for x in (q, k, v))
-    g, beta = g.reshape(b, h, m, c), beta.reshape(b, h, m, c)
-    cum = g.cumsum(-1)
-    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    gamma = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+        q = F.pad(q, (0, 0, 0, pad))
+        k, v = F.pad(k, (0, 0, 0, pad * n)), F.pad(v, (0, 0, 0, pad * n))
+        beta, g = F.pad(beta, (0, pad * n)), F.pad(g, (0, pad * n))
+    m = (t + pad) // tokens
+    q = q.reshape(b, h, m, tokens, dk)
+    k, v = k.reshape(b, h, m, c, dk), v.reshape(b, h, m, c, dv)
+    beta, cum = beta.reshape(b, h, m, c), g.reshape(b, h, m, c).cumsum(-1)
+    steps = torch.arange(c, device=q.device)
+    rows = steps[n - 1 :: n]  # each token's last sub-step, where its query reads the state
+    cum_out = cum[..., n - 1 :: n]
+    gamma = (cum[..., :, None] - cum[..., None, :]).masked_fill(steps[:, None] < steps, float("-inf")).exp()
     a = (beta[..., None] * (k @ k.transpose(-1, -2)) * gamma).tril(-1)
     eye = torch.eye(c, dtype=q.dtype, device=q.device)
     rhs = torch.cat((beta[..., None] * v, (beta * cum.exp())[..., None] * k), dim=-1)
     solved = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
     u_free, w = solved[..., :dv], solved[..., dv:]
-    scores = (q @ k.transpose(-1, -2)) * gamma
-    q_decayed = q * cum.exp()[..., None]
+    gamma_out = (cum_out[..., :, None] - cum[..., None, :]).masked_fill(rows[:, None] < steps, float("-inf")).exp()
+    scores = (q @ k.transpose(-1, -2)) * gamma_out
+    q_decayed = q * cum_out.exp()[..., None]
     k_tail = k * (cum[..., -1:] - cum).exp()[..., None]
     state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
+    decay = cum[..., -1, None, None].exp()
     outs = []
-    for i in range(m):
-        u = u_free[:, :, i] - w[:, :, i] @ state
-        outs.append(q_decayed[:, :, i] @ state + scores[:, :, i] @ u)
-        state = cum[:, :, i, -1, None, None].exp() * state + k_tail[:, :, i].transpose(-1, -2) @ u
-    o = torch.stack(outs, dim=2).reshape(b, h, m * c, dv)[:, :, n - 1 : length : n]
+    # unbind once: indexing chunk i inside the loop would cost a full-size gradient buffer per chunk
+    for u_i, w_i, q_i, s_i, k_i, d_i in zip(*(x.unbind(2) for x in (u_free, w, q_decayed, scores, k_tail, decay))):
+        u = u_i - w_i @ state
+        outs.append(q_i @ state + s_i @ u)
+        state = d_i * state + k_i.transpose(-1, -2) @ u
+    o = torch.stack(outs, dim=2).reshape(b, h, m * tokens, dv)[:, :, :t]
     return o.transpose(1, 2).to(dtype), state
 
 
-def _fla_kernel():
-    """fla's ``chunk_gated_delta_product`` if fla imports, else ``None``."""
+@functools.cache
+def _fla_kernel() -> Optional[Callable[..., tuple[Tensor, Tensor]]]:
+    """fla's ``chunk_gated_delta_product`` if fla imports, else ``None`` (tried once per process)."""
     try:
         from fla.ops.gated_delta_product import chunk_gated_delta_product
     except Exception:  # noqa: BLE001 - any import failure (no fla, no triton, no driver) means "not available"
@@ -159,7 +157,11 @@ def delta_product(
             )
         if kernels == "fla" and not _FLA_WARNED:
             _FLA_WARNED = True
-            why = "the tensors are not on CUDA" if not q.is_cuda else "fla does not import (pip install 'elr-lightning[fla]')"
+            why = (
+                "the tensors are not on CUDA"
+                if not q.is_cuda
+                else "fla does not import (pip install 'elr-lightning[fla]')"
+            )
             warnings.warn(
                 f"GatedDeltaProduct: kernels='fla' but {why}; using the PyTorch chunked path instead",
                 stacklevel=2,
