@@ -87,7 +87,11 @@ MOE_ARCH = dict(
 
 
 def tiny_module(
-    virtual_ranks: int, conditioner_active: bool = True, meta_init: bool = False, hybrid: bool = False, moe: bool = False
+    virtual_ranks: int,
+    conditioner_active: bool = True,
+    meta_init: bool = False,
+    hybrid: bool = False,
+    moe: bool = False,
 ) -> ELRModule:
     """d = 32, one layer per block, K = 3, conditioning, one-loop overrides with f = 0.5; GDP layers if
     ``hybrid``; MoE channel mixers if ``moe``."""
@@ -132,7 +136,10 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     per step and MoE layer.
     """
     module = tiny_module(
-        case["virtual_ranks"], case.get("conditioner_active", True), case.get("meta_init", False), case.get("hybrid", False),
+        case["virtual_ranks"],
+        case.get("conditioner_active", True),
+        case.get("meta_init", False),
+        case.get("hybrid", False),
         case.get("moe", False),
     )
     data = TextDataModule(
