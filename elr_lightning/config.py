@@ -124,7 +124,9 @@ class ModelConfig:
         if self.route_replay is None:
             return
         if self.route_replay not in ROUTE_REPLAY:
-            raise ValueError(f"arch.route_replay={self.route_replay!r} is not a route replay mode; use one of {ROUTE_REPLAY}")
+            raise ValueError(
+                f"arch.route_replay={self.route_replay!r} is not a route replay mode; use one of {ROUTE_REPLAY}"
+            )
         names = {p for block in BLOCKS for p in self._pattern("channel_pattern", block)}
         if not any(getattr(self.mixer_spec(name)[0], "routed", False) for name in names):
             raise ValueError(

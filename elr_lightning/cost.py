@@ -107,7 +107,8 @@ def parameter_counts(model: LoopedLM) -> dict[str, int]:
     }
     counts["total"] = sum(counts.values())
     mixers = [m for m in model.modules() if isinstance(m, (TokenMixer, ChannelMixer))]
-    counts["active"] = counts["total"] - sum(sum(p.numel() for p in m.parameters()) - m.active_parameters() for m in mixers)
+    inactive = sum(sum(p.numel() for p in m.parameters()) - m.active_parameters() for m in mixers)
+    counts["active"] = counts["total"] - inactive
     counts["gate"] = sum(p.numel() for p in model.parameters_with_role(group="gate"))
     counts["conditioning"] = sum(p.numel() for p in model.parameters_with_role(group="conditioning"))
     return counts

@@ -32,7 +32,14 @@ from typing_extensions import override
 from elr_lightning.config import ROUTE_REPLAY, ModelConfig
 from elr_lightning.context import LoopContext
 from elr_lightning.mixers.base import ChannelMixer
-from elr_lightning.mixers.dispatch import DISPATCH, DispatchPlan, combine, expert_swiglu, grouped_mm_supported, plan_dispatch
+from elr_lightning.mixers.dispatch import (
+    DISPATCH,
+    DispatchPlan,
+    combine,
+    expert_swiglu,
+    grouped_mm_supported,
+    plan_dispatch,
+)
 from elr_lightning.roles import set_role
 
 #: What replay reuses at loops 2..k besides the expert indices.
@@ -121,7 +128,10 @@ class MoE(ChannelMixer):
         self.expert_bias.zero_()
 
     def replays(self, ctx: LoopContext) -> bool:
-        """Whether this call reuses loop 1's routes: loops 2..k under ``replay``, or in eval mode under ``replay_inference``."""
+        """Whether this call reuses loop 1's routes.
+
+        Loops 2..k do under ``replay``, and under ``replay_inference`` in eval mode.
+        """
         if ctx.loop < 2 or self.replay == "dynamic":
             return False
         return self.replay == "replay" or not self.training
