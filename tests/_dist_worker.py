@@ -179,8 +179,8 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     if "nan_rank" in case:  # this rank's loss turns NaN at that step, the other ranks' stays finite
         shard_loss = module.shard_loss
 
-        def poisoned(batch: torch.Tensor, loops: list[int]) -> torch.Tensor:
-            loss = shard_loss(batch, loops)
+        def poisoned(batch: torch.Tensor, loops: list[int], *rest: Any) -> torch.Tensor:
+            loss = shard_loss(batch, loops, *rest)
             hit = trainer.global_rank == case["nan_rank"] and trainer.global_step == case["nan_step"]
             return loss * float("nan") if hit else loss
 
