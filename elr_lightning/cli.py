@@ -11,7 +11,7 @@ import torch
 from elr_lightning.ablate import main as ablate_main
 from elr_lightning.cost import main as cost_main
 from elr_lightning.errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, report_errors
-from elr_lightning.generation import generate_command
+from elr_lightning.generate_cli import generate_command
 from elr_lightning.hf.export import export_command, import_command
 from elr_lightning.lightning_cli import ELRCLI, make_cli
 from elr_lightning.serve.command import serve_command

@@ -443,3 +443,38 @@ def choose_tokenizer(saved: Optional[Tokenizer], override: Optional[str], vocab_
     if saved is not None and tokenizer.fingerprint() != saved.fingerprint():
         warnings.warn(f"{source} is not the tokenizer this checkpoint was trained with; its text may be garbage")
     return tokenizer
+
+
+class IncrementalDecoder:
+    """Turn a growing list of token ids into text pieces as they become printable.
+
+    Decodes the whole id list each step and emits the new suffix, holding back a trailing
+    U+FFFD (an incomplete UTF-8 character of a byte-level vocabulary) until the next token
+    completes it or :meth:`flush` is called. Assumes the decoding of a prefix of ids is a prefix
+    of the decoding of the whole list, as for byte and byte-level BPE tokenizers.
+
+    Args:
+        tokenizer: The tokenizer to decode with.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token: int) -> str:
+        """Add one token id; return the text that became final (possibly empty)."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        return self._emit(text)
+
+    def flush(self) -> str:
+        """Return whatever text is still held back."""
+        return self._emit(self.tokenizer.decode(self.ids))
+
+    def _emit(self, text: str) -> str:
+        piece = text[len(self.emitted) :]
+        self.emitted = text
+        return piece

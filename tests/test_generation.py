@@ -14,7 +14,6 @@ from elr_lightning.cli import run
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.generation import (
-    IncrementalDecoder,
     LastLoopCache,
     filter_logits,
     generate,
@@ -25,7 +24,7 @@ from elr_lightning.generation import (
 from conftest import GQA_CONFIG, perturbed_model
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
-from elr_lightning.tokenizers import ByteTokenizer
+from elr_lightning.tokenizers import ByteTokenizer, IncrementalDecoder
 
 CONFIG = GQA_CONFIG
 QUICKSTART = Path(__file__).resolve().parents[1] / "config" / "quickstart.yaml"

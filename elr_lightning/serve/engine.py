@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from elr_lightning.cache import KVCache
-from elr_lightning.generation import IncrementalDecoder, PolicyLike, left_pad, resolve_policy, sample_next
+from elr_lightning.generation import PolicyLike, left_pad, resolve_policy, sample_next
+from elr_lightning.tokenizers import IncrementalDecoder
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import Tokenizer
 

@@ -1,0 +1,224 @@
+"""``elr generate``: stream a continuation of a prompt from a checkpoint at any loop count.
+
+The command-line face of :mod:`elr_lightning.generation`: argument parsing, prompt and checkpoint
+checks, streaming detokenisation and the ``--stats`` report.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from typing import Any, Literal, Optional
+
+import torch
+
+from elr_lightning.cache import (
+    CACHE_POLICIES,
+    KVCache,
+    kv_cache_bytes,
+    layer_caches,
+    recurrent_state_bytes,
+    resolve_policy,
+)
+from elr_lightning.checkpoint_io import verify_checkpoint_path
+from elr_lightning.config import ModelConfig
+from elr_lightning.generation import load_model, stream_generate
+from elr_lightning.tokenizers import IncrementalDecoder, choose_tokenizer
+
+
+def _command_parser() -> Any:
+    from jsonargparse import ActionYesNo, ArgumentParser
+
+    parser = ArgumentParser(
+        prog="elr generate",
+        description="Stream a continuation of a prompt from an ELR checkpoint at any loop count.",
+        exit_on_error=False,  # `elr` reports the error in one line
+    )
+    parser.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
+    parser.add_argument("--prompt", type=Optional[str], default=None, help="Prompt text.")
+    parser.add_argument("--prompt_file", type=Optional[str], default=None, help="Read the prompt from this file.")
+    parser.add_argument("--loops", type=int, default=1, help="Loop count k.")
+    parser.add_argument(
+        "--kv_cache", type=Literal["per_loop", "last_loop"], default="per_loop", help="KV-cache policy."
+    )
+    parser.add_argument(
+        "--max_new_tokens",
+        type=Optional[int],
+        default=None,
+        help="Tokens to generate; default: up to arch.max_seq_len.",
+    )
+    parser.add_argument("--temperature", type=float, default=1.0, help="Softmax temperature; 0 is greedy.")
+    parser.add_argument("--top_k", type=Optional[int], default=None, help="Top-k filter.")
+    parser.add_argument("--top_p", type=Optional[float], default=None, help="Nucleus (top-p) filter.")
+    parser.add_argument("--seed", type=Optional[int], default=None, help="Sampling seed.")
+    parser.add_argument(
+        "--tokenizer",
+        type=Optional[str],
+        default=None,
+        help="'byte' or a tokenizer.json path; default: the one saved in the checkpoint (bytes if none).",
+    )
+    parser.add_argument(
+        "--allow_extrapolation",
+        action=ActionYesNo,
+        default=False,
+        help="Allow --loops above the checkpoint's max_loops (with a warning).",
+    )
+    parser.add_argument(
+        "--fold",
+        action=ActionYesNo,
+        default=False,
+        help="Fold the loop conditioning into the weights for --loops before generating (faster decoding).",
+    )
+    parser.add_argument("--stats", action=ActionYesNo, default=False, help="Print KV memory and tokens/s to stderr.")
+    parser.add_argument("--device", type=str, default="cpu", help="Device to run on, e.g. cpu or cuda.")
+    parser.add_argument(
+        "--dtype", type=Literal["float32", "bfloat16"], default="float32", help="bfloat16 runs under autocast."
+    )
+    parser.add_argument(
+        "--echo_prompt", action=ActionYesNo, default=True, help="Print the prompt before the continuation."
+    )
+    return parser
+
+
+def _read_prompt(prompt: Optional[str], prompt_file: Optional[str]) -> str:
+    """The prompt text of ``--prompt`` or ``--prompt_file``, refused with the flag's name unless it is UTF-8."""
+    if prompt_file is None:
+        try:
+            (prompt or "").encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(
+                f"--prompt holds bytes that are not UTF-8 (position {err.start}); pass UTF-8 text or use --prompt_file"
+            ) from err
+        return prompt or ""
+    try:
+        with open(prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"--prompt_file {prompt_file!r} is not UTF-8 text (byte {err.start}: {err.reason}); convert it to UTF-8"
+        ) from err
+    except OSError as err:
+        raise ValueError(f"--prompt_file {prompt_file!r} cannot be read: {err.strerror or err}") from err
+
+
+def generate_command(argv: list[str]) -> None:
+    """``elr generate``: stream a checkpoint's continuation of a prompt to stdout.
+
+    Args:
+        argv: The arguments after ``generate``; see ``elr generate --help``.
+
+    Raises:
+        ValueError: No or empty prompt, ``--loops`` above the checkpoint's ``arch.max_loops``
+            without ``--allow_extrapolation``, a bad checkpoint, or a too-long request.
+        FileNotFoundError: A missing checkpoint, prompt file or tokenizer file.
+    """
+    args = _command_parser().parse_args(argv)
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise ValueError("give exactly one of --prompt and --prompt_file")
+    text = _read_prompt(args.prompt, args.prompt_file)
+    if os.path.isdir(args.ckpt_path):
+        raise ValueError(
+            f"--ckpt_path {args.ckpt_path!r} is a directory; give a .ckpt file (a sharded FSDP checkpoint folder "
+            "must be consolidated first, e.g. with lightning.pytorch.utilities.consolidate_checkpoint)"
+        )
+    verify_checkpoint_path(args.ckpt_path, "--ckpt_path")
+    if not text:
+        raise ValueError("the prompt is empty; pass some text with --prompt or --prompt_file")
+    device = torch.device(args.device)
+    model, module = load_model(args.ckpt_path, map_location=device)
+    config = model.config
+    tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, config.vocab_size)
+    if args.loops < 1:
+        raise ValueError(f"--loops {args.loops} must be >= 1")
+    if args.loops > config.max_loops:
+        message = (
+            f"--loops {args.loops} is above the checkpoint's arch.max_loops={config.max_loops}, the loop budget "
+            "it was trained for"
+        )
+        if not args.allow_extrapolation:
+            raise ValueError(f"{message}; pass --allow_extrapolation to run it anyway")
+        warnings.warn(f"{message}; extrapolating", stacklevel=2)
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens; pass some text with --prompt or --prompt_file")
+    max_new = args.max_new_tokens
+    if max_new is None:
+        max_new = config.max_seq_len - len(ids) + 1
+        if max_new < 1:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, more than arch.max_seq_len={config.max_seq_len}; shorten it"
+            )
+    cache = resolve_policy(args.kv_cache)(max_len=max(1, len(ids) + max_new - 1))
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
+    decoder = IncrementalDecoder(tokenizer)
+    if args.echo_prompt:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    stream = stream_generate(
+        model,
+        torch.tensor([ids]),
+        loops=args.loops,
+        max_new_tokens=max_new,
+        kv_cache=cache,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_id=tokenizer.eos_id,
+        seed=args.seed,
+        autocast_dtype=dtype,
+        fold=args.fold,
+    )
+    start = time.perf_counter()
+    first_at, generated = start, 0
+    for tokens in stream:
+        if generated == 0:
+            first_at = time.perf_counter()
+        generated += 1
+        token = int(tokens[0])
+        if token == tokenizer.eos_id:
+            break
+        sys.stdout.write(decoder.push(token))
+        sys.stdout.flush()
+    end = time.perf_counter()
+    sys.stdout.write(decoder.flush() + "\n")
+    sys.stdout.flush()
+    if args.stats:
+        _print_stats(config, args.loops, args.kv_cache, cache, len(ids), generated, first_at - start, end - first_at)
+
+
+def _print_stats(
+    config: ModelConfig,
+    loops: int,
+    policy: str,
+    cache: KVCache,
+    prompt_tokens: int,
+    generated: int,
+    prefill_s: float,
+    decode_s: float,
+) -> None:
+    dtype = cache.dtype or torch.float32
+    tokens = max(cache.offset, 1)
+
+    def mib(n: int) -> str:
+        return f"{n / 2**20:.3f} MiB"
+
+    lines = [
+        f"loops k={loops}  D_eff={config.effective_depth(loops)}  kv_cache={policy}  dtype={dtype}",
+        f"KV cache: attention {mib(cache.nbytes())} used for {cache.offset} tokens, "
+        f"{mib(cache.nbytes(used=False))} allocated; recurrent state {mib(cache.state_nbytes())}",
+    ]
+    for name in CACHE_POLICIES:
+        n = kv_cache_bytes(config, loops, name, tokens, dtype)
+        state = recurrent_state_bytes(config, loops, name, dtype)
+        lines.append(
+            f"  {name:9s}: {layer_caches(config, loops, name)} layer caches, KV {n // tokens} B/token, "
+            f"{mib(n)} for {tokens} tokens; recurrent state {mib(state)}"
+        )
+    prefill_rate = prompt_tokens / max(prefill_s, 1e-9)
+    lines.append(f"prefill: {prompt_tokens} tokens in {prefill_s:.3f} s ({prefill_rate:.1f} tok/s)")
+    decoded = generated - 1
+    if decoded > 0:
+        lines.append(f"decode: {decoded} tokens in {decode_s:.3f} s ({decoded / max(decode_s, 1e-9):.1f} tok/s)")
+    sys.stderr.write("\n".join(lines) + "\n")
