@@ -12,8 +12,6 @@ from typing import Any, MutableMapping, Optional
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -210,6 +208,8 @@ class ELRModule(LightningModule):
         #: The training tokenizer: taken from the data module in :meth:`setup`, saved in every
         #: checkpoint and restored from it on load (``None`` when neither provided one).
         self.tokenizer: Optional[Tokenizer] = None
+        #: Per-expert load of each routed layer at the last logging step (see :meth:`on_before_optimizer_step`).
+        self.expert_loads: dict[int, Tensor] = {}
 
     @property
     def arch(self) -> ModelConfig:
@@ -384,13 +384,18 @@ class ELRModule(LightningModule):
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Let routed mixers update their balancing state; log each one's expert load (histogram and CV)."""
+        """Let routed mixers update their balancing state; log each one's expert-load CV.
+
+        On logging steps the per-expert loads are kept in :attr:`expert_loads` (layer index to
+        ``[E]``), which :class:`~elr_lightning.callbacks.LoopCountPlots` draws as histograms.
+        """
         log = self.trainer.global_step % self.trainer.log_every_n_steps == 0
+        self.expert_loads = {}
         for layer in self.all_layers():
             load = layer.mlp.end_step(lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"))
             if load is None or not log:
                 continue
-            self._log_load(f"train/moe_load/layer{layer.index}", load)
+            self.expert_loads[layer.index] = load.detach()
             cv = load.std(correction=0) / load.mean().clamp_min(1e-9)
             self.log(f"train/moe_load_cv/layer{layer.index}", cv, rank_zero_only=True)
 
@@ -512,26 +517,3 @@ class ELRModule(LightningModule):
             )
         if self.tokenizer is None:
             self.tokenizer = checkpoint_tokenizer(checkpoint)
-
-    # ---- TensorBoard extras --------------------------------------------------------------------
-    def _tensorboards(self) -> list[TensorBoardLogger]:
-        return [lg for lg in self.loggers if isinstance(lg, TensorBoardLogger)]
-
-    @rank_zero_only
-    def _log_load(self, tag: str, load: Tensor) -> None:
-        """Expert load ``[E]`` as a histogram over expert indices (one bucket per expert)."""
-        counts = load.detach().double().cpu()
-        experts = torch.arange(len(counts), dtype=torch.float64)
-        total = float(counts.sum())
-        for logger in self._tensorboards():
-            logger.experiment.add_histogram_raw(
-                tag,
-                min=0.0,
-                max=float(len(counts) - 1),
-                num=total,
-                sum=float((experts * counts).sum()),
-                sum_squares=float((experts**2 * counts).sum()),
-                bucket_limits=(experts + 0.5).tolist(),
-                bucket_counts=counts.tolist(),
-                global_step=self.trainer.global_step,
-            )

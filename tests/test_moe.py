@@ -247,11 +247,14 @@ def test_fit_logs_aux_loss_and_expert_load(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from elr_lightning.callbacks import LoopCountPlots
+
     module = ELRModule(arch=moe_config(balance_rate=0.01), virtual_ranks=1, warmup_steps=0)
     data = [torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(i)) for i in range(3)]
     trainer = Trainer(
         accelerator="cpu", max_steps=3, log_every_n_steps=1, logger=TensorBoardLogger(tmp_path, name="moe"),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        callbacks=[LoopCountPlots()],
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     events = EventAccumulator(str(tmp_path / "moe" / "version_0"))

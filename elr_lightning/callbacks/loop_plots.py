@@ -1,4 +1,4 @@
-"""TensorBoard pictures of elastic depth: the loop-count histogram and validation loss against k."""
+"""TensorBoard pictures of elastic depth: loop-count and expert-load histograms, validation loss against k."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ class LoopCountPlots(Callback):
 
     * ``train/loops`` (histogram): the loop counts of every shard of the steps since the last one
       (every ``trainer.log_every_n_steps`` optimizer steps).
+    * ``train/moe_load/layer{j}`` (histogram, one bucket per expert): the expert load of each routed
+      layer at that step, from the module's ``expert_loads`` (models with a mixture of experts).
     * ``val/loss_vs_loops`` (image): the validation loss ``val/loss_k{k}`` against k after each
       validation (not the sanity check), with a dotted line at the loop budget K.
 
@@ -46,6 +48,8 @@ class LoopCountPlots(Callback):
         values = torch.tensor(self._loops, dtype=torch.float32)
         for logger in self._tensorboards(trainer):
             logger.experiment.add_histogram("train/loops", values, trainer.global_step, bins="auto")
+            for layer, load in getattr(pl_module, "expert_loads", {}).items():
+                _add_load_histogram(logger, f"train/moe_load/layer{layer}", load, trainer.global_step)
         self._loops.clear()
 
     @override
@@ -69,3 +73,20 @@ class LoopCountPlots(Callback):
         fig.tight_layout()
         for logger in tensorboards:
             logger.experiment.add_figure("val/loss_vs_loops", fig, trainer.global_step)
+
+
+def _add_load_histogram(logger: TensorBoardLogger, tag: str, load: torch.Tensor, step: int) -> None:
+    """Expert load ``[E]`` as a histogram over expert indices (one bucket per expert)."""
+    counts = load.double().cpu()
+    experts = torch.arange(len(counts), dtype=torch.float64)
+    logger.experiment.add_histogram_raw(
+        tag,
+        min=0.0,
+        max=float(len(counts) - 1),
+        num=float(counts.sum()),
+        sum=float((experts * counts).sum()),
+        sum_squares=float((experts**2 * counts).sum()),
+        bucket_limits=(experts + 0.5).tolist(),
+        bucket_counts=counts.tolist(),
+        global_step=step,
+    )
