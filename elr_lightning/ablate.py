@@ -12,8 +12,9 @@ and a TensorBoard run under ``OUT/tensorboard/<arm>-s<seed>``; a finished run wr
 from __future__ import annotations
 
 import copy
-import functools
 import csv
+import functools
+import importlib
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from elr_lightning.ablate_report import write_report
 
@@ -141,6 +143,21 @@ def _drop_callbacks(config: dict[str, Any], names: tuple[str, ...]) -> None:
     _trainer(config)["callbacks"] = keep
 
 
+def _drop_checkpointing(config: dict[str, Any]) -> None:
+    """Remove every ``ModelCheckpoint`` (subclasses included) from the config's callbacks."""
+
+    def checkpoints(entry: Any) -> bool:
+        path = str((entry or {}).get("class_path", "")) if isinstance(entry, dict) else ""
+        module, _, name = path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name) if module else None
+        except (ImportError, AttributeError):
+            return False
+        return isinstance(cls, type) and issubclass(cls, ModelCheckpoint)
+
+    _trainer(config)["callbacks"] = [c for c in _callbacks(config) if not checkpoints(c)]
+
+
 def largest_divisor_at_most(n: int, limit: int) -> int:
     """The largest divisor of ``n`` not above ``limit`` (validation and checkpoints land on step ``n``)."""
     return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0)
@@ -186,10 +203,10 @@ def arm_config(base: dict[str, Any], arm: str, seed: int, out: str, steps: Optio
         },
         {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": root, "name": "", "version": ""}},
     ]
-    _drop_callbacks(config, ("ModelCheckpoint",))
+    _drop_checkpointing(config)
     _callbacks(config).append(
         {
-            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "class_path": "elr_lightning.callbacks.AtomicModelCheckpoint",
             "init_args": {"dirpath": os.path.join(root, "checkpoints"), "save_last": True, "every_n_train_steps": every},
         }
     )

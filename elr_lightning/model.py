@@ -139,9 +139,10 @@ class LoopedLM(LoopedForward):
            variance at init does not grow with depth.
         3. RMSNorm weights: one.
         4. Parameters tagged ``module`` by their seam: the owning module's ``init_parameter``
-           (e.g. the decay rates of a linear-attention mixer).
+           (e.g. the decay rates of a linear-attention mixer, and the adaptive-delta ``gamma``, set so
+           that beta starts at the rule's ``initial_step``, 0.5 ln 2 by default, eq. 2).
         5. Parameters tagged ``zeros`` by their seam: zero. These are the adaptive-delta gate
-           ``W_beta, b_beta, gamma`` (beta starts at 0.5 ln 2, eq. 2) and every conditioning head
+           ``W_beta, b_beta`` and every conditioning head
            (lambda, mu, g, omega), so a modulated layer equals the plain one exactly (eq. 4).
            The adapter matrices A, B stay normal so the zero-init gate g still receives gradient.
         6. Buffers derived from the config (RoPE tables, conditioning frequencies and flag, scratch):

@@ -52,16 +52,31 @@ class AdaptiveDelta(StateUpdate):
     """Gated adaptive-delta rule, eq. (2): ``s_i = s_{i-1} + beta_i * (r_i - s_{i-1})``.
 
     ``beta_i = sigmoid(W s~_i + b) * softplus(gamma)`` per token and channel, with ``W``, ``b`` and
-    ``gamma`` shared across loops (d^2 + 2d parameters) and zero-initialised, so beta starts at
-    ``sigmoid(0) * softplus(0) = 0.5 ln 2 = 0.3466``.
+    ``gamma`` shared across loops (d^2 + 2d parameters). ``W`` and ``b`` start at zero; ``gamma``
+    starts at ``softplus^-1(2 initial_step)``, so beta starts at ``initial_step`` everywhere. The
+    paper's init is ``gamma = 0``: ``sigmoid(0) * softplus(0) = 0.5 ln 2 = 0.3466`` (the default).
+
+    Args:
+        initial_step: beta at initialisation, in (0, 1].
     """
+
+    def __init__(self, initial_step: float = 0.5 * math.log(2.0)) -> None:
+        super().__init__()
+        if not 0.0 < initial_step <= 1.0:
+            raise ValueError(f"AdaptiveDelta.initial_step={initial_step} must be in (0, 1]")
+        self.initial_step = initial_step
 
     def build(self, d_model: int) -> None:
         self.gate = nn.Linear(d_model, d_model)
         self.gamma = nn.Parameter(torch.zeros(d_model))
         set_module_role(self.gate, init="zeros", group="gate")
-        set_role(self.gamma, init="zeros", group="gate")
+        set_role(self.gamma, init="module", group="gate")
         self.register_buffer("_beta_mean", torch.zeros(()), persistent=False)
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, param: Tensor) -> None:
+        """``gamma = softplus^-1(2 initial_step) = log(expm1(2 initial_step))`` (``init="module"``)."""
+        param.fill_(math.log(math.expm1(2.0 * self.initial_step)))
 
     def reset_buffers(self) -> None:
         """Zero the ``beta_mean`` scratch (its memory is undefined after ``to_empty``)."""

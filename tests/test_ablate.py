@@ -84,7 +84,8 @@ def test_every_arm_config_is_the_base_with_one_change_and_the_run_paths(tmp_path
     assert config["trainer"]["max_steps"] == STEPS and config["trainer"]["val_check_interval"] == 2
     assert model["arch"] == base_model["arch"]
     names = [c["class_path"].rsplit(".", 1)[-1] for c in config["trainer"]["callbacks"]]
-    assert names.count("ModelCheckpoint") == 1 and "LearningRateMonitor" in names
+    assert names.count("AtomicModelCheckpoint") == 1 and "ModelCheckpoint" not in names
+    assert "LearningRateMonitor" in names
     changed = {key for key in set(model) | set(base_model) if model.get(key) != base_model.get(key)}
     expected = {
         "baseline": {"update", "sampler", "conditioner", "val_loops"},
@@ -219,3 +220,12 @@ def test_a_difference_inside_the_seed_spread_is_marked_as_such():
     assert statuses["ELR's loss falls strictly from k = 1 to K"] == NOISE
     summary = summarise(results)["elr"]
     assert summary.mean(1) == pytest.approx(2.015) and summary.spread(2) == pytest.approx(0.042)
+
+
+def test_the_shipped_quickstart_arm_saves_checkpoints_once(tmp_path):
+    with open(os.path.join(os.path.dirname(__file__), "..", "config", "quickstart.yaml")) as f:
+        base = yaml.safe_load(f)
+    config = arm_config(base, "elr", seed=0, out=str(tmp_path))
+    checkpoints = [c for c in config["trainer"]["callbacks"] if "Checkpoint" in c["class_path"]]
+    assert len(checkpoints) == 1
+    assert checkpoints[0]["init_args"]["dirpath"] == str(tmp_path / "runs" / "elr-s0" / "checkpoints")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_config
@@ -127,7 +127,7 @@ def test_adaptive_delta_at_k1_from_paper():
 
 def test_init_weights_zeroes_gate_and_heads(tiny):
     model = LoopedLM(tiny, conditioner=LoopConditioner(d_cond=8, rank=2))
-    zero = [model.update.gate.weight, model.update.gate.bias, model.update.gamma]
+    zero = [model.update.gate.weight, model.update.gate.bias, model.update.gamma]  # gamma = 0: beta = 0.5 ln 2
     for layer in [*model.core.layers, *model.output_layers]:
         for mod in (layer.attn_mod, layer.mlp_mod):
             zero += [mod.film.weight, mod.film.bias, mod.g.weight, mod.omega.weight]
@@ -187,3 +187,17 @@ def test_active_flag_travels_with_the_weights(tiny):
     assert not target.conditioner.active
     x = torch.randint(0, tiny.vocab_size, (1, 6))
     assert torch.equal(target(x, 2), source(x, 2))
+
+
+@given(step=st.floats(0.05, 1.0))
+@settings(max_examples=8, deadline=None)
+def test_adaptive_delta_starts_at_its_initial_step(step: float) -> None:
+    model = LoopedLM(tiny_config(d_model=16), update=AdaptiveDelta(initial_step=step))
+    beta = model.update.beta(torch.randn(2, 3, 16))
+    assert torch.allclose(beta, torch.full_like(beta, step), rtol=1e-5)
+
+
+@pytest.mark.parametrize("step", [0.0, -0.1, 1.5])
+def test_adaptive_delta_rejects_a_step_outside_0_1(step: float) -> None:
+    with pytest.raises(ValueError, match="AdaptiveDelta.initial_step"):
+        AdaptiveDelta(initial_step=step)
