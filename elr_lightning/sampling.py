@@ -200,17 +200,17 @@ class Synchronized(LoopSampler):
         return sum(k * p for k, p in enumerate(self.probabilities(), start=1))
 
 
-def _normalised_weights(owner: str, weights: list[float], max_loops: int) -> list[float]:
+def _normalised_weights(owner: str, weights: list[float], max_loops: int, field: str = "weights") -> list[float]:
     if isinstance(weights, (str, bytes)) or len(weights) != max_loops:
         raise ValueError(
-            f"{owner}.weights={weights!r} must list one weight per loop count 1..max_loops={max_loops}"
+            f"{owner}.{field}={weights!r} must list {max_loops} weights, one per loop count it draws"
         )
     values = [float(w) for w in weights]
     if any(not math.isfinite(w) or w < 0 for w in values):
-        raise ValueError(f"{owner}.weights={weights!r} must be finite and >= 0")
+        raise ValueError(f"{owner}.{field}={weights!r} must be finite and >= 0")
     total = sum(values)
     if total <= 0:
-        raise ValueError(f"{owner}.weights={weights!r} must not all be zero")
+        raise ValueError(f"{owner}.{field}={weights!r} must not all be zero")
     return [w / total for w in values]
 
 
@@ -265,3 +265,62 @@ class DeepLoopOverride(OneLoopOverride):
     def expected_mean_loops(self) -> float:
         """Mean k under :meth:`probabilities` (eq. 3's value with uniform weights)."""
         return sum(k * p for k, p in enumerate(self.probabilities(), start=1))
+
+
+class LoopCurriculum(DeepLoopOverride):
+    """:class:`DeepLoopOverride` whose shared-k weights move from ``weights`` to ``final_weights``.
+
+    At optimizer step t the shared k (2..K) is drawn with ``(1 - a) weights + a final_weights``,
+    ``a = min(1, t / ramp_steps)``; the one-loop shards keep eq. (3)'s p_1 at every step. A pure
+    function of ``(seed, step)``, so a resumed run replays it. :meth:`probabilities` and
+    :meth:`expected_mean_loops` are the training average over ``ramp_steps`` plus
+    ``hold_steps`` at the final weights.
+
+    Args:
+        max_loops: K, the largest loop count (>= 2).
+        override_fraction: f in [0, 1] of eq. (3).
+        weights: Relative probability of the shared k = 2..K at step 0 (``None``: uniform).
+        final_weights: The same from step ``ramp_steps`` on.
+        ramp_steps: Steps over which the weights move (>= 1).
+        hold_steps: Steps at ``final_weights`` after the ramp, for the training-average figures only.
+    """
+
+    def __init__(
+        self,
+        max_loops: int = 4,
+        override_fraction: float = 0.15,
+        weights: Optional[list[float]] = None,
+        final_weights: Optional[list[float]] = None,
+        ramp_steps: int = 1000,
+        hold_steps: int = 0,
+    ) -> None:
+        super().__init__(max_loops=max_loops, override_fraction=override_fraction, weights=weights)
+        if not isinstance(ramp_steps, int) or ramp_steps < 1:
+            raise ValueError(f"LoopCurriculum.ramp_steps={ramp_steps!r} must be an integer >= 1")
+        if not isinstance(hold_steps, int) or hold_steps < 0:
+            raise ValueError(f"LoopCurriculum.hold_steps={hold_steps!r} must be an integer >= 0")
+        uniform = [1.0 / (max_loops - 1)] * (max_loops - 1)
+        self.weights = uniform if self.weights is None else self.weights
+        self.final_weights = (
+            uniform if final_weights is None else _normalised_weights(type(self).__name__, final_weights, max_loops - 1, "final_weights")
+        )
+        self.ramp_steps, self.hold_steps = ramp_steps, hold_steps
+
+    def weights_at(self, step: int) -> list[float]:
+        """The shared-k weights (2..K, summing to one) at optimizer step ``step``."""
+        a = min(1.0, max(0, step) / self.ramp_steps)
+        return [(1.0 - a) * w0 + a * w1 for w0, w1 in zip(self.weights, self.final_weights)]
+
+    @override
+    def shared_loops(self, seed: int, step: int) -> int:
+        return step_rng(seed, step).choices(range(2, self.max_loops + 1), weights=self.weights_at(step))[0]
+
+    @override
+    def probabilities(self) -> list[float]:
+        """P(k) for k = 1..K averaged over ``ramp_steps + hold_steps`` steps of training."""
+        steps = self.ramp_steps + self.hold_steps
+        shared = [0.0] * (self.max_loops - 1)
+        for step in range(steps):
+            shared = [s + w / steps for s, w in zip(shared, self.weights_at(step))]
+        p1 = self.expected_p1()
+        return [p1] + [(1.0 - p1) * w for w in shared]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elr_lightning.sampling import DeepLoopOverride, OneLoopOverride
+from elr_lightning.sampling import DeepLoopOverride, LoopCurriculum, OneLoopOverride
 
 weights_2_to_k = st.integers(2, 6).flatmap(
     lambda k: st.tuples(st.just(k), st.lists(st.integers(0, 5), min_size=k - 1, max_size=k - 1).filter(any))
@@ -74,3 +74,42 @@ def test_every_step_mixes_depths_once_p1_times_shards_reaches_one(k, f, step, se
 def test_bad_settings_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DeepLoopOverride(**kwargs)
+
+
+def test_curriculum_moves_the_shared_k_from_its_start_to_its_final_weights():
+    sampler = LoopCurriculum(3, 0.15, weights=[1, 0], final_weights=[0, 1], ramp_steps=100)
+    assert sampler.weights_at(0) == [1.0, 0.0] and sampler.weights_at(50) == [0.5, 0.5]
+    assert sampler.weights_at(100) == sampler.weights_at(10**6) == [0.0, 1.0]
+    assert {sampler.shared_loops(7, t) for t in range(5)} == {2}
+    assert {sampler.shared_loops(7, t) for t in range(100, 200)} == {3}
+    early = sum(sampler.shared_loops(7, t) == 3 for t in range(0, 50))
+    late = sum(sampler.shared_loops(7, t) == 3 for t in range(50, 100))
+    assert early < late
+
+
+@given(seed=st.integers(0, 10**6), step=st.integers(0, 10**5), shards=st.sampled_from([1, 4, 8]))
+def test_curriculum_is_a_pure_function_of_seed_and_step_and_keeps_eq3_p1(seed, step, shards):
+    make = lambda: LoopCurriculum(4, 0.15, weights=[3, 1, 1], final_weights=[1, 1, 3], ramp_steps=500)  # noqa: E731
+    a, b = make(), make()
+    assert a.schedule(seed, step, shards) == b.schedule(seed, step, shards)
+    assert a.expected_p1() == pytest.approx(DeepLoopOverride(4, 0.15).expected_p1())
+    probabilities = a.probabilities()
+    assert sum(probabilities) == pytest.approx(1.0) and probabilities[0] == pytest.approx(a.expected_p1())
+
+
+def test_curriculum_training_average_counts_the_hold_at_the_final_weights():
+    ramp_only = LoopCurriculum(3, 0.0, weights=[1, 0], final_weights=[0, 1], ramp_steps=100)
+    held = LoopCurriculum(3, 0.0, weights=[1, 0], final_weights=[0, 1], ramp_steps=100, hold_steps=300)
+    assert ramp_only.probabilities()[2] == pytest.approx((2 / 3) * 0.495)
+    assert held.probabilities()[2] > ramp_only.probabilities()[2]
+    assert held.expected_mean_loops() > ramp_only.expected_mean_loops()
+
+
+@pytest.mark.parametrize("field, kwargs", [
+    ("ramp_steps", {"ramp_steps": 0}),
+    ("hold_steps", {"hold_steps": -1}),
+    ("final_weights", {"final_weights": [1, 2, 3]}),
+])
+def test_curriculum_rejects_bad_values_naming_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=f"LoopCurriculum.{field}"):
+        LoopCurriculum(3, 0.15, **kwargs)
