@@ -107,7 +107,7 @@ def test_synchronized_frequencies_follow_the_normalised_weights(seed, weights):
     [
         (lambda: IndependentRank(0), "IndependentRank.max_loops=0"),
         (lambda: Synchronized(0), "Synchronized.max_loops=0"),
-        (lambda: Synchronized(4, weights=[1, 1]), r"Synchronized\.weights=\[1, 1\] must list one weight per"),
+        (lambda: Synchronized(4, weights=[1, 1]), r"Synchronized\.weights=\[1, 1\] must list 4 weights, one per"),
         (lambda: Synchronized(2, weights=[1, -1]), r"Synchronized\.weights=.* must be finite and >= 0"),
         (lambda: Synchronized(2, weights=[1, float("nan")]), r"Synchronized\.weights=.* must be finite"),
         (lambda: Synchronized(2, weights=[0, 0]), r"Synchronized\.weights=.* must not all be zero"),
