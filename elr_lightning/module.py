@@ -20,7 +20,7 @@ from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
 from elr_lightning.optim import param_groups, warmup_cosine
-from elr_lightning.roles import copy_with_roles
+from elr_lightning.roles import GROUPS, copy_with_roles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, tokenizer_state
 from elr_lightning.updates import StateUpdate
@@ -135,6 +135,10 @@ class ELRModule(LightningModule):
         val_loops: Loop counts to validate at; ``1..arch.max_loops`` by default. Values above
             ``arch.max_loops`` test extrapolation.
         lr: Peak learning rate.
+        lr_scale: Multipliers of ``lr`` per optimizer group (``decay``, ``no_decay``, ``gate``,
+            ``conditioning``; see :func:`~elr_lightning.optim.param_groups`), e.g. ``{gate: 10}``
+            for a faster adaptive-delta gate; unnamed groups keep ``lr``. Every group warms up
+            alike, then decays to the same floor, ``min_lr_ratio * lr``.
         weight_decay: AdamW weight decay for the ``decay`` group (matrices only).
         betas: AdamW betas.
         warmup_steps: Linear warmup steps before the cosine decay.
@@ -161,6 +165,7 @@ class ELRModule(LightningModule):
         virtual_ranks: int = 1,
         val_loops: Optional[list[int]] = None,
         lr: float = 3e-3,
+        lr_scale: Optional[dict[str, float]] = None,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 100,
@@ -191,6 +196,12 @@ class ELRModule(LightningModule):
         ):
             if not ok:
                 raise ValueError(f"model.init_args.{name}={value} must be {rule}")
+        for group, scale in (lr_scale or {}).items():
+            if group not in GROUPS or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+                raise ValueError(
+                    f"model.init_args.lr_scale={lr_scale}: keys must be optimizer groups {', '.join(GROUPS)} and "
+                    "values finite numbers > 0"
+                )
         # Plug-in objects are copied: the caller's (or, on load, the unpickled hparams') instances may
         # share storage with other tensors, and the model's init routine writes into what it owns.
         update, conditioner = copy_with_roles(update), copy_with_roles(conditioner)
@@ -453,7 +464,11 @@ class ELRModule(LightningModule):
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        optimizer = torch.optim.AdamW(param_groups(self.model, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas))
+        groups = param_groups(self.model, hp.weight_decay)
+        scales = hp.get("lr_scale") or {}
+        for group in groups:
+            group["lr"] = hp.lr * scales.get(group["name"], 1.0)
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
         total = self.trainer.estimated_stepping_batches
         if not math.isfinite(total):
             raise ValueError("set trainer.max_steps or trainer.max_epochs: the cosine schedule needs a length")

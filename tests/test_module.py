@@ -240,3 +240,26 @@ def test_a_parameter_added_after_the_model_was_built_is_named_not_asserted():
     module.model.update.late = torch.nn.Parameter(torch.zeros(3))  # a plug-in that builds outside build()
     with pytest.raises(ValueError, match=r"parameter '(core\.)?update\.late' has no recorded role.*set_role"):
         param_groups(module.model, 0.1)
+
+
+def test_lr_scale_multiplies_the_named_groups_and_the_schedule_keeps_the_ratio(tmp_path):
+    module = ELRModule(arch=tiny_config(), lr=1e-3, warmup_steps=2, lr_scale={"gate": 10.0, "conditioning": 0.5},
+                       conditioner=LoopConditioner(d_cond=8, rank=2))
+    trainer = Trainer(max_steps=10, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         default_root_dir=tmp_path)
+    module.trainer = trainer
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    peak = {g["name"]: g["initial_lr"] for g in optimizer.param_groups}
+    assert peak == pytest.approx({"decay": 1e-3, "no_decay": 1e-3, "gate": 1e-2, "conditioning": 5e-4})
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    now = {g["name"]: g["lr"] for g in optimizer.param_groups}
+    assert now["gate"] / now["decay"] == pytest.approx(10.0) and now["conditioning"] / now["decay"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("scale", [{"gates": 2.0}, {"gate": 0.0}, {"gate": float("nan")}])
+def test_lr_scale_rejects_unknown_groups_and_non_positive_values(scale):
+    with pytest.raises(ValueError, match="model.init_args.lr_scale"):
+        ELRModule(arch=tiny_config(), lr_scale=scale)
