@@ -1,0 +1,188 @@
+"""Decoding with loop conditioning at a fixed k: shared weights, each loop's constants computed once.
+
+At a fixed loop count k the context c_i of loop i depends on ``(i, k, K)`` alone (eq. 4), so each
+modulated sublayer's FiLM scale and shift, adapter ``A diag(g(c_i))`` and exit gate are constants
+of the loop. :func:`conditioned_at` computes them once for a k and runs the layers' own weights
+with them: per sublayer the norm's weight times the FiLM scale, the shift added in the norm's last
+multiply, the rank-r adapter as two thin matmuls, and the gate in the residual add. Decoding then
+runs no conditioner and the unconditioned model's ops plus two thin matmuls per sublayer, and
+holds the recurrent weights once. (Folding the constants into copies of the weights instead,
+:func:`~elr_lightning.fold.fold_conditioning`, holds the recurrent weights k times: on a CPU whose
+cache fits the model once, the unconditioned model with its recurrent layers copied per loop
+decoded 1.2x slower at k = 4 than with them shared, with the same ops.)
+
+Generation calls :func:`serving_model` once per call (prefill and decode steps), never per token;
+it keeps the conditioned model per k while the parameters are unchanged.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from elr_lightning.context import LoopContext
+from elr_lightning.fold import FoldedLM
+from elr_lightning.layers import Block, Modulator
+
+if TYPE_CHECKING:  # the model module does not import this one
+    from elr_lightning.model import LoopedLM
+
+__all__ = ["ConditionedBlock", "conditioned_at", "serving_model"]
+
+
+def _constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> tuple[Optional[Tensor], ...]:
+    """``(weight, shift, down_t, up_t, gate)`` of eq. (4) for one sublayer under the context ``c``."""
+    try:
+        scale, shift, terms = mod.modulation(c)
+    except NotImplementedError as err:
+        raise NotImplementedError(
+            f"{type(mod).__name__} does not implement modulation(); its conditioning has no constant form"
+        ) from err
+    weight = scale if norm.weight is None else norm.weight * scale
+    if terms.up is None or terms.down is None:
+        return weight, shift, None, None, terms.gate
+    return weight, shift, terms.down.T.contiguous(), terms.up.T.contiguous(), terms.gate
+
+
+class ConditionedBlock(nn.Module):
+    """A modulated :class:`~elr_lightning.layers.Block` at one fixed context c_i, for inference.
+
+    Runs the block's own mixers (shared, not copied) with eq. (4)'s constants for c_i, computed at
+    construction, so ``forward(x, ctx)`` equals ``block(x, ctx.at(i, c_i))`` to fp32 round-off.
+    Per sublayer: ``x + gate * f(P (w * rms(x) + m))`` with ``P = I + (A diag g) B`` applied as two
+    thin matmuls. The constants are plain tensors, read without a module lookup per token: they
+    neither follow later changes of the block's parameters nor move with ``.to()``; build the
+    block again on the device and dtype it runs with (:func:`serving_model` does).
+
+    Args:
+        block: A recurrent or output block whose modulators implement ``Modulator.modulation``.
+        c: The context c_i.
+
+    Raises:
+        NotImplementedError: a modulator does not implement ``modulation``.
+    """
+
+    def __init__(self, block: Block, c: Tensor) -> None:
+        super().__init__()
+        self.index = block.index
+        self.attn, self.mlp = block.attn, block.mlp
+        self.shape, self.eps = block.attn_norm.normalized_shape, (block.attn_norm.eps, block.mlp_norm.eps)
+        self.constants = (
+            _constants(block.attn_norm, block.attn_mod, c),
+            _constants(block.mlp_norm, block.mlp_mod, c),
+        )
+
+    def forward(self, x: Tensor, ctx: LoopContext) -> Tensor:
+        """The block's output at its fixed context (``ctx.cond`` is not read)."""
+        for mixer, eps, (weight, shift, down_t, up_t, gate) in zip((self.attn, self.mlp), self.eps, self.constants):
+            h = torch.addcmul(shift, F.rms_norm(x, self.shape, None, eps), weight)
+            if down_t is not None:
+                flat = h.view(-1, h.shape[-1])
+                h = torch.addmm(flat, torch.mm(flat, down_t), up_t).view(h.shape)
+            x = torch.addcmul(x, mixer(h, ctx, self.index), gate)
+        return x
+
+
+@torch.inference_mode(False)
+@torch.no_grad()
+def conditioned_at(model: LoopedLM, loops: int) -> FoldedLM:
+    """``model`` at ``loops`` with each loop's conditioning constants computed once, weights shared.
+
+    Every recurrent layer gets one :class:`ConditionedBlock` per loop i = 1..k (under c_i), every
+    output layer one (under c_k); the mixers, embedding, input layers and head are the model's
+    own. Without active conditioning the result runs the model's own layers at every loop.
+
+    Args:
+        model: The model (left unchanged; its training mode is not touched).
+        loops: The loop count k >= 1.
+
+    Returns:
+        A :class:`~elr_lightning.fold.FoldedLM` that accepts ``loops == k`` only.
+
+    Raises:
+        ValueError: ``loops < 1``.
+        NotImplementedError: A modulator does not implement ``modulation``.
+    """
+    if loops < 1:
+        raise ValueError(f"loops={loops} must be >= 1")
+    conditioner, like = model.conditioner, model.embed.weight
+
+    def at(blocks: nn.ModuleList, c: Optional[Tensor]) -> list[nn.Module]:
+        if c is None:
+            return list(blocks)
+        return [block if block.attn_mod is None else ConditionedBlock(block, c) for block in blocks]
+
+    contexts = [
+        None if conditioner is None else conditioner(i, loops, model.config.max_loops, like)
+        for i in range(1, loops + 1)
+    ]
+    return FoldedLM(model, loops, [at(model.core.layers, c) for c in contexts], at(model.output_layers, contexts[-1]))
+
+
+@dataclass
+class _Served:
+    """The conditioned models of one source model, valid while its parameters are those in ``key``."""
+
+    key: tuple[tuple[int, int, int], ...] = ()
+    models: dict[int, FoldedLM] = field(default_factory=dict)
+    #: Set once the model was found to have no constant form (said once, then decoded as it is).
+    refused: bool = False
+
+
+#: Per source model, weakly held: the entry dies with the model, and copies of a model do not carry it.
+_SERVED: "weakref.WeakKeyDictionary[LoopedLM, _Served]" = weakref.WeakKeyDictionary()
+
+
+def serving_model(
+    model: Union[LoopedLM, FoldedLM], loops: int, fold: Optional[bool] = None
+) -> Union[LoopedLM, FoldedLM]:
+    """The module a generation at ``loops`` decodes with: :func:`conditioned_at` ``(model, loops)`` or ``model``.
+
+    Call it once per generation (prefill and decode steps), not per token. With active
+    conditioning it returns the model with that k's conditioning constants computed once (the same
+    logits to fp32 round-off, without running the conditioner per token), kept per k and reused
+    while every parameter is the same object with the same storage and version counter: one walk
+    over the parameters per call notices an in-place optimizer step and a replaced parameter.
+
+    Args:
+        model: The model; a :class:`~elr_lightning.fold.FoldedLM` is returned as it is.
+        loops: The loop count k of the generation.
+        fold: ``None`` follows ``model.serve_folded`` (on unless switched off); ``True`` asks for
+            the constant form; ``False`` decodes with ``model`` as it is.
+
+    Returns:
+        The module to call as ``runner(input_ids, loops, attention_mask, cache)``.
+
+    Raises:
+        NotImplementedError: ``fold=True`` for a model whose modulators have no constant form
+            (no ``Modulator.modulation``). With ``fold=None`` such a model decodes as it is, and a
+            warning says so once per model.
+    """
+    if isinstance(model, FoldedLM):
+        return model
+    wanted = getattr(model, "serve_folded", True) if fold is None else fold
+    conditioner = model.conditioner
+    if not wanted or conditioner is None or not conditioner.active:
+        return model
+    served = _SERVED.setdefault(model, _Served())
+    if served.refused and fold is None:
+        return model
+    key = tuple((id(p), p.data_ptr(), p._version) for p in model.parameters())
+    if key != served.key:
+        served.key, served.models = key, {}
+    if loops not in served.models:
+        try:
+            served.models[loops] = conditioned_at(model, loops)
+        except NotImplementedError as err:  # a modulator that only offers pre() and post()
+            if fold:
+                raise
+            served.refused = True
+            warnings.warn(f"decoding unfolded (the conditioner runs per token): {err}", stacklevel=3)
+            return model
+    return served.models[loops]
