@@ -36,8 +36,14 @@ if TYPE_CHECKING:  # the model module does not import this one
 __all__ = ["ConditionedBlock", "conditioned_at", "serving_model"]
 
 
-def _constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> tuple[Optional[Tensor], ...]:
-    """``(weight, shift, down_t, up_t, gate)`` of eq. (4) for one sublayer under the context ``c``."""
+def _constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(weight, one, down, up, gate)``: eq. (4) for one sublayer under the context ``c``, as matmul operands.
+
+    ``P (w s * rms(x) + m) = h + (A g)(B h) + P m`` with ``h = w s * rms(x)``: the shift ``P m``
+    rides the adapter's matmuls as one more rank whose input is the constant 1, so the sublayer
+    runs ``rms_norm`` with the weight ``w s``, then ``t = [0.., 1] + h [B^T | 0]`` and
+    ``h + t [(A g)^T; (P m)^T]``: two thin matmuls and no other pass.
+    """
     try:
         scale, shift, terms = mod.modulation(c)
     except NotImplementedError as err:
@@ -45,9 +51,23 @@ def _constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> tuple[Optional[Te
             f"{type(mod).__name__} does not implement modulation(); its conditioning has no constant form"
         ) from err
     weight = scale if norm.weight is None else norm.weight * scale
-    if terms.up is None or terms.down is None:
-        return weight, shift, None, None, terms.gate
-    return weight, shift, terms.down.T.contiguous(), terms.up.T.contiguous(), terms.gate
+    d = weight.shape[-1]
+    up = torch.zeros(d, 0, dtype=weight.dtype, device=weight.device) if terms.up is None else terms.up
+    down = torch.zeros(0, d, dtype=weight.dtype, device=weight.device) if terms.down is None else terms.down
+    p_shift = shift + up @ (down @ shift)
+    one = torch.zeros(up.shape[1] + 1, dtype=weight.dtype, device=weight.device)
+    one[-1] = 1.0
+    down_t = torch.cat((down.T, torch.zeros_like(weight)[:, None]), dim=1).contiguous()
+    up_t = torch.cat((up.T, p_shift[None]), dim=0).contiguous()
+    return weight, one, down_t, up_t, terms.gate
+
+
+def _residual(x: Tensor, mixer: nn.Module, consts: tuple[Tensor, ...], eps: Optional[float], ctx, layer: int) -> Tensor:
+    weight, one, down_t, up_t, gate = consts
+    h = F.rms_norm(x, weight.shape, weight, eps)
+    flat = h.view(-1, h.shape[-1])
+    h = torch.addmm(flat, torch.addmm(one, flat, down_t), up_t).view(h.shape)
+    return torch.addcmul(x, mixer(h, ctx, layer), gate)
 
 
 class ConditionedBlock(nn.Module):
@@ -55,10 +75,11 @@ class ConditionedBlock(nn.Module):
 
     Runs the block's own mixers (shared, not copied) with eq. (4)'s constants for c_i, computed at
     construction, so ``forward(x, ctx)`` equals ``block(x, ctx.at(i, c_i))`` to fp32 round-off.
-    Per sublayer: ``x + gate * f(P (w * rms(x) + m))`` with ``P = I + (A diag g) B`` applied as two
-    thin matmuls. The constants are plain tensors, read without a module lookup per token: they
-    neither follow later changes of the block's parameters nor move with ``.to()``; build the
-    block again on the device and dtype it runs with (:func:`serving_model` does).
+    Per sublayer: ``x + gate * f(P (w s * rms(x) + m))`` with ``P = I + (A diag g) B``, as an
+    ``rms_norm`` and two thin matmuls (see :func:`_constants`). The constants are plain tensors,
+    read without a module lookup per token: they neither follow later changes of the block's
+    parameters nor move with ``.to()``; build the block again on the device and dtype it runs
+    with (:func:`serving_model` does).
 
     Args:
         block: A recurrent or output block whose modulators implement ``Modulator.modulation``.
@@ -72,7 +93,7 @@ class ConditionedBlock(nn.Module):
         super().__init__()
         self.index = block.index
         self.attn, self.mlp = block.attn, block.mlp
-        self.shape, self.eps = block.attn_norm.normalized_shape, (block.attn_norm.eps, block.mlp_norm.eps)
+        self.eps = (block.attn_norm.eps, block.mlp_norm.eps)
         self.constants = (
             _constants(block.attn_norm, block.attn_mod, c),
             _constants(block.mlp_norm, block.mlp_mod, c),
@@ -80,13 +101,8 @@ class ConditionedBlock(nn.Module):
 
     def forward(self, x: Tensor, ctx: LoopContext) -> Tensor:
         """The block's output at its fixed context (``ctx.cond`` is not read)."""
-        for mixer, eps, (weight, shift, down_t, up_t, gate) in zip((self.attn, self.mlp), self.eps, self.constants):
-            h = torch.addcmul(shift, F.rms_norm(x, self.shape, None, eps), weight)
-            if down_t is not None:
-                flat = h.view(-1, h.shape[-1])
-                h = torch.addmm(flat, torch.mm(flat, down_t), up_t).view(h.shape)
-            x = torch.addcmul(x, mixer(h, ctx, self.index), gate)
-        return x
+        x = _residual(x, self.attn, self.constants[0], self.eps[0], ctx, self.index)
+        return _residual(x, self.mlp, self.constants[1], self.eps[1], ctx, self.index)
 
 
 @torch.inference_mode(False)
