@@ -164,4 +164,6 @@ def fold_conditioning(model: LoopedLM, loops: int) -> FoldedLM:
         None if conditioner is None else conditioner(i, loops, config.max_loops, like) for i in range(1, loops + 1)
     ]
     recurrent = [fold(model.core.layers, c) for c in contexts]
-    return FoldedLM(model, loops, recurrent, fold(model.output_layers, contexts[-1])).eval()
+    folded = FoldedLM(model, loops, recurrent, fold(model.output_layers, contexts[-1]))
+    folded.training = False  # the folded copies are in eval mode; the shared modules keep the source's mode
+    return folded

@@ -37,17 +37,29 @@ MOE = replace(
 
 @pytest.mark.parametrize("config", [GQA_CONFIG, HYBRID, MOE], ids=["attention", "hybrid", "moe"])
 @pytest.mark.parametrize("policy", ["per_loop", "last_loop"])
-def test_decoding_through_the_constants_equals_the_conditioner_per_token(config, policy: str) -> None:
+@pytest.mark.parametrize("loops", [1, 3])
+def test_decoding_through_the_constants_equals_the_conditioner_per_token(config, policy: str, loops: int) -> None:
     model = perturbed_model(config)
     prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
-    kwargs = dict(loops=3, kv_cache=policy, max_new_tokens=6, greedy=True, output_logits=True)
+    kwargs = dict(loops=loops, kv_cache=policy, max_new_tokens=6, greedy=True, output_logits=True)
     served = generate(model, prompt, **kwargs)
-    runner = serving_model(model, 3)
-    assert isinstance(runner, FoldedLM) and any(isinstance(m, ConditionedBlock) for m in runner.modules())
-    assert runner.core.per_loop[0][0].attn is model.core.layers[0].attn  # the weights are shared, not copied
+    runner = serving_model(model, loops)
+    assert isinstance(runner, FoldedLM)
+    shared = runner.core.per_loop[0][0].attn is model.core.layers[0].attn
+    # k > 1 (and an MoE, whose mixer has no weight fold): the weights are shared, not copied;
+    # k = 1 folds into copies, which a decode step reads instead of the originals.
+    assert shared == (loops > 1 or config is MOE)
+    assert shared == any(isinstance(m, ConditionedBlock) for m in runner.modules())
     plain = generate(model, prompt, fold=False, **kwargs)
     torch.testing.assert_close(served.logits, plain.logits, atol=1e-4, rtol=0)
     assert torch.equal(served.new_tokens, plain.new_tokens)
+
+
+def test_serving_leaves_the_training_mode_of_the_model_alone() -> None:
+    model = perturbed_model(GQA_CONFIG).train()
+    generate(model, [[1, 2, 3]], loops=1, max_new_tokens=2, greedy=True)
+    generate(model, [[1, 2, 3]], loops=2, max_new_tokens=2, greedy=True)
+    assert all(m.training for m in model.modules())
 
 
 def test_the_constants_are_reused_and_rebuilt_after_an_in_place_update() -> None:
