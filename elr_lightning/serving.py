@@ -37,7 +37,7 @@ __all__ = ["ConditionedBlock", "conditioned_at", "serving_model"]
 
 
 def _constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(weight, one, down, up, gate)``: eq. (4) for one sublayer under the context ``c``, as matmul operands.
+    """``(weight, one, down_t, up_t, gate)``: eq. (4) for one sublayer under the context ``c``, as operands.
 
     ``P (w s * rms(x) + m) = h + (A g)(B h) + P m`` with ``h = w s * rms(x)``: the shift ``P m``
     rides the adapter's matmuls as one more rank whose input is the constant 1, so the sublayer
@@ -62,7 +62,10 @@ def _constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> tuple[Tensor, Ten
     return weight, one, down_t, up_t, terms.gate
 
 
-def _residual(x: Tensor, mixer: nn.Module, consts: tuple[Tensor, ...], eps: Optional[float], ctx, layer: int) -> Tensor:
+def _residual(
+    x: Tensor, mixer: nn.Module, consts: tuple[Tensor, ...], eps: Optional[float], ctx: LoopContext, layer: int
+) -> Tensor:
+    """``x + gate * mixer(P (w s * rms(x) + m))`` from :func:`_constants`' operands (eq. 4)."""
     weight, one, down_t, up_t, gate = consts
     h = F.rms_norm(x, weight.shape, weight, eps)
     flat = h.view(-1, h.shape[-1])
