@@ -37,12 +37,13 @@ __all__ = ["ConditionedBlock", "conditioned_at", "serving_model"]
 
 
 def _constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(weight, one, down_t, up_t, gate)``: eq. (4) for one sublayer under the context ``c``, as operands.
+    """``(weight, one, down, up, gate)``: eq. (4) for one sublayer under the context ``c``, as operands.
 
     ``P (w s * rms(x) + m) = h + (A g)(B h) + P m`` with ``h = w s * rms(x)``: the shift ``P m``
-    rides the adapter's matmuls as one more rank whose input is the constant 1, so the sublayer
-    runs ``rms_norm`` with the weight ``w s``, then ``t = [0.., 1] + h [B^T | 0]`` and
-    ``h + t [(A g)^T; (P m)^T]``: two thin matmuls and no other pass.
+    rides the adapter's products as one more rank whose input is the constant 1, so the sublayer
+    runs ``rms_norm`` with the weight ``w s``, then ``t = [0.., 1] + [B; 0] h`` and
+    ``h + [A g | P m] t``: two thin products and no other pass. ``down`` is ``[r + 1, d]`` and
+    ``up`` ``[d, r + 1]``, both contiguous (matrix-vector products read them row by row).
     """
     try:
         scale, shift, terms = mod.modulation(c)
@@ -57,19 +58,23 @@ def _constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> tuple[Tensor, Ten
     p_shift = shift + up @ (down @ shift)
     one = torch.zeros(up.shape[1] + 1, dtype=weight.dtype, device=weight.device)
     one[-1] = 1.0
-    down_t = torch.cat((down.T, torch.zeros_like(weight)[:, None]), dim=1).contiguous()
-    up_t = torch.cat((up.T, p_shift[None]), dim=0).contiguous()
-    return weight, one, down_t, up_t, terms.gate
+    down = torch.cat((down, torch.zeros_like(weight)[None]), dim=0).contiguous()
+    up = torch.cat((up, p_shift[:, None]), dim=1).contiguous()
+    return weight, one, down, up, terms.gate
 
 
 def _residual(
     x: Tensor, mixer: nn.Module, consts: tuple[Tensor, ...], eps: Optional[float], ctx: LoopContext, layer: int
 ) -> Tensor:
     """``x + gate * mixer(P (w s * rms(x) + m))`` from :func:`_constants`' operands (eq. 4)."""
-    weight, one, down_t, up_t, gate = consts
+    weight, one, down, up, gate = consts
     h = F.rms_norm(x, weight.shape, weight, eps)
-    flat = h.view(-1, h.shape[-1])
-    h = torch.addmm(flat, torch.addmm(one, flat, down_t), up_t).view(h.shape)
+    if h.numel() == h.shape[-1]:  # one token of one sequence: matrix-vector products dispatch faster
+        v = h.view(-1)
+        h = torch.addmv(v, up, torch.addmv(one, down, v)).view(h.shape)
+    else:
+        flat = h.view(-1, h.shape[-1])
+        h = torch.addmm(flat, torch.addmm(one, flat, down.T), up.T).view(h.shape)
     return torch.addcmul(x, mixer(h, ctx, layer), gate)
 
 
