@@ -2,8 +2,8 @@
 
 Training folds the conditioning per loop inside the autograd graph
 (:meth:`~elr_lightning.mixers.TokenMixer.modulated`); this module builds the folded weights once,
-as plain layers: :class:`~elr_lightning.model.LoopedLM` serves cached decoding through it, and an
-exporter gets an unmodulated model at one k.
+as plain layers, so an exporter gets an unmodulated model at one k. (Generation keeps the weights
+shared and precomputes the per-loop constants instead: :mod:`elr_lightning.serving`.)
 
 At a fixed loop count k the context c_i = MLP([phi(i / k); phi(k / K)]) of loop i depends on
 ``(i, k, K)`` alone, so every modulated sublayer's FiLM-plus-adapter pre-map and exit gate are
@@ -41,13 +41,13 @@ __all__ = ["FoldedLM", "fold_conditioning"]
 
 
 class _FoldedCore(nn.Module):
-    """The recurrent core with one folded copy of its layers per loop and no conditioner."""
+    """The recurrent core with one list of layers per loop, its context fixed, and no conditioner."""
 
     #: The same k-loop as the source core (DESIGN §2), over :meth:`layers_at`.
     forward = RecurrentCore.forward
     loop = RecurrentCore.loop
 
-    def __init__(self, source: RecurrentCore, per_loop: list[list[Block]]) -> None:
+    def __init__(self, source: RecurrentCore, per_loop: list[list[nn.Module]]) -> None:
         super().__init__()
         self.config, self.update = source.config, source.update
         self.conditioner = None
@@ -55,27 +55,35 @@ class _FoldedCore(nn.Module):
         self.per_loop = nn.ModuleList(nn.ModuleList(layers) for layers in per_loop)
 
     def layers_at(self, loop: int) -> nn.ModuleList:
-        """The layers folded under loop ``loop``'s context."""
+        """The layers of loop ``loop``, under its context."""
         return self.per_loop[loop - 1]
 
 
 class FoldedLM(LoopedForward):
-    """An inference-only :class:`LoopedLM` at one loop count k, with conditioning folded in.
+    """An inference-only :class:`LoopedLM` at one loop count k, its conditioning fixed for that k.
 
     ``forward(input_ids, loops, attention_mask, cache)`` is :meth:`LoopedLM.forward` at
-    ``loops == k`` over the folded layers: the same state update, injection and cache slots
+    ``loops == k`` over the given layers: the same state update, injection and cache slots
     ``(layer, loop)``. The embedding, input layers, final norm, head and RoPE tables are the
-    source's own modules, shared, not copied. Build it with :func:`fold_conditioning`.
+    source's own modules, shared, not copied. :func:`fold_conditioning` builds one from plain
+    blocks with the conditioning folded into copies of their weights;
+    :func:`~elr_lightning.serving.serving_model` from blocks that share the source's weights and
+    hold each loop's modulation constants.
 
     Args:
         source: The model to serve.
-        loops: The loop count k it is folded for.
-        recurrent_layers: One list of ``n_rec`` plain blocks per loop ``1..k``.
-        output_layers: The ``n_out`` plain output blocks (folded with c_k).
+        loops: The loop count k it is built for.
+        recurrent_layers: One list of ``n_rec`` layers ``layer(x, ctx)`` per loop ``1..k``, each under
+            that loop's context.
+        output_layers: The ``n_out`` output layers (under c_k).
     """
 
     def __init__(
-        self, source: LoopedLM, loops: int, recurrent_layers: list[list[Block]], output_layers: list[Block]
+        self,
+        source: LoopedLM,
+        loops: int,
+        recurrent_layers: list[list[nn.Module]],
+        output_layers: list[nn.Module],
     ) -> None:
         super().__init__()
         self.config: ModelConfig = source.config
@@ -156,4 +164,6 @@ def fold_conditioning(model: LoopedLM, loops: int) -> FoldedLM:
         None if conditioner is None else conditioner(i, loops, config.max_loops, like) for i in range(1, loops + 1)
     ]
     recurrent = [fold(model.core.layers, c) for c in contexts]
-    return FoldedLM(model, loops, recurrent, fold(model.output_layers, contexts[-1])).eval()
+    folded = FoldedLM(model, loops, recurrent, fold(model.output_layers, contexts[-1]))
+    folded.training = False  # the folded copies are in eval mode; the shared modules keep the source's mode
+    return folded

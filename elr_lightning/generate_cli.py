@@ -68,8 +68,9 @@ def _command_parser() -> Any:
     parser.add_argument(
         "--fold",
         action=ActionYesNo,
-        default=False,
-        help="Fold the loop conditioning into the weights for --loops before generating (faster decoding).",
+        default=None,
+        help="Decode with the conditioning constants of --loops computed once (default, the model's serve_folded); "
+        "--no_fold runs the conditioner per token.",
     )
     parser.add_argument("--stats", action=ActionYesNo, default=False, help="Print KV memory and tokens/s to stderr.")
     parser.add_argument("--device", type=str, default="cpu", help="Device to run on, e.g. cpu or cuda.")

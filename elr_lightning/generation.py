@@ -40,7 +40,8 @@ from elr_lightning.cache import (
     recurrent_state_bytes,
     resolve_policy,
 )
-from elr_lightning.fold import FoldedLM, fold_conditioning
+from elr_lightning.fold import FoldedLM
+from elr_lightning.serving import serving_model
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 
@@ -238,7 +239,7 @@ def _prepare(
     seed: Optional[int],
     generator: Optional[torch.Generator],
     autocast_dtype: Optional[torch.dtype],
-    fold: bool,
+    fold: Optional[bool],
 ) -> _Job:
     lm = _unwrap(model)
     if loops < 1:
@@ -259,7 +260,7 @@ def _prepare(
         return sample_next(logits, temperature, top_k, top_p, greedy, generator)
 
     cache = _make_cache(kv_cache, need)
-    runner = fold_conditioning(lm, loops) if fold and isinstance(lm, LoopedLM) else lm
+    runner = serving_model(lm, loops, fold)  # chosen once per generation, never per token
     return _Job(runner, ids, mask, cache, loops, max_new_tokens, sample, eos_id, pad_id, autocast_dtype)
 
 
@@ -330,7 +331,7 @@ def stream_generate(
     seed: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
     autocast_dtype: Optional[torch.dtype] = None,
-    fold: bool = False,
+    fold: Optional[bool] = None,
 ) -> Iterator[Tensor]:
     """Generate token by token, yielding each step's ``[B]`` new tokens as soon as they exist.
 
@@ -360,10 +361,14 @@ def stream_generate(
         generator: Random source for sampling.
         autocast_dtype: Run the model under ``torch.autocast(device.type, dtype)``, e.g.
             ``torch.bfloat16``; ``None`` runs in the weights' dtype.
-        fold: Fold the loop conditioning into the layers' weights for this ``loops`` once, before
-            the prefill (:func:`~elr_lightning.fold.fold_conditioning`): faster steps, the same
-            logits up to rounding, and the recurrent weights held k times while it runs. A model
-            folded already is used as it is.
+        fold: Whether to decode with each loop's conditioning constants computed once for this
+            ``loops`` and the weights shared (:func:`~elr_lightning.serving.serving_model`, chosen
+            once per call, kept per k while the weights are unchanged): the same logits to fp32
+            round-off, without running the conditioner per token. ``None`` (default) follows
+            ``model.serve_folded`` (on), and a model whose conditioning has no constant form decodes
+            as it is, with one warning; ``True`` asks for it (``NotImplementedError`` if impossible);
+            ``False`` decodes with the model as it is. A model already folded
+            (:func:`~elr_lightning.fold.fold_conditioning`) is used as it is.
 
     Returns:
         An iterator over ``[B]`` int64 tokens, one tensor per step. The arguments are checked
@@ -413,7 +418,7 @@ def generate(
     autocast_dtype: Optional[torch.dtype] = None,
     callback: Optional[Callable[[Tensor], None]] = None,
     output_logits: bool = False,
-    fold: bool = False,
+    fold: Optional[bool] = None,
 ) -> GenerationOutput:
     """Generate continuations of a batch of prompts; see :func:`stream_generate` for the arguments.
 
@@ -435,7 +440,7 @@ def generate(
         autocast_dtype: Autocast dtype, or ``None``.
         callback: Called with each step's ``[B]`` tokens, in order, as they are produced.
         output_logits: Keep every step's next-token logits in :attr:`GenerationOutput.logits`.
-        fold: Fold the loop conditioning into the weights before the prefill.
+        fold: Decode with the conditioning constants of ``loops`` (``None``: ``model.serve_folded`` decides).
 
     Returns:
         The prompt with its continuations, the new tokens, optionally the logits, and the cache.

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-import warnings
-from typing import Any, MutableMapping, Optional
+from typing import MutableMapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -14,22 +13,9 @@ from elr_lightning.cache import KVCache
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.core import CHECKPOINTING, LoopedForward, RecurrentCore, blocks
-from elr_lightning.fold import fold_conditioning
 from elr_lightning.layers import Rotary
 from elr_lightning.roles import Role, role_table
 from elr_lightning.updates import AdaptiveDelta, NonRecurrent, StateUpdate
-
-#: Parameters registered on any module so far (a module-registration hook counts them), so
-#: :meth:`LoopedLM._folded` notices replaced parameters without walking the modules per call.
-_REGISTRATIONS = [0]
-
-
-def _count_registration(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
-    _REGISTRATIONS[0] += 1
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
-
 
 class LoopedLM(LoopedForward):
     """A latent-recurrent LM whose compute is chosen per call by the loop count k.
@@ -63,9 +49,9 @@ class LoopedLM(LoopedForward):
             self.head.weight = self.embed.weight
         self.rotary = Rotary(config)
         self.roles: dict[str, Role] = role_table(self)
-        #: Decode with a cache through weights folded per k (see :meth:`forward`); off trades speed for memory.
+        #: Whether generation decodes through weights folded per k (:func:`~elr_lightning.fold.serving_model`)
+        #: when conditioning is active; False decodes unfolded (less memory, slower). ``forward`` never reads it.
         self.serve_folded = True
-        self._served: tuple[tuple[Any, ...], list[nn.Parameter], dict[int, nn.Module]] = ((), [], {})
         self.init_weights()
 
     @classmethod
@@ -202,48 +188,8 @@ class LoopedLM(LoopedForward):
             aux_losses: A mapping that receives the auxiliary losses the mixers added (by name). Under
                 FSDP2 pass a ``collections.UserDict``: the sharded root copies a plain dict argument.
 
-        Incremental decoding (a ``cache``, gradients off) with active conditioning runs through
-        :func:`~elr_lightning.fold.fold_conditioning`'s folded layers for ``loops``, built on the first
-        such call and kept while no parameter changes (their version counters are compared; no
-        device read): decoding then costs what the unconditioned model costs, and holds the recurrent
-        layers once per loop of every k served. Set :attr:`serve_folded` to False to decode unfolded;
-        a model that cannot be folded (a mixer or modulator without a fold) decodes unfolded, saying so once.
+        A pure function of its inputs and parameters. Generation decodes a conditioned model through
+        weights folded for its k (:func:`~elr_lightning.fold.serving_model`); calling ``forward``
+        directly always runs the layers as trained.
         """
-        if loops < 1:
-            raise ValueError(f"loops={loops} must be >= 1")
-        if (
-            cache is not None
-            and self.serve_folded
-            and self.conditioner is not None
-            and self.conditioner.active
-            and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-        ):
-            try:
-                folded = self._folded(loops)
-            except NotImplementedError as err:  # e.g. a mixture of experts or a modulator without affine()
-                warnings.warn(f"decoding unfolded: {err}", stacklevel=2)
-                self.serve_folded = False
-            else:
-                return folded(input_ids, loops, attention_mask, cache, aux_losses)
         return self.run(input_ids, loops, attention_mask, cache, aux_losses)
-
-    def _folded(self, loops: int) -> nn.Module:
-        """The folded model for ``loops``, rebuilt after any parameter changed (in place or replaced).
-
-        The parameters are listed once per build (walking the modules costs more than a decode
-        step's Python); a parameter registered anywhere since (``_REGISTRATIONS``) lists them again.
-        """
-        key, params, served = self._served
-        if key and key[0] == _REGISTRATIONS[0]:
-            current = (_REGISTRATIONS[0], *((id(p), p.data_ptr(), p._version) for p in params))
-        else:
-            params = list(self.parameters())
-            current = (_REGISTRATIONS[0], *((id(p), p.data_ptr(), p._version) for p in params))
-        if current != key:
-            served = {}
-        if loops not in served:
-            served[loops] = fold_conditioning(self, loops)
-            current = (_REGISTRATIONS[0], *current[1:])  # the fold registered its own (new) parameters
-        self._served = (current, params, served)
-        return served[loops]

@@ -117,7 +117,7 @@ def test_inactive_conditioner_folds_to_the_plain_layers() -> None:
 @pytest.mark.parametrize("loops", [1, 2])
 def test_generate_with_fold_matches(model: LoopedLM, loops: int) -> None:
     kwargs = dict(loops=loops, max_new_tokens=12, greedy=True, output_logits=True)
-    ref = generate(model, [[1, 2, 3, 4], [5, 6]], **kwargs)
+    ref = generate(model, [[1, 2, 3, 4], [5, 6]], fold=False, **kwargs)
     out = generate(model, [[1, 2, 3, 4], [5, 6]], fold=True, **kwargs)
     assert torch.equal(out.new_tokens, ref.new_tokens)
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=0)
@@ -148,7 +148,7 @@ def test_cli_generate_fold_streams_the_same_text(tmp_path: Path, capsys: pytest.
     capsys.readouterr()  # drop fit's own output: a model summary table on stdout when rich is installed
     args = ["generate", "--ckpt_path", str(path), "--prompt", "hi", "--loops", "2", "--max_new_tokens", "10",
             "--temperature", "0", "--tokenizer", "byte"]  # fmt: skip
-    run(args)
+    run([*args, "--no_fold"])
     plain = capsys.readouterr().out
     run([*args, "--fold"])
     assert capsys.readouterr().out == plain

@@ -71,38 +71,3 @@ def test_folded_gradients_equal_with_padding(monkeypatch: pytest.MonkeyPatch) ->
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], atol=2e-5, rtol=1e-4)
 
-
-def test_cached_decoding_serves_folded_weights_and_refolds_after_an_update() -> None:
-    from elr_lightning.generation import generate
-
-    model = perturbed_model(GQA_CONFIG)
-    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
-    kwargs = dict(loops=3, kv_cache="per_loop", max_new_tokens=6, greedy=True, output_logits=True)
-    served = generate(model, prompt, **kwargs)
-    assert set(model._served[2]) == {3}
-    model.serve_folded = False
-    plain = generate(model, prompt, **kwargs)
-    torch.testing.assert_close(served.logits, plain.logits, atol=1e-4, rtol=0)
-    model.serve_folded = True
-    with torch.no_grad():
-        model.core.layers[0].attn_mod.omega.bias.add_(0.5)  # an optimizer step would do this in place
-    changed = generate(model, prompt, **kwargs)
-    model.serve_folded = False
-    torch.testing.assert_close(changed.logits, generate(model, prompt, **kwargs).logits, atol=1e-4, rtol=0)
-    assert not torch.allclose(changed.logits, served.logits, atol=1e-3)
-
-
-def test_served_folds_are_rebuilt_when_a_parameter_is_replaced() -> None:
-    from elr_lightning.generation import generate
-
-    model = perturbed_model(GQA_CONFIG)
-    prompt = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(1))
-    kwargs = dict(loops=2, kv_cache="last_loop", max_new_tokens=3, greedy=True, output_logits=True)
-    before = generate(model, prompt, **kwargs).logits
-    assert generate(model, prompt, **kwargs).logits.equal(before)  # served from the same fold
-    weight = model.output_layers[0].mlp_mod.omega.bias
-    model.output_layers[0].mlp_mod.omega.bias = torch.nn.Parameter(weight.detach() + 1.0)
-    after = generate(model, prompt, **kwargs).logits
-    model.serve_folded = False
-    torch.testing.assert_close(after, generate(model, prompt, **kwargs).logits, atol=1e-4, rtol=0)
-    assert not torch.allclose(after, before, atol=1e-3)

@@ -35,9 +35,9 @@ from tqdm import tqdm
 from typing_extensions import override
 
 from elr_lightning.cache import KVCache, PerLoopCache
-from elr_lightning.fold import FoldedLM, fold_conditioning
 from elr_lightning.generation import CACHE_POLICIES, left_pad, load_model, resolve_policy, stream_generate
 from elr_lightning.model import LoopedLM
+from elr_lightning.serving import serving_model
 from elr_lightning.tokenizers import Tokenizer, choose_tokenizer
 
 #: ``dtype`` model argument -> autocast dtype (``None``: the weights' own fp32).
@@ -103,8 +103,10 @@ class ELRLM(TemplateLM):
         tokenizer: Override of the checkpoint's saved tokenizer (``byte`` or a ``tokenizer.json``).
         max_gen_toks: Default token budget of ``generate_until`` when a task sets none.
         allow_extrapolation: Accept ``loops`` above the checkpoint's ``arch.max_loops``.
-        fold: Fold the loop conditioning into the weights for each k it is set to
-            (:func:`~elr_lightning.fold.fold_conditioning`): the same scores up to rounding, faster.
+        fold: ``true`` scores and generates with each k's conditioning constants computed once
+            (:func:`~elr_lightning.serving.serving_model`: the same scores to fp32 round-off,
+            faster), ``false`` runs the conditioner per forward pass; unset follows
+            ``model.serve_folded`` (on).
         max_batch_size: Accepted for the harness's CLI, unused (no automatic batch size).
 
     Raises:
@@ -123,7 +125,7 @@ class ELRLM(TemplateLM):
         tokenizer: Optional[str] = None,
         max_gen_toks: int = 256,
         allow_extrapolation: Union[bool, str] = False,
-        fold: Union[bool, str] = False,
+        fold: Union[bool, str, None] = None,
         max_batch_size: Optional[int] = None,
         **unknown: Any,
     ) -> None:
@@ -150,7 +152,7 @@ class ELRLM(TemplateLM):
         dtype: str = "float32",
         max_gen_toks: int = 256,
         allow_extrapolation: bool = False,
-        fold: bool = False,
+        fold: Optional[bool] = None,
     ) -> "ELRLM":
         """Wrap a model already in memory (on its device, in eval mode); see the class for the arguments."""
         lm = cls.__new__(cls)
@@ -168,7 +170,7 @@ class ELRLM(TemplateLM):
         dtype: str,
         max_gen_toks: int,
         allow_extrapolation: Union[bool, str],
-        fold: Union[bool, str],
+        fold: Union[bool, str, None],
     ) -> None:
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(
@@ -193,8 +195,7 @@ class ELRLM(TemplateLM):
         self.autocast_dtype = DTYPES[dtype]
         self.max_gen_toks = int(max_gen_toks)
         self.allow_extrapolation = str(allow_extrapolation).lower() in ("true", "1", "yes")
-        self.fold = str(fold).lower() in ("true", "1", "yes")
-        self._runner: Union[LoopedLM, FoldedLM] = model
+        self.fold: Optional[bool] = None if fold is None or fold == "" else str(fold).lower() in ("true", "1", "yes")
         self.loops = int(loops)
         separator = tokenizer.encode("\n")
         # Training joined documents with EOS, or with a newline when there is none (TextDataModule).
@@ -210,7 +211,6 @@ class ELRLM(TemplateLM):
     def loops(self, value: int) -> None:
         check_loops(int(value), self.model.config.max_loops, self.allow_extrapolation)
         self._loops = int(value)
-        self._runner = fold_conditioning(self.model, self._loops) if self.fold else self.model
 
     @property
     def max_length(self) -> int:
@@ -271,7 +271,7 @@ class ELRLM(TemplateLM):
             for row, tokens in enumerate(inputs):
                 ids[row, : len(tokens)] = torch.tensor(tokens)
             with self._amp():
-                logits = self._runner(ids.to(self._device), self.loops)
+                logits = serving_model(self.model, self.loops, self.fold)(ids.to(self._device), self.loops)
             out = []
             for row, (tokens, (_, cont)) in enumerate(zip(inputs, pairs)):
                 step = logits[row, len(tokens) - len(cont) : len(tokens)].float().log_softmax(dim=-1)
@@ -284,14 +284,15 @@ class ELRLM(TemplateLM):
         ids, mask = left_pad([ctx for ctx, _ in pairs], device=self._device)
         longest = max(len(cont) for _, cont in pairs)
         cache = self.policy(max_len=ids.shape[1] + longest - 1)
+        runner = serving_model(self.model, self.loops, self.fold)  # once per batch, not per token
         steps = []
         with self._amp():
-            logits = self._runner(ids, self.loops, mask, cache)[:, -1:]
+            logits = runner(ids, self.loops, mask, cache)[:, -1:]
             steps.append(logits.float())
             for j in range(longest - 1):
                 column = torch.tensor([cont[j] if j < len(cont) else 0 for _, cont in pairs], device=self._device)
                 mask = torch.cat((mask, mask.new_ones(mask.shape[0], 1)), dim=1)
-                steps.append(self._runner(column[:, None], self.loops, mask, cache).float())
+                steps.append(runner(column[:, None], self.loops, mask, cache).float())
         logits = torch.cat(steps, dim=1).log_softmax(dim=-1)
         return [self._pick(logits[row, : len(cont)], cont) for row, (_, cont) in enumerate(pairs)]
 
@@ -394,7 +395,7 @@ class ELRLM(TemplateLM):
         prompts = [self.tok_encode(c)[-(self.max_length - budget + 1) :] or [self.eot_token_id] for c in contexts]
         greedy = not do_sample or temperature == 0
         stream = stream_generate(
-            self._runner,
+            self.model,
             prompts,
             loops=self.loops,
             max_new_tokens=budget,
@@ -406,6 +407,7 @@ class ELRLM(TemplateLM):
             eos_id=self.tok.eos_id,
             seed=seed,
             autocast_dtype=self.autocast_dtype,
+            fold=self.fold,
         )
         return list(_until_stopped(stream, self.tok, len(prompts), list(until)))
 

@@ -61,7 +61,13 @@ def _parser() -> Any:
     p.add_argument("--dtype", type=Literal["float32", "bfloat16", "float16"], default="float32", help="Autocast dtype.")
     p.add_argument("--tokenizer", type=Optional[str], default=None, help="Override the checkpoint's saved tokenizer.")
     p.add_argument("--allow_extrapolation", action=ActionYesNo, default=False, help="Allow loops above arch.max_loops.")
-    p.add_argument("--fold", action=ActionYesNo, default=False, help="Fold the conditioning into the weights per k.")
+    p.add_argument(
+        "--fold",
+        action=ActionYesNo,
+        default=None,
+        help="Compute each k's conditioning constants once (default, the model's serve_folded); --no_fold runs the "
+        "conditioner per forward pass.",
+    )
     p.add_argument("--include_path", type=Optional[str], default=None, help="Extra folder of task YAMLs.")
     p.add_argument("--data_dir", type=Optional[str], default=None, help="Local task data (built there if missing).")
     p.add_argument("--output_dir", type=str, default="eval", help="Folder for the JSON results and the PNG.")

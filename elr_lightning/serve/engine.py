@@ -8,7 +8,9 @@ step. New requests join at the next step as new cohorts; running cohorts never c
 Every row samples with its own ``torch.Generator`` seeded from the request, through the same
 :func:`~elr_lightning.generation.sample_next` that :func:`~elr_lightning.generation.generate` uses,
 and the forward pass is the model's own with the same cache policy, so a request's tokens are those
-of ``elr generate`` for its prompt, k and seed. Batching changes only the fp32 round-off of the
+of ``elr generate`` for its prompt, k and seed. Like ``elr generate``, a cohort decodes with its k's
+conditioning constants computed once (:func:`~elr_lightning.serving.serving_model`, chosen at its
+prefill; ``model.serve_folded = False`` opts out). Batching changes only the fp32 round-off of the
 matrix products (measured below 1e-6 on the logits), which can move a sample only at an exact tie.
 """
 
@@ -24,6 +26,8 @@ import torch
 from torch import Tensor
 
 from elr_lightning.cache import KVCache
+from elr_lightning.fold import FoldedLM
+from elr_lightning.serving import serving_model
 from elr_lightning.generation import PolicyLike, left_pad, resolve_policy, sample_next
 from elr_lightning.tokenizers import IncrementalDecoder
 from elr_lightning.model import LoopedLM
@@ -120,6 +124,7 @@ class _Cohort:
 
     loops: int
     rows: list[_Row]
+    runner: LoopedLM | FoldedLM
     cache: KVCache
     mask: Optional[Tensor]
     logits: Optional[Tensor] = None
@@ -221,7 +226,8 @@ class DecodeEngine:
                     _StopText(request.stop),
                 )
             )
-        cohort = _Cohort(loops, rows, self.policy(max_len=need), None if bool(mask.all()) else mask)
+        runner = serving_model(self.model, loops)
+        cohort = _Cohort(loops, rows, runner, self.policy(max_len=need), None if bool(mask.all()) else mask)
         self._forward(cohort, ids)
         return cohort
 
@@ -235,7 +241,7 @@ class DecodeEngine:
             else contextlib.nullcontext()
         )
         with amp:
-            cohort.logits = self.model(tokens, cohort.loops, cohort.mask, cohort.cache)[:, -1].float()
+            cohort.logits = cohort.runner(tokens, cohort.loops, cohort.mask, cohort.cache)[:, -1].float()
 
     def _sample(self, cohort: _Cohort) -> list[Event]:
         tokens = []

@@ -1,0 +1,229 @@
+"""Decoding with loop conditioning at a fixed k: each loop's constants computed once, the weights shared.
+
+At a fixed loop count k the context c_i of loop i depends on ``(i, k, K)`` alone (eq. 4), so each
+modulated sublayer's FiLM scale and shift, adapter ``A diag(g(c_i))`` and exit gate are constants
+of the loop. :func:`conditioned_at` computes them once for a k and runs the layers' own weights
+with them: per sublayer an ``rms_norm`` with the weight times the FiLM scale, the adapter (with
+the shift) as two thin matmuls, and the gate in the residual add. Decoding then runs no
+conditioner and holds the recurrent weights once. Folding the constants into copies of the
+weights instead (:func:`~elr_lightning.fold.fold_conditioning`) needs no extra op but holds the
+recurrent weights k times, and a decode step reads them all: on the CPU we measure, an
+unconditioned model with its recurrent layers copied per loop decoded 1.21x slower at k = 4 than
+with them shared, with the same ops. So :func:`serving_model` folds into copies at k = 1 only,
+where the copy replaces the original in what a step reads.
+
+Generation calls :func:`serving_model` once per call (prefill and decode steps), never per token;
+it keeps the model it built per k while the parameters are unchanged."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from elr_lightning.context import LoopContext
+from elr_lightning.fold import FoldedLM, fold_conditioning
+from elr_lightning.layers import Block, Modulator
+
+if TYPE_CHECKING:  # the model module does not import this one
+    from elr_lightning.model import LoopedLM
+
+__all__ = ["ConditionedBlock", "conditioned_at", "serving_model"]
+
+
+def _constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(weight, one, down, up, gate)``: eq. (4) for one sublayer under the context ``c``, as operands.
+
+    ``P (w s * rms(x) + m) = h + (A g)(B h) + P m`` with ``h = w s * rms(x)``: the shift ``P m``
+    rides the adapter's products as one more rank whose input is the constant 1, so the sublayer
+    runs ``rms_norm`` with the weight ``w s``, then ``t = [0.., 1] + [B; 0] h`` and
+    ``h + [A g | P m] t``: two thin products and no other pass. ``down`` is ``[r + 1, d]`` and
+    ``up`` ``[d, r + 1]``, both contiguous (matrix-vector products read them row by row).
+    """
+    try:
+        scale, shift, terms = mod.modulation(c)
+    except NotImplementedError as err:
+        raise NotImplementedError(
+            f"{type(mod).__name__} does not implement modulation(); its conditioning has no constant form"
+        ) from err
+    weight = scale if norm.weight is None else norm.weight * scale
+    d = weight.shape[-1]
+    up = torch.zeros(d, 0, dtype=weight.dtype, device=weight.device) if terms.up is None else terms.up
+    down = torch.zeros(0, d, dtype=weight.dtype, device=weight.device) if terms.down is None else terms.down
+    p_shift = shift + up @ (down @ shift)
+    one = torch.zeros(up.shape[1] + 1, dtype=weight.dtype, device=weight.device)
+    one[-1] = 1.0
+    down = torch.cat((down, torch.zeros_like(weight)[None]), dim=0).contiguous()
+    up = torch.cat((up, p_shift[:, None]), dim=1).contiguous()
+    return weight, one, down, up, terms.gate
+
+
+def _residual(
+    x: Tensor, mixer: nn.Module, consts: tuple[Tensor, ...], eps: Optional[float], ctx: LoopContext, layer: int
+) -> Tensor:
+    """``x + gate * mixer(P (w s * rms(x) + m))`` from :func:`_constants`' operands (eq. 4)."""
+    weight, one, down, up, gate = consts
+    h = F.rms_norm(x, weight.shape, weight, eps)
+    if h.numel() == h.shape[-1]:  # one token of one sequence: matrix-vector products dispatch faster
+        v = h.view(-1)
+        h = torch.addmv(v, up, torch.addmv(one, down, v)).view(h.shape)
+    else:
+        flat = h.view(-1, h.shape[-1])
+        h = torch.addmm(flat, torch.addmm(one, flat, down.T), up.T).view(h.shape)
+    return torch.addcmul(x, mixer(h, ctx, layer), gate)
+
+
+class ConditionedBlock(nn.Module):
+    """A modulated :class:`~elr_lightning.layers.Block` at one fixed context c_i, for inference.
+
+    Runs the block's own mixers (shared, not copied) with eq. (4)'s constants for c_i, computed at
+    construction, so ``forward(x, ctx)`` equals ``block(x, ctx.at(i, c_i))`` to fp32 round-off.
+    Per sublayer: ``x + gate * f(P (w s * rms(x) + m))`` with ``P = I + (A diag g) B``, as an
+    ``rms_norm`` and two thin matmuls (see :func:`_constants`). The constants are plain tensors,
+    read without a module lookup per token: they neither follow later changes of the block's
+    parameters nor move with ``.to()``; build the block again on the device and dtype it runs
+    with (:func:`serving_model` does).
+
+    Args:
+        block: A recurrent or output block whose modulators implement ``Modulator.modulation``.
+        c: The context c_i.
+
+    Raises:
+        NotImplementedError: a modulator does not implement ``modulation``.
+    """
+
+    def __init__(self, block: Block, c: Tensor) -> None:
+        super().__init__()
+        self.index = block.index
+        self.attn, self.mlp = block.attn, block.mlp
+        self.eps = (block.attn_norm.eps, block.mlp_norm.eps)
+        self.constants = (
+            _constants(block.attn_norm, block.attn_mod, c),
+            _constants(block.mlp_norm, block.mlp_mod, c),
+        )
+
+    def forward(self, x: Tensor, ctx: LoopContext) -> Tensor:
+        """The block's output at its fixed context (``ctx.cond`` is not read)."""
+        x = _residual(x, self.attn, self.constants[0], self.eps[0], ctx, self.index)
+        return _residual(x, self.mlp, self.constants[1], self.eps[1], ctx, self.index)
+
+
+@torch.inference_mode(False)
+@torch.no_grad()
+def conditioned_at(model: LoopedLM, loops: int) -> FoldedLM:
+    """``model`` at ``loops`` with each loop's conditioning constants computed once, weights shared.
+
+    Every recurrent layer gets one :class:`ConditionedBlock` per loop i = 1..k (under c_i), every
+    output layer one (under c_k); the mixers, embedding, input layers and head are the model's
+    own. Without active conditioning the result runs the model's own layers at every loop.
+
+    Args:
+        model: The model (left unchanged; its training mode is not touched).
+        loops: The loop count k >= 1.
+
+    Returns:
+        A :class:`~elr_lightning.fold.FoldedLM` that accepts ``loops == k`` only.
+
+    Raises:
+        ValueError: ``loops < 1``.
+        NotImplementedError: A modulator does not implement ``modulation``.
+    """
+    if loops < 1:
+        raise ValueError(f"loops={loops} must be >= 1")
+    conditioner, like = model.conditioner, model.embed.weight
+
+    def at(blocks: nn.ModuleList, c: Optional[Tensor]) -> list[nn.Module]:
+        if c is None:
+            return list(blocks)
+        return [block if block.attn_mod is None else ConditionedBlock(block, c) for block in blocks]
+
+    contexts = [
+        None if conditioner is None else conditioner(i, loops, model.config.max_loops, like)
+        for i in range(1, loops + 1)
+    ]
+    return FoldedLM(model, loops, [at(model.core.layers, c) for c in contexts], at(model.output_layers, contexts[-1]))
+
+
+def _build(model: LoopedLM, loops: int) -> FoldedLM:
+    """At k = 1 the constants folded into copies of the weights, where every mixer folds; else :func:`conditioned_at`.
+
+    At k = 1 every layer runs once per token, so a folded copy replaces the original in what a
+    decode step reads: no more weight traffic and no extra op (it holds the recurrent and output
+    layers twice in memory). At k > 1 copies would be read once per loop (k times the recurrent
+    weights; 0.79-0.83x the unconditioned model's decode rate at k = 4 on a CPU), so the weights
+    stay shared and each loop adds two thin matmuls per sublayer.
+    """
+    if loops == 1:
+        try:
+            return fold_conditioning(model, 1)
+        except NotImplementedError:  # e.g. a mixture of experts: its mixer has no weight fold
+            pass
+    return conditioned_at(model, loops)
+
+
+@dataclass
+class _Served:
+    """The conditioned models of one source model, valid while its parameters are those in ``key``."""
+
+    key: tuple[tuple[int, int, int], ...] = ()
+    models: dict[int, FoldedLM] = field(default_factory=dict)
+    #: Set once the model was found to have no constant form (said once, then decoded as it is).
+    refused: bool = False
+
+
+#: Per source model, weakly held: the entry dies with the model, and copies of a model do not carry it.
+_SERVED: "weakref.WeakKeyDictionary[LoopedLM, _Served]" = weakref.WeakKeyDictionary()
+
+
+def serving_model(
+    model: Union[LoopedLM, FoldedLM], loops: int, fold: Optional[bool] = None
+) -> Union[LoopedLM, FoldedLM]:
+    """The module a generation at ``loops`` decodes with: :func:`conditioned_at` ``(model, loops)`` or ``model``.
+
+    Call it once per generation (prefill and decode steps), not per token. With active
+    conditioning it returns the model with that k's conditioning constants computed once (the same
+    logits to fp32 round-off, without running the conditioner per token), kept per k and reused
+    while every parameter is the same object with the same storage and version counter: one walk
+    over the parameters per call notices an in-place optimizer step and a replaced parameter.
+
+    Args:
+        model: The model; a :class:`~elr_lightning.fold.FoldedLM` is returned as it is.
+        loops: The loop count k of the generation.
+        fold: ``None`` follows ``model.serve_folded`` (on unless switched off); ``True`` asks for
+            the constant form; ``False`` decodes with ``model`` as it is.
+
+    Returns:
+        The module to call as ``runner(input_ids, loops, attention_mask, cache)``.
+
+    Raises:
+        NotImplementedError: ``fold=True`` for a model whose modulators have no constant form
+            (no ``Modulator.modulation``). With ``fold=None`` such a model decodes as it is, and a
+            warning says so once per model.
+    """
+    if isinstance(model, FoldedLM):
+        return model
+    wanted = getattr(model, "serve_folded", True) if fold is None else fold
+    conditioner = model.conditioner
+    if not wanted or conditioner is None or not conditioner.active:
+        return model
+    served = _SERVED.setdefault(model, _Served())
+    if served.refused and fold is None:
+        return model
+    key = tuple((id(p), p.data_ptr(), p._version) for p in model.parameters())
+    if key != served.key:
+        served.key, served.models = key, {}
+    if loops not in served.models:
+        try:
+            served.models[loops] = _build(model, loops)
+        except NotImplementedError as err:  # a modulator that only offers pre() and post()
+            if fold:
+                raise
+            served.refused = True
+            warnings.warn(f"decoding unfolded (the conditioner runs per token): {err}", stacklevel=3)
+            return model
+    return served.models[loops]

@@ -1,0 +1,155 @@
+"""Generation decodes a conditioned model through each k's conditioning constants, computed once and
+kept while the weights are unchanged; ``LoopedLM.forward`` itself stays a pure function of its inputs."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import GQA_CONFIG, perturbed_model
+from elr_lightning.cache import PerLoopCache
+from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.fold import FoldedLM
+from elr_lightning.generation import generate
+from elr_lightning.layers import Modulator
+from elr_lightning.model import LoopedLM
+from elr_lightning.serving import _SERVED, ConditionedBlock, conditioned_at, serving_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+HYBRID = replace(
+    GQA_CONFIG,
+    token_pattern={"in": ["gdp"], "rec": ["gdp", "attention"], "out": ["attention"]},
+    mixers={"gdp": {"class_path": "elr_lightning.mixers.GatedDeltaProduct", "init_args": {"chunk_size": 8}}},
+)
+MOE = replace(
+    GQA_CONFIG,
+    channel_pattern=["moe"],
+    mixers={
+        "moe": {"class_path": "elr_lightning.mixers.MoE", "init_args": {"num_experts": 4, "top_k": 2, "expert_dim": 16}}
+    },
+)
+
+
+@pytest.mark.parametrize("config", [GQA_CONFIG, HYBRID, MOE], ids=["attention", "hybrid", "moe"])
+@pytest.mark.parametrize("policy", ["per_loop", "last_loop"])
+@pytest.mark.parametrize("loops", [1, 3])
+def test_decoding_through_the_constants_equals_the_conditioner_per_token(config, policy: str, loops: int) -> None:
+    model = perturbed_model(config)
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(loops=loops, kv_cache=policy, max_new_tokens=6, greedy=True, output_logits=True)
+    served = generate(model, prompt, **kwargs)
+    runner = serving_model(model, loops)
+    assert isinstance(runner, FoldedLM)
+    shared = runner.core.per_loop[0][0].attn is model.core.layers[0].attn
+    # k > 1 (and an MoE, whose mixer has no weight fold): the weights are shared, not copied;
+    # k = 1 folds into copies, which a decode step reads instead of the originals.
+    assert shared == (loops > 1 or config is MOE)
+    assert shared == any(isinstance(m, ConditionedBlock) for m in runner.modules())
+    plain = generate(model, prompt, fold=False, **kwargs)
+    torch.testing.assert_close(served.logits, plain.logits, atol=1e-4, rtol=0)
+    assert torch.equal(served.new_tokens, plain.new_tokens)
+
+
+def test_serving_leaves_the_training_mode_of_the_model_alone() -> None:
+    model = perturbed_model(GQA_CONFIG).train()
+    generate(model, [[1, 2, 3]], loops=1, max_new_tokens=2, greedy=True)
+    generate(model, [[1, 2, 3]], loops=2, max_new_tokens=2, greedy=True)
+    assert all(m.training for m in model.modules())
+
+
+def test_the_constants_are_reused_and_rebuilt_after_an_in_place_update() -> None:
+    model = perturbed_model(GQA_CONFIG)
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(loops=3, kv_cache="per_loop", max_new_tokens=6, greedy=True, output_logits=True)
+    served = generate(model, prompt, **kwargs)
+    runner = serving_model(model, 3)
+    assert serving_model(model, 3) is runner and serving_model(model, 2) is not runner  # one per k, kept
+    with torch.no_grad():
+        model.core.layers[0].attn_mod.omega.bias.add_(0.5)  # an optimizer step would do this in place
+    changed = generate(model, prompt, **kwargs)
+    assert serving_model(model, 3) is not runner
+    torch.testing.assert_close(changed.logits, generate(model, prompt, fold=False, **kwargs).logits, atol=1e-4, rtol=0)
+    assert not torch.allclose(changed.logits, served.logits, atol=1e-3)
+
+
+def test_the_constants_are_rebuilt_when_a_parameter_is_replaced() -> None:
+    model = perturbed_model(GQA_CONFIG)
+    prompt = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(loops=2, kv_cache="last_loop", max_new_tokens=3, greedy=True, output_logits=True)
+    before = generate(model, prompt, **kwargs).logits
+    assert generate(model, prompt, **kwargs).logits.equal(before)  # served from the same constants
+    weight = model.output_layers[0].mlp_mod.omega.bias
+    model.output_layers[0].mlp_mod.omega.bias = torch.nn.Parameter(weight.detach() + 1.0)
+    after = generate(model, prompt, **kwargs).logits
+    torch.testing.assert_close(after, generate(model, prompt, fold=False, **kwargs).logits, atol=1e-4, rtol=0)
+    assert not torch.allclose(after, before, atol=1e-3)
+
+
+def test_forward_runs_the_conditioner_itself_and_serve_folded_opts_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = perturbed_model(GQA_CONFIG)
+    calls = []
+    context = LoopConditioner.context
+    monkeypatch.setattr(LoopConditioner, "context", lambda self, *a: calls.append(a) or context(self, *a))
+    ids = torch.randint(0, 64, (1, 4))
+    with torch.no_grad():
+        model(ids, 3, cache=PerLoopCache(max_len=8))
+    assert len(calls) == 3 and model not in _SERVED  # forward: no fold, no serving state
+    generate(model, ids, loops=3, max_new_tokens=4, greedy=True)
+    assert len(calls) == 6  # the constants: one context per loop, once per generation (not per token)
+    model.serve_folded = False
+    assert serving_model(model, 3) is model
+    generate(model, ids, loops=3, max_new_tokens=4, greedy=True)
+    assert len(calls) == 6 + 3 * 4  # the conditioner per forward pass: prefill and three decode steps
+    assert isinstance(serving_model(model, 3, fold=True), FoldedLM)
+
+
+def test_inactive_or_absent_conditioning_decodes_with_the_model_itself() -> None:
+    model = perturbed_model(GQA_CONFIG)
+    model.conditioner.set_active(False)
+    assert serving_model(model, 2) is model
+    plain = LoopedLM(GQA_CONFIG)
+    assert serving_model(plain, 2, fold=True) is plain
+
+
+def test_a_modulator_without_constants_decodes_unfolded_with_one_warning() -> None:
+    class Identity(Modulator):
+        def pre(self, h, c):
+            return h
+
+        def post(self, y, c):
+            return y
+
+    class PlainConditioner(LoopConditioner):
+        def make_modulator(self, d_model):
+            return Identity()
+
+    torch.manual_seed(0)
+    model = LoopedLM(GQA_CONFIG, conditioner=PlainConditioner(d_cond=8, rank=2)).eval()
+    prompt = torch.randint(0, 64, (1, 4))
+    with pytest.warns(UserWarning, match="decoding unfolded.*Identity does not implement modulation"):
+        first = generate(model, prompt, loops=2, max_new_tokens=3, greedy=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = generate(model, prompt, loops=2, max_new_tokens=3, greedy=True)  # said once
+    assert torch.equal(first.new_tokens, again.new_tokens)
+    with pytest.raises(NotImplementedError, match="Identity does not implement modulation"):
+        serving_model(model, 2, fold=True)
+
+
+def test_no_process_wide_hook_and_the_cache_dies_with_its_model() -> None:
+    hooks = torch.nn.modules.module._global_parameter_registration_hooks.values()
+    assert not [h for h in hooks if getattr(h, "__module__", "").startswith("elr_lightning")]
+    model = perturbed_model(GQA_CONFIG)
+    conditioned_at(model, 2)  # builds without touching the serving cache
+    assert model not in _SERVED
+    serving_model(model, 2)
+    assert model in _SERVED
+    size = len(_SERVED)
+    del model
+    gc.collect()
+    assert len(_SERVED) == size - 1
