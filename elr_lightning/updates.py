@@ -56,15 +56,27 @@ class AdaptiveDelta(StateUpdate):
     starts at ``softplus^-1(2 initial_step)``, so beta starts at ``initial_step`` everywhere. The
     paper's init is ``gamma = 0``: ``sigmoid(0) * softplus(0) = 0.5 ln 2 = 0.3466`` (the default).
 
+    ``injection="mean"`` feeds the block ``s~_i = (s_{i-1} + h_in) / 2`` instead of eq. (2)'s sum:
+    the sum adds h_in again at every loop, so the state's RMS grows about linearly in k (the
+    quickstart's doubles from loop 1 to 3) and each later loop's pre-norm layers move it relatively
+    less; the mean keeps the block input's scale fixed across loops (docs/lab-elastic-depth.md).
+
     Args:
         initial_step: beta at initialisation, in (0, 1].
+        injection: ``sum`` (eq. 2) or ``mean``.
     """
 
-    def __init__(self, initial_step: float = 0.5 * math.log(2.0)) -> None:
+    def __init__(self, initial_step: float = 0.5 * math.log(2.0), injection: str = "sum") -> None:
         super().__init__()
         if not 0.0 < initial_step <= 1.0:
             raise ValueError(f"AdaptiveDelta.initial_step={initial_step} must be in (0, 1]")
-        self.initial_step = initial_step
+        if injection not in ("sum", "mean"):
+            raise ValueError(f"AdaptiveDelta.injection={injection!r} must be 'sum' (eq. 2) or 'mean'")
+        self.initial_step, self.injection = initial_step, injection
+
+    def inject(self, s: Tensor, h_in: Tensor) -> Tensor:
+        """s~_i = s_{i-1} + h_in (eq. 2), or their mean with ``injection="mean"``."""
+        return s + h_in if self.injection == "sum" else torch.lerp(s, h_in, 0.5)
 
     def build(self, d_model: int) -> None:
         self.gate = nn.Linear(d_model, d_model)

@@ -201,3 +201,14 @@ def test_adaptive_delta_starts_at_its_initial_step(step: float) -> None:
 def test_adaptive_delta_rejects_a_step_outside_0_1(step: float) -> None:
     with pytest.raises(ValueError, match="AdaptiveDelta.initial_step"):
         AdaptiveDelta(initial_step=step)
+
+
+def test_mean_injection_feeds_the_block_the_mean_of_state_and_input() -> None:
+    rule = AdaptiveDelta(injection="mean")
+    s, h_in = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    assert torch.allclose(rule.inject(s, h_in), (s + h_in) / 2)
+    assert torch.equal(AdaptiveDelta().inject(s, h_in), s + h_in)
+    model = LoopedLM(tiny_config(d_model=16), update=AdaptiveDelta(injection="mean"))
+    assert model(torch.zeros(1, 4, dtype=torch.long), 2).isfinite().all()
+    with pytest.raises(ValueError, match="AdaptiveDelta.injection"):
+        AdaptiveDelta(injection="max")

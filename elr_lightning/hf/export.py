@@ -95,6 +95,11 @@ def hf_config_fields(model: LoopedLM) -> dict[str, Any]:
             f"model.update: {type(model.update).__name__} has no Hugging Face counterpart; the export supports "
             f"{', '.join(cls.__name__ for cls in UPDATE_RULES.values())}"
         )
+    if getattr(model.update, "injection", "sum") != "sum":
+        raise ValueError(
+            f"model.update.init_args.injection={model.update.injection!r}: the Hugging Face modeling file "
+            "implements eq. 2's summed injection only; export a model trained with injection: sum"
+        )
     conditioner = model.conditioner
     if conditioner is not None and type(conditioner) is not LoopConditioner:
         raise ValueError(
