@@ -236,8 +236,7 @@ def _fit_in_process(config_path: str, ckpt_path: Optional[str], callbacks: list[
 
     args = ["fit", "--config", config_path] + (["--ckpt_path", ckpt_path] if ckpt_path else [])
     with warnings.catch_warnings():
-        # `elr ablate`'s own argv is not the arm's, and a resumed run appends to its own logs on purpose.
-        warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
+        # A resumed run appends to its own logs on purpose.
         warnings.filterwarnings("ignore", message=r"(Experiment logs|Checkpoint) directory .* exists and is not empty")
         make_cli(ELRCLI, args, trainer_defaults={"callbacks": list(callbacks)} if callbacks else None)
 

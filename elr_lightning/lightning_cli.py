@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 import zipfile
 from typing import Any, Optional
 
@@ -125,17 +126,22 @@ def make_cli(
 ) -> ELRCLI:
     """``cls`` with ``elr``'s settings: any ``ELRModule`` and ``LightningDataModule`` by ``class_path``,
     seed 0, the claimed log folder, parse errors raised (``elr`` prints them in one line).
-    ``trainer_defaults`` are passed on to LightningCLI (e.g. extra callbacks of an in-process run)."""
-    return cls(
-        ELRModule,
-        TextDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        seed_everything_default=0,
-        save_config_callback=ExclusiveSaveConfig,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"exit_on_error": False},
-        run=run,
-        trainer_defaults=trainer_defaults,
-        args=args,
-    )
+    ``trainer_defaults`` are passed on to LightningCLI (e.g. extra callbacks of an in-process run).
+
+    ``elr``'s subcommands pass ``args`` on purpose while ``sys.argv`` holds their own flags, so
+    LightningCLI's warning about having both is silenced here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
+        return cls(
+            ELRModule,
+            TextDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            seed_everything_default=0,
+            save_config_callback=ExclusiveSaveConfig,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"exit_on_error": False},
+            run=run,
+            trainer_defaults=trainer_defaults,
+            args=args,
+        )

@@ -210,3 +210,17 @@ def test_a_second_run_in_a_claimed_log_folder_is_refused(workdir: Path, monkeypa
     # the holder is gone (a killed run): its claim is taken over, and released at the end
     run([*FIT, "--trainer.default_root_dir", "busy"])
     assert (workdir / "busy" / "config.yaml").exists() and not (workdir / "busy" / CLAIM_FILE).exists()
+
+
+def test_subcommands_do_not_warn_about_passing_args_beside_argv(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import warnings
+
+    config = str(Path(__file__).resolve().parents[1] / "config" / "quickstart.yaml")
+    monkeypatch.setattr(sys, "argv", ["elr", "cost", "--config", config])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(["cost", "--config", config])
+    assert "parameters:" in capsys.readouterr().out
+    assert not [w for w in caught if "args parameter" in str(w.message)]
