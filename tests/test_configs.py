@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from elr_lightning.cli import run
@@ -104,3 +105,26 @@ def test_cost_merges_every_config_as_fit_does_and_uses_its_switch_fraction(tmp_p
     fragment = os.path.join(ROOT, "callbacks", "delayed_mixed_depth.yaml")
     run(["cost", "--config", quickstart, "--config", fragment])
     assert "this config mixes the last 25% of tokens" in capsys.readouterr().out
+
+
+def test_the_readme_lever_snippet_builds_a_module(tmp_path: Path) -> None:
+    """The README's YAML of the lab note's levers merges onto the quickstart and instantiates."""
+    from elr_lightning.lightning_cli import ConfigOnlyCLI, make_cli
+    from elr_lightning.module import ELRModule
+    from elr_lightning.sampling import LoopCurriculum
+
+    readme = (Path(ROOT) / "README.md").read_text()
+    start = readme.index("The levers the lab note tried")
+    snippet = readme[readme.index("```yaml\n", start) + 8 : readme.index("```", readme.index("```yaml\n", start) + 8)]
+    (tmp_path / "levers.yaml").write_text(snippet)
+    cli = make_cli(
+        ConfigOnlyCLI,
+        ["--config", str(Path(ROOT) / "config" / "quickstart.yaml"), "--config", str(tmp_path / "levers.yaml")],
+        run=False,
+    )
+    init = cli.parser.instantiate_classes(cli.config)
+    module = init["model"]
+    assert isinstance(module, ELRModule) and isinstance(module.sampler, LoopCurriculum)
+    assert module.hparams.lr_scale == {"gate": 10}
+    beta = module.model.update.beta(torch.zeros(1, 2, module.model.config.d_model))
+    assert torch.allclose(beta, torch.full_like(beta, 0.7))
