@@ -229,3 +229,19 @@ def test_the_shipped_quickstart_arm_saves_checkpoints_once(tmp_path):
     checkpoints = [c for c in config["trainer"]["callbacks"] if "Checkpoint" in c["class_path"]]
     assert len(checkpoints) == 1
     assert checkpoints[0]["init_args"]["dirpath"] == str(tmp_path / "runs" / "elr-s0" / "checkpoints")
+
+
+def test_checks_compare_arms_on_the_seeds_both_ran():
+    def run(arm, seed, losses):
+        return {"arm": arm, "seed": seed, "loss": dict(enumerate(losses, 1)), "bpb": dict(enumerate(losses, 1))}
+
+    results = [
+        run("baseline", 0, [1.40]), run("baseline", 1, [1.30]),
+        run("elr", 0, [1.39, 1.38]), run("elr", 1, [1.31, 1.305]),
+        run("replace", 0, [1.395, 1.39]),  # worse than ELR at seed 0, better than ELR's two-seed mean
+        run("specialist", 0, [1.5, 1.37]), run("specialist", 1, [1.5, 1.29]),
+    ]
+    checks = {c.claim: c for c in paper_checks(summarise(results), 2)}
+    assert checks["replace update worse than adaptive delta at every k"].figure == "k=1 +0.0050, k=2 +0.0100"
+    # Best specialist seed against the baseline of its own seed: seed 0 gains 0.03, seed 1 0.01.
+    assert "+0.0300" in checks["ELR's k = K gain >= 80% of the specialist's (best seed) gain over the baseline"].figure
