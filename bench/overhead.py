@@ -102,7 +102,6 @@ def main() -> None:
         ratios = [t / b for t, b in zip(clock[name], clock["baseline k=1"])]
         return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
-    base = median["baseline k=1"]
     k1 = median["elr k=1 (conditioned)"]
     rows = []
     print(f"{'case':<26}{'ms/step':>10}{'vs baseline':>13}{'cpu vs base':>13}{'vs k=1':>9}{'D_eff pred':>12}"
