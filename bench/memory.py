@@ -10,11 +10,17 @@ allocations cannot hide another's peak:
 * on the CPU the process's peak resident set (``ru_maxrss``) over the first full-size training step
   minus the resident set just before it, with the gradients allocated and a two-token warm-up step
   done; the workers run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the
-  resident set. Noisier than CUDA's figure; run with ``--memory_repeats`` > 1 and read the range.
+  resident set (the timing processes run with the allocator's defaults). Noisier than CUDA's
+  figure; run with ``--memory_repeats`` > 1 and read the range.
 
-Then a few more steps give the median step time (forward and backward; the optimizer costs the same
-under every setting). Ratios are printed against ``k = 1`` of the same setting (memory) and against
-``none`` at the same k (time), all from this run.
+Step times (forward and backward; the optimizer costs the same under every setting) come from
+separate timing processes, one per k, that build the model once and alternate the settings step by
+step (the order rotating each round), so the settings share every drift of a noisy machine. Each
+round gives one ratio per setting against ``none`` at the same k; the ratio printed is the median
+over the rounds of ``--time_repeats`` processes (run interleaved over k), with its range, by wall
+clock and by the process's CPU time (which on a shared machine counts only this process's work;
+it is the step's cost with one thread, ``OMP_NUM_THREADS=1``). Memory
+ratios are against ``k = 1`` of the same setting.
 
     python bench/memory.py                                  # CPU defaults, k = 1, 2, 4, 8
     python bench/memory.py --device cuda --precision bf16 --d_model 1024 --batch 8 --seq_len 1024
@@ -49,7 +55,11 @@ def _rss_bytes() -> int:
 
 
 def worker(args: argparse.Namespace) -> dict:
-    """One (setting, k) in this process: ``{"peak_bytes", "step_s": [...]}``."""
+    """One (setting, k) in this process: ``{"peak_bytes"}``; with ``--time``, every setting at k: ``{"step_s", "cpu_s"}``.
+
+    The timing worker runs ``--warmup`` rounds, then ``--steps`` rounds of one step per setting in
+    rotated order, switching the one model between settings with ``set_backprop``.
+    """
     import torch
     import torch.nn.functional as F
 
@@ -66,23 +76,35 @@ def worker(args: argparse.Namespace) -> dict:
         max_seq_len=args.seq_len, max_loops=max(args.loops),
     )
     model = LoopedLM(cfg, conditioner=LoopConditioner() if args.conditioning else None).to(device)
-    model.set_backprop(**SETTINGS[args.setting])
+    model.set_backprop(**SETTINGS[args.setting or "none"])
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext()
 
-    def step() -> float:
+    def step() -> tuple[float, float]:
         if device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         with autocast:
             logits = model(batch[:, :-1], args.k)
         F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - start_cpu
 
+    if args.time:
+        settings = args.settings
+        times: dict[str, list[float]] = {setting: [] for setting in settings}
+        cpu_times: dict[str, list[float]] = {setting: [] for setting in settings}
+        for r in range(args.warmup + args.steps):
+            for setting in settings[r % len(settings):] + settings[: r % len(settings)]:
+                model.set_backprop(**SETTINGS[setting])
+                wall, cpu = step()
+                if r >= args.warmup:
+                    times[setting].append(wall)
+                    cpu_times[setting].append(cpu)
+        return {"step_s": times, "cpu_s": cpu_times}
     with autocast:  # warm-up on two tokens: lazy library state is allocated outside the measured step
         F.cross_entropy(model(batch[:1, :2], args.k).flatten(0, 1).float(), batch[:1, 1:3].flatten()).backward()
     if device.type == "cuda":
@@ -95,8 +117,7 @@ def worker(args: argparse.Namespace) -> dict:
         before = _rss_bytes()
         step()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    times = [step() for _ in range(args.steps)]
-    return {"peak_bytes": peak, "step_s": times}
+    return {"peak_bytes": peak}
 
 
 def main() -> None:
@@ -112,13 +133,16 @@ def main() -> None:
     parser.add_argument("--loops", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--conditioning", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps after the measured one")
-    parser.add_argument("--memory_repeats", type=int, default=1, help="fresh processes per (setting, k)")
+    parser.add_argument("--steps", type=int, default=4, help="timed rounds (one step per setting) per timing process")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
+    parser.add_argument("--time_repeats", type=int, default=2, help="timing processes per k, interleaved over k")
+    parser.add_argument("--memory_repeats", type=int, default=1, help="fresh processes per (setting, k) for the peak")
     parser.add_argument("--out", default="bench/results/memory.json")
     parser.add_argument("--setting", help=argparse.SUPPRESS)
     parser.add_argument("--k", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--time", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.setting is not None:
+    if args.k is not None:
         print(json.dumps(worker(args)))
         return
 
@@ -127,47 +151,76 @@ def main() -> None:
         if not skip and not arg.startswith("--out"):
             passthrough.append(arg)
         skip = arg == "--out"
-    cases: dict[tuple[str, int], dict] = {}
-    for repeat in range(args.memory_repeats):  # interleaved, so drift hits every case alike
+    def run(*extra: str) -> dict:
+        cmd = [sys.executable, __file__, *passthrough, *extra]
+        env = os.environ if "--time" in extra else {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    load_before = os.getloadavg()
+    cases = {
+        (setting, k): {"peak_bytes": [], "step_s": [], "vs_none": [], "cpu_vs_none": []}
+        for setting in args.settings for k in args.loops
+    }
+    for _ in range(args.memory_repeats):  # interleaved, so drift hits every case alike
         for k in args.loops:
             for setting in args.settings:
-                cmd = [sys.executable, __file__, *passthrough, "--setting", setting, "--k", str(k)]
-                env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-                result = json.loads(out.strip().splitlines()[-1])
-                case = cases.setdefault((setting, k), {"peak_bytes": [], "step_s": []})
-                case["peak_bytes"].append(result["peak_bytes"])
-                case["step_s"].extend(result["step_s"])
+                cases[(setting, k)]["peak_bytes"].append(run("--setting", setting, "--k", str(k))["peak_bytes"])
+    for _ in range(args.time_repeats):
+        for k in args.loops:
+            timed = run("--time", "--k", str(k))
+            times, cpu_times = timed["step_s"], timed["cpu_s"]
+            for setting in args.settings:
+                cases[(setting, k)]["step_s"].extend(times[setting])
+                if "none" in times:
+                    cases[(setting, k)]["vs_none"].extend(t / n for t, n in zip(times[setting], times["none"]))
+                    cases[(setting, k)]["cpu_vs_none"].extend(
+                        t / n for t, n in zip(cpu_times[setting], cpu_times["none"])
+                    )
+    load_after = os.getloadavg()
     rows = []
-    print(f"{'setting':<8}{'k':>3}{'peak MiB (min-max)':>22}{'vs k=1':>9}{'ms/step':>10}{'vs none':>9}")
+    print(f"{'setting':<8}{'k':>3}{'peak MiB (min-max)':>22}{'vs k=1':>9}{'ms/step':>10}{'vs none (min-max)':>22}"
+          f"{'cpu vs none (min-max)':>24}")
     for setting in args.settings:
         for k in args.loops:
             case = cases[(setting, k)]
             peak = statistics.median(case["peak_bytes"])
             first = statistics.median(cases[(setting, args.loops[0])]["peak_bytes"])
             t = statistics.median(case["step_s"])
-            ref = cases.get(("none", k))
-            vs_none = t / statistics.median(ref["step_s"]) if ref else float("nan")
+            vs_none, cpu_vs_none = (
+                {"median": statistics.median(r), "min": min(r), "max": max(r)}
+                for r in (case["vs_none"] or [float("nan")], case["cpu_vs_none"] or [float("nan")])
+            )
             lo, hi = min(case["peak_bytes"]) / 2**20, max(case["peak_bytes"]) / 2**20
             rows.append({
                 "setting": setting, "loops": k, "peak_bytes": case["peak_bytes"], "peak_vs_k1": peak / first,
                 "step_s": case["step_s"], "median_step_s": t, "time_vs_none": vs_none,
+                "cpu_time_vs_none": cpu_vs_none, "time_vs_none_per_round": case["vs_none"],
+                "cpu_time_vs_none_per_round": case["cpu_vs_none"],
             })
+            ratio = f"{vs_none['median']:.2f} ({vs_none['min']:.2f}-{vs_none['max']:.2f})"
+            cpu_ratio = f"{cpu_vs_none['median']:.2f} ({cpu_vs_none['min']:.2f}-{cpu_vs_none['max']:.2f})"
             print(f"{setting:<8}{k:>3}{f'{peak / 2**20:.1f} ({lo:.1f}-{hi:.1f})':>22}{peak / first:>9.2f}"
-                  f"{1e3 * t:>10.1f}{vs_none:>9.2f}")
+                  f"{1e3 * t:>10.1f}{ratio:>22}{cpu_ratio:>24}")
     by = {(r["setting"], r["loops"]): r for r in rows}
     summary = {}
     if ("loop", 8) in by and ("loop", 1) in by:
         summary["loop_peak_k8_over_k1"] = by[("loop", 8)]["peak_vs_k1"]
-        summary["loop_time_k8_over_none"] = by[("loop", 8)]["time_vs_none"]
+        summary["loop_time_k8_over_none"] = by[("loop", 8)]["time_vs_none"]["median"]
+        summary["loop_cpu_time_k8_over_none"] = by[("loop", 8)]["cpu_time_vs_none"]["median"]
     if ("bp1", 4) in by and ("none", 4) in by:
-        summary["bp1_time_k4_over_none"] = by[("bp1", 4)]["time_vs_none"]
+        summary["bp1_time_k4_over_none"] = by[("bp1", 4)]["time_vs_none"]["median"]
+        summary["bp1_cpu_time_k4_over_none"] = by[("bp1", 4)]["cpu_time_vs_none"]["median"]
     for name, value in summary.items():
         print(f"{name}: {value:.3f}")
+    print(f"load average (1, 5, 15 min): before {load_before}, after {load_after}")
     print("targets: loop_peak_k8_over_k1 <= 1.5, loop_time_k8_over_none <= 1.4, bp1_time_k4_over_none <= 0.6")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"config": vars(args), "rows": rows, "summary": summary}, f, indent=2)
+        json.dump(
+            {"config": vars(args), "rows": rows, "summary": summary, "load_average": [load_before, load_after]},
+            f, indent=2,
+        )
     print(f"wrote {args.out}")
 
 

@@ -1,7 +1,12 @@
 """Train-step cost of ELR against the non-recurrent baseline, and of each loop count against eq. (1).
 
-Every figure is measured in the same run, with the configurations interleaved round by round so
-that drift on a noisy machine hits them alike; each figure is the median over rounds.
+Every figure is measured in the same run, with the configurations interleaved round by round (the
+order rotates each round) so that drift on a noisy machine hits them alike. A ratio is taken within
+each round (one step of each configuration, back to back) and reported as the median over rounds
+with its range; step times are medians over rounds. Each step is timed twice: wall clock, and the
+process's CPU time, which on a machine shared with other processes counts only this process's
+work (with one thread, ``OMP_NUM_THREADS=1``, it is the step's cost; with more threads it sums
+them). The load average is printed before and after.
 
     python bench/overhead.py                       # prints a table, writes bench/results/overhead.json
     python bench/overhead.py --precision bf16 --d_model 512
@@ -34,15 +39,15 @@ def make_step(model: LoopedLM, batch: torch.Tensor, loops: int, precision: str):
         torch.autocast(batch.device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
     )
 
-    def step() -> float:
-        start = time.perf_counter()
+    def step() -> tuple[float, float]:
+        start, start_cpu = time.perf_counter(), time.process_time()
         with autocast:
             logits = model(batch[:, :-1], loops)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - start_cpu
 
     return step
 
@@ -80,20 +85,33 @@ def main() -> None:
     for k in range(1, cfg.max_loops + 1):
         cases[f"elr k={k} (conditioned)"] = make_step(conditioned, batch, k, args.precision)
 
+    load_before = os.getloadavg()
     times: dict[str, list[float]] = {name: [] for name in cases}
+    cpu_times: dict[str, list[float]] = {name: [] for name in cases}
+    names = list(cases)
     for r in range(args.warmup + args.rounds):
-        for name, step in cases.items():
-            elapsed = step()
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            wall, cpu = cases[name]()
             if r >= args.warmup:
-                times[name].append(elapsed)
+                times[name].append(wall)
+                cpu_times[name].append(cpu)
+    load_after = os.getloadavg()
     median = {name: statistics.median(ts) for name, ts in times.items()}
 
-    base = median["baseline k=1"]
+    def per_round(name: str, clock: dict[str, list[float]] = times) -> dict[str, float]:
+        ratios = [t / b for t, b in zip(clock[name], clock["baseline k=1"])]
+        return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
     k1 = median["elr k=1 (conditioned)"]
     rows = []
-    print(f"{'case':<26}{'ms/step':>10}{'vs baseline':>13}{'vs k=1':>9}{'D_eff pred':>12}{'meas/pred':>11}")
+    print(f"{'case':<26}{'ms/step':>10}{'vs baseline':>13}{'cpu vs base':>13}{'vs k=1':>9}{'D_eff pred':>12}"
+          f"{'meas/pred':>11}")
     for name, t in median.items():
-        row = {"case": name, "ms_per_step": 1e3 * t, "ratio_vs_baseline": t / base}
+        row = {
+            "case": name, "ms_per_step": 1e3 * t, "cpu_ms_per_step": 1e3 * statistics.median(cpu_times[name]),
+            "ratio_vs_baseline": per_round(name)["median"], "cpu_ratio_vs_baseline": per_round(name, cpu_times)["median"],
+            "wall_s": times[name], "cpu_s": cpu_times[name],
+        }
         if "conditioned" in name:
             k = int(name.split("k=")[1].split()[0])
             predicted = cfg.effective_depth(k) / cfg.effective_depth(1)
@@ -103,19 +121,25 @@ def main() -> None:
             f"{row['ratio_vs_k1']:>9.3f}{row['predicted_ratio']:>12.3f}{row['measured_over_predicted']:>11.3f}"
             if "loops" in row else ""
         )
-        print(f"{name:<26}{1e3 * t:>10.1f}{t / base:>13.3f}{extra}")
+        print(f"{name:<26}{1e3 * t:>10.1f}{row['ratio_vs_baseline']:>13.3f}{row['cpu_ratio_vs_baseline']:>13.3f}{extra}")
     result = {
         "config": vars(args),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "rows": rows,
-        "elr_k1_gate_only_over_baseline": median["elr k=1 (gate only)"] / base,
-        "elr_k1_conditioned_over_baseline": k1 / base,
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "elr_k1_gate_only_over_baseline": per_round("elr k=1 (gate only)"),
+        "elr_k1_conditioned_over_baseline": per_round("elr k=1 (conditioned)"),
+        "elr_k1_gate_only_over_baseline_cpu": per_round("elr k=1 (gate only)", cpu_times),
+        "elr_k1_conditioned_over_baseline_cpu": per_round("elr k=1 (conditioned)", cpu_times),
     }
-    print(
-        f"\nELR k=1 / baseline: {result['elr_k1_gate_only_over_baseline']:.3f} (gate only), "
-        f"{result['elr_k1_conditioned_over_baseline']:.3f} (with conditioning); target <= 1.03"
-    )
+    print(f"\nELR k=1 / baseline, per-round ratios over {args.rounds} rounds: median (range); target <= 1.03 conditioned")
+    for label in ("gate_only", "conditioned"):
+        wall, cpu = result[f"elr_k1_{label}_over_baseline"], result[f"elr_k1_{label}_over_baseline_cpu"]
+        print(f"  {label:<12} wall {wall['median']:.3f} ({wall['min']:.3f}-{wall['max']:.3f})"
+              f"   cpu {cpu['median']:.3f} ({cpu['min']:.3f}-{cpu['max']:.3f})")
+    print(f"load average (1, 5, 15 min): before {load_before}, after {load_after}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

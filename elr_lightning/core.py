@@ -8,6 +8,7 @@ function with the same cache numbering.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import MutableMapping, Optional
 
 import torch
@@ -57,16 +58,15 @@ class RecurrentCore(nn.Module):
         tracked = torch.is_grad_enabled()
         first = 1 if self.backprop_loops is None else ctx.loops - self.backprop_loops + 1
         for i in range(1, ctx.loops + 1):
-            if self.conditioner is not None:
-                c = self.conditioner(i, ctx.loops, ctx.max_loops, h_in)
-            loop_ctx = ctx.at(i, c)
-            if tracked and i < first:
-                with torch.no_grad():
+            truncated = tracked and i < first
+            with torch.no_grad() if truncated else nullcontext():  # a truncated loop keeps nothing, its context neither
+                if self.conditioner is not None:
+                    c = self.conditioner(i, ctx.loops, ctx.max_loops, h_in)
+                loop_ctx = ctx.at(i, c)
+                if tracked and not truncated and self.checkpointing == "loop":
+                    s = checkpoint(self.loop, s, h_in, loop_ctx, use_reentrant=False, preserve_rng_state=False)
+                else:
                     s = self.loop(s, h_in, loop_ctx)
-            elif tracked and self.checkpointing == "loop":
-                s = checkpoint(self.loop, s, h_in, loop_ctx, use_reentrant=False, preserve_rng_state=False)
-            else:
-                s = self.loop(s, h_in, loop_ctx)
         return s, None if c is None else c.clone()
 
     def loop(self, s: Tensor, h_in: Tensor, ctx: LoopContext) -> Tensor:

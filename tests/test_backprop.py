@@ -98,6 +98,18 @@ def test_backprop_loops_truncates_the_graph(name: str) -> None:
     assert all(torch.equal(ckpt[k], g) for k, g in ref.items())
 
 
+def test_truncated_loops_build_no_graph_for_their_context() -> None:
+    model = MODELS["attention"]
+    assert model.conditioner is not None
+    recorded: list[bool] = []
+    handle = model.conditioner.register_forward_hook(lambda module, args, out: recorded.append(out.requires_grad))
+    try:
+        grads(model, torch.randint(0, 64, (2, 9)), 3, backprop_loops=1)
+    finally:
+        handle.remove()
+    assert recorded == [False, False, True]  # loops 1 and 2 run under no_grad, context included
+
+
 def test_bad_settings_name_the_field() -> None:
     with pytest.raises(ValueError, match="activation_checkpointing='loops' must be one of"):
         ELRModule(arch=GQA_CONFIG, activation_checkpointing="loops")
