@@ -245,3 +245,15 @@ def test_checks_compare_arms_on_the_seeds_both_ran():
     assert checks["replace update worse than adaptive delta at every k"].figure == "k=1 +0.0050, k=2 +0.0100"
     # Best specialist seed against the baseline of its own seed: seed 0 gains 0.03, seed 1 0.01.
     assert "+0.0300" in checks["ELR's k = K gain >= 80% of the specialist's (best seed) gain over the baseline"].figure
+
+
+@pytest.mark.parametrize("seed1, status", [([1.30, 1.299, 1.298], HOLDS), ([1.30, 1.301, 1.298], NOISE),
+                                           ([1.30, 1.30, 1.298], NOISE)])
+def test_falling_in_k_is_judged_per_seed(seed1, status):
+    def run(seed, losses):
+        return {"arm": "elr", "seed": seed, "loss": dict(enumerate(losses, 1)), "bpb": dict(enumerate(losses, 1))}
+
+    checks = paper_checks(summarise([run(0, [1.40, 1.39, 1.38]), run(1, seed1)]), 3)
+    assert [c.status for c in checks if c.claim.startswith("ELR's loss falls")] == [status]
+    rising = paper_checks(summarise([run(0, [1.40, 1.41, 1.38]), run(1, [1.30, 1.31, 1.29])]), 3)
+    assert [c.status for c in rising if c.claim.startswith("ELR's loss falls")] == [FAILS]
