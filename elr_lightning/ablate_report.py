@@ -135,7 +135,7 @@ def paper_checks(arms: dict[str, ArmSummary], k_max: int) -> list[Check]:
     if elr and delayed:
         e, d = paired(elr, delayed)
         g_elr, g_del = mean(e.gain(k_max)), mean(d.gain(k_max))
-        noise = max(elr.spread(1), elr.spread(k_max), delayed.spread(1), delayed.spread(k_max))
+        noise = max(max(g) - min(g) for g in (elr.gain(k_max), delayed.gain(k_max)))  # gains are paired per seed
         if g_elr <= 0:
             checks.append(Check(claim, f"ELR has no k = K gain ({g_elr:+.4f})", FAILS))
         else:
