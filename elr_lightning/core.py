@@ -159,7 +159,7 @@ class LoopedForward(nn.Module):
         positions = self.positions(b, t, input_ids.device, attention_mask, offset)
         return LoopContext(positions, loops, self.config.max_loops, cache=cache)
 
-    def run(
+    def forward(
         self,
         input_ids: Tensor,
         loops: int = 1,
@@ -167,9 +167,19 @@ class LoopedForward(nn.Module):
         cache: Optional[KVCache] = None,
         aux_losses: Optional[MutableMapping[str, Tensor]] = None,
     ) -> Tensor:
-        """Logits ``[B, T, vocab]`` of ``input_ids`` at ``loops``, over this module's own layers.
+        """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]`` at loop count ``loops``.
 
-        Args and padding/cache semantics as :meth:`elr_lightning.model.LoopedLM.forward`.
+        A pure function of its inputs and parameters. Generation decodes a conditioned model through
+        each loop's eq. 4 constants computed once per k (:func:`~elr_lightning.serving.serving_model`);
+        calling ``forward`` directly runs the layers as trained.
+
+        Args:
+            input_ids: Token ids.
+            loops: The loop count k >= 1 (k above ``arch.max_loops`` extrapolates the budget).
+            attention_mask: ``[B, T_cached + T]`` with 1 for real tokens and 0 for padding.
+            cache: A cache policy for incremental decoding; its offset is advanced here.
+            aux_losses: A mapping that receives the auxiliary losses the mixers added (by name). Under
+                FSDP2 pass a ``collections.UserDict``: the sharded root copies a plain dict argument.
         """
         if loops < 1:
             raise ValueError(f"loops={loops} must be >= 1")

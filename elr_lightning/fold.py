@@ -112,7 +112,7 @@ class FoldedLM(LoopedForward):
         """
         if loops != self.loops:
             raise ValueError(f"this model is folded for loops={self.loops}, called with loops={loops}; fold again")
-        return self.run(input_ids, loops, attention_mask, cache, aux_losses)
+        return super().forward(input_ids, loops, attention_mask, cache, aux_losses)
 
 
 def _fold_block(block: Block, c: Tensor) -> Block:

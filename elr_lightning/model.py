@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import MutableMapping, Optional
+from typing import Optional
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from typing_extensions import override
 
-from elr_lightning.cache import KVCache
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.core import CHECKPOINTING, LoopedForward, RecurrentCore, blocks
@@ -169,27 +168,3 @@ class LoopedLM(LoopedForward):
         missing = [n for n, p in self.named_parameters() if id(p) not in decided]
         if missing:
             raise ValueError(f"init_weights has no decision for parameters {missing}; tag them with set_role")
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        loops: int = 1,
-        attention_mask: Optional[Tensor] = None,
-        cache: Optional[KVCache] = None,
-        aux_losses: Optional[MutableMapping[str, Tensor]] = None,
-    ) -> Tensor:
-        """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]`` at loop count ``loops``.
-
-        Args:
-            input_ids: Token ids.
-            loops: The loop count k >= 1 (k above ``arch.max_loops`` extrapolates the budget).
-            attention_mask: ``[B, T_cached + T]`` with 1 for real tokens and 0 for padding.
-            cache: A cache policy for incremental decoding; its offset is advanced here.
-            aux_losses: A mapping that receives the auxiliary losses the mixers added (by name). Under
-                FSDP2 pass a ``collections.UserDict``: the sharded root copies a plain dict argument.
-
-        A pure function of its inputs and parameters. Generation decodes a conditioned model through
-        weights folded for its k (:func:`~elr_lightning.fold.serving_model`); calling ``forward``
-        directly always runs the layers as trained.
-        """
-        return self.run(input_ids, loops, attention_mask, cache, aux_losses)
