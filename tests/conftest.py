@@ -10,6 +10,7 @@ import torch
 from hypothesis import settings
 
 from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.layers import Modulator
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
@@ -46,6 +47,23 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class Identity(Modulator):
+    """A modulator that leaves every sublayer as it is and offers neither ``affine`` nor ``modulation``."""
+
+    def pre(self, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def post(self, y: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return y
+
+
+class PlainConditioner(LoopConditioner):
+    """A conditioner whose modulators are :class:`Identity`: a plug-in that cannot be folded."""
+
+    def make_modulator(self, d_model: int) -> Modulator:
+        return Identity()
 
 
 def perturbed_model(config: ModelConfig = GQA_CONFIG, seed: int = 0) -> LoopedLM:

@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
-from conftest import GQA_CONFIG, perturbed_model
+from conftest import GQA_CONFIG, PlainConditioner, perturbed_model
 from elr_lightning.cache import KVCache, LastLoopCache, PerLoopCache
 from elr_lightning.cli import run
 from elr_lightning.conditioning import LoopConditioner
@@ -155,19 +155,6 @@ def test_cli_generate_fold_streams_the_same_text(tmp_path: Path, capsys: pytest.
 
 
 def test_a_modulator_without_affine_cannot_be_folded():
-    from elr_lightning.layers import Modulator
-
-    class Identity(Modulator):
-        def pre(self, h, c):
-            return h
-
-        def post(self, y, c):
-            return y
-
-    class PlainConditioner(LoopConditioner):
-        def make_modulator(self, d_model):
-            return Identity()
-
     model = LoopedLM(GQA_CONFIG, conditioner=PlainConditioner(d_cond=8, rank=2))
     with pytest.raises(NotImplementedError, match="Identity does not implement affine"):
         fold_conditioning(model, 2)

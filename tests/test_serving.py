@@ -10,12 +10,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import GQA_CONFIG, perturbed_model
+from conftest import GQA_CONFIG, PlainConditioner, perturbed_model
 from elr_lightning.cache import PerLoopCache
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.fold import FoldedLM
 from elr_lightning.generation import generate
-from elr_lightning.layers import Modulator
 from elr_lightning.model import LoopedLM
 from elr_lightning.serving import _SERVED, ConditionedBlock, conditioned_at, serving_model
 
@@ -117,17 +116,6 @@ def test_inactive_or_absent_conditioning_decodes_with_the_model_itself() -> None
 
 
 def test_a_modulator_without_constants_decodes_unfolded_with_one_warning() -> None:
-    class Identity(Modulator):
-        def pre(self, h, c):
-            return h
-
-        def post(self, y, c):
-            return y
-
-    class PlainConditioner(LoopConditioner):
-        def make_modulator(self, d_model):
-            return Identity()
-
     torch.manual_seed(0)
     model = LoopedLM(GQA_CONFIG, conditioner=PlainConditioner(d_cond=8, rank=2)).eval()
     prompt = torch.randint(0, 64, (1, 4))
