@@ -172,10 +172,11 @@ def specialist_check(arms: dict[str, ArmSummary], k_max: int) -> Check:
         return _missing(claim, "elr", "baseline", "specialist")
     gains = elr.gain(k_max)
     gain, noise = mean(gains), max(gains) - min(gains)
-    b, sp = paired(base, spec)
-    best = max(baseline - v for baseline, v in zip(b.loss[1], sp.loss[k_max])) if b.seeds == sp.seeds else max(
-        base.mean(1) - v for v in spec.loss[k_max]
-    )
+    common = [seed for seed in spec.seeds if seed in base.seeds]
+    if common:
+        best = max(base.on_seeds([seed]).mean(1) - spec.on_seeds([seed]).mean(k_max) for seed in common)
+    else:  # no seed in common: each specialist seed against the baseline's mean
+        best = max(base.mean(1) - v for v in spec.loss[k_max])
     if best > 0:
         figure = f"{gain / best:.0%} ({gain:+.4f} of {best:+.4f})"
         return Check(claim, figure, _decide(gain - 0.8 * best, noise))
