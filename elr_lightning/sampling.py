@@ -318,9 +318,8 @@ class LoopCurriculum(DeepLoopOverride):
     @override
     def probabilities(self) -> list[float]:
         """P(k) for k = 1..K averaged over ``ramp_steps + hold_steps`` steps of training."""
-        steps = self.ramp_steps + self.hold_steps
-        shared = [0.0] * (self.max_loops - 1)
-        for step in range(steps):
-            shared = [s + w / steps for s, w in zip(shared, self.weights_at(step))]
+        # The mix a = t / ramp_steps averages (ramp_steps - 1) / 2 over the ramp's steps and 1 over the hold.
+        a = ((self.ramp_steps - 1) / 2 + self.hold_steps) / (self.ramp_steps + self.hold_steps)
+        shared = [(1.0 - a) * w0 + a * w1 for w0, w1 in zip(self.weights, self.final_weights)]
         p1 = self.expected_p1()
         return [p1] + [(1.0 - p1) * w for w in shared]
