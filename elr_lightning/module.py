@@ -19,8 +19,8 @@ from typing_extensions import override
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
-from elr_lightning.optim import param_groups, warmup_cosine
-from elr_lightning.roles import GROUPS, copy_with_roles
+from elr_lightning.optim import check_lr_scale, param_groups, warmup_cosine
+from elr_lightning.roles import copy_with_roles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, tokenizer_state
 from elr_lightning.updates import StateUpdate
@@ -196,12 +196,7 @@ class ELRModule(LightningModule):
         ):
             if not ok:
                 raise ValueError(f"model.init_args.{name}={value} must be {rule}")
-        for group, scale in (lr_scale or {}).items():
-            if group not in GROUPS or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-                raise ValueError(
-                    f"model.init_args.lr_scale={lr_scale}: keys must be optimizer groups {', '.join(GROUPS)} and "
-                    "values finite numbers > 0"
-                )
+        check_lr_scale(lr_scale)
         # Plug-in objects are copied: the caller's (or, on load, the unpickled hparams') instances may
         # share storage with other tensors, and the model's init routine writes into what it owns.
         update, conditioner = copy_with_roles(update), copy_with_roles(conditioner)
@@ -464,10 +459,7 @@ class ELRModule(LightningModule):
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        groups = param_groups(self.model, hp.weight_decay)
-        scales = hp.get("lr_scale") or {}
-        for group in groups:
-            group["lr"] = hp.lr * scales.get(group["name"], 1.0)
+        groups = param_groups(self.model, hp.weight_decay, hp.lr, hp.get("lr_scale"))
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
         total = self.trainer.estimated_stepping_batches
         if not math.isfinite(total):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
@@ -13,11 +16,29 @@ from elr_lightning.roles import GROUPS
 DECAY_GROUPS = ("decay",)
 
 
-def param_groups(model: LoopedLM, weight_decay: float) -> list[dict]:
+def check_lr_scale(lr_scale: Optional[dict[str, float]]) -> None:
+    """Refuse an ``lr_scale`` naming no optimizer group or holding a multiplier that is not a finite number > 0.
+
+    Raises:
+        ValueError: Naming the field, the groups and the rule.
+    """
+    for group, scale in (lr_scale or {}).items():
+        if group not in GROUPS or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise ValueError(
+                f"model.init_args.lr_scale={lr_scale}: keys must be optimizer groups {', '.join(GROUPS)} and "
+                "values finite numbers > 0"
+            )
+
+
+def param_groups(
+    model: LoopedLM, weight_decay: float, lr: Optional[float] = None, lr_scale: Optional[dict[str, float]] = None
+) -> list[dict]:
     """Named AdamW param groups: ``decay`` (matrices), ``no_decay`` (norms, biases), ``gate``
     (adaptive-delta gate) and ``conditioning`` (eq. 4 heads, their own group so a callback can
     bring them in at the switch). Only ``decay`` gets weight decay. Empty groups are kept, so the
     optimizer layout does not depend on the configuration (resumes stay compatible).
+
+    With ``lr``, every group gets its own ``lr``: ``lr`` times its ``lr_scale`` entry (default 1).
 
     Raises:
         ValueError: A trainable parameter has no recorded role (it was added after the model was
@@ -32,10 +53,14 @@ def param_groups(model: LoopedLM, weight_decay: float) -> list[dict]:
                     "parameter in your plug-in's build() (or __init__) and tag it with elr_lightning.roles.set_role"
                 )
             buckets[model.roles[name][1]].append(p)
+    check_lr_scale(lr_scale)
     groups = [
         {"name": name, "params": params, "weight_decay": weight_decay if name in DECAY_GROUPS else 0.0}
         for name, params in buckets.items()
     ]
+    if lr is not None:
+        for group in groups:
+            group["lr"] = lr * (lr_scale or {}).get(group["name"], 1.0)
     placed = [id(p) for g in groups for p in g["params"]]
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     if len(placed) != len(set(placed)) or set(placed) != trainable:
