@@ -5,7 +5,8 @@ the system temporary folder; when that is another file system, the final ``shuti
 into the checkpoint's own path, which a kill can cut short. :class:`AtomicCheckpointIO` writes a
 temporary file beside the target, ``fsync`` s it, ``os.replace`` s it over the target (atomic on
 POSIX) and ``fsync`` s the folder: after a crash the path holds the old checkpoint or the new one,
-never a mix.
+never a mix. The checks that a loaded checkpoint fits its model (:func:`state_dict_differences`) and
+that a checkpoint about to be written is finite (:func:`non_finite_tensors`) live here too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import IO, Any, Callable, Optional
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch import Tensor
 from typing_extensions import override
 
 
@@ -228,3 +230,61 @@ def _corrupt(path: str, reason: str) -> CorruptCheckpointError:
         f"({reason}). Resume from an earlier checkpoint; files written by AtomicCheckpointIO are never left "
         "half-written, so this one was damaged or cut short by another writer"
     )
+
+
+def listed(names: list[str], limit: int = 4) -> str:
+    """The first ``limit`` names, comma-separated, and how many more there are."""
+    return ", ".join(names[:limit]) + (f", ... {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _part(key: str) -> str:
+    if ".conditioner." in key or "_mod." in key:
+        return "conditioning"
+    if ".update." in key:
+        return "state-update"
+    return "model"
+
+
+def state_dict_differences(saved: dict[str, Any], own: dict[str, Any]) -> list[str]:
+    """Human-readable differences between a checkpoint's tensors and a module's."""
+    problems = []
+    for part, fix in (
+        ("conditioning", "model.init_args.conditioner"),
+        ("state-update", "model.init_args.update"),
+        ("model", "model.init_args.arch"),
+    ):
+        extra = sorted(k for k in set(saved) - set(own) if _part(k) == part)
+        missing = sorted(k for k in set(own) - set(saved) if _part(k) == part)
+        if extra:
+            problems.append(
+                f"the checkpoint has {len(extra)} {part} tensor(s) this model lacks ({listed(extra)}); check {fix}"
+            )
+        if missing:
+            problems.append(
+                f"this model has {len(missing)} {part} tensor(s) the checkpoint lacks ({listed(missing)}); check {fix}"
+            )
+    shapes = sorted(
+        f"{k} {tuple(saved[k].shape)} vs {tuple(own[k].shape)}"
+        for k in set(saved) & set(own)
+        if hasattr(saved[k], "shape") and saved[k].shape != own[k].shape
+    )
+    if shapes:
+        problems.append(f"{len(shapes)} tensor(s) differ in shape, checkpoint vs model ({listed(shapes)})")
+    return problems
+
+
+def non_finite_tensors(checkpoint: dict[str, Any]) -> list[str]:
+    """Names of the floating-point tensors of a checkpoint's weights and optimizer states with NaN or inf.
+
+    Sharded tensors (``DTensor``) are checked on this rank's shard only.
+    """
+
+    def bad(value: Any) -> bool:
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return isinstance(local, Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all())
+
+    names = [key for key, value in checkpoint.get("state_dict", {}).items() if bad(value)]
+    for i, optimizer in enumerate(checkpoint.get("optimizer_states", [])):
+        for param, state in optimizer.get("state", {}).items():
+            names += [f"optimizer_states[{i}].state[{param}].{key}" for key, value in state.items() if bad(value)]
+    return names

@@ -19,6 +19,7 @@ from typing_extensions import override
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
+from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
 from elr_lightning.optim import check_lr_scale, param_groups, warmup_cosine
 from elr_lightning.roles import copy_with_roles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
@@ -43,59 +44,6 @@ def _checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:
     return sampler
 
 
-def _part(key: str) -> str:
-    if ".conditioner." in key or "_mod." in key:
-        return "conditioning"
-    if ".update." in key:
-        return "state-update"
-    return "model"
-
-
-def _state_dict_differences(saved: dict[str, Any], own: dict[str, Any]) -> list[str]:
-    """Human-readable differences between a checkpoint's tensors and a module's."""
-    problems = []
-    for part, fix in (
-        ("conditioning", "model.init_args.conditioner"),
-        ("state-update", "model.init_args.update"),
-        ("model", "model.init_args.arch"),
-    ):
-        extra = sorted(k for k in set(saved) - set(own) if _part(k) == part)
-        missing = sorted(k for k in set(own) - set(saved) if _part(k) == part)
-        if extra:
-            problems.append(
-                f"the checkpoint has {len(extra)} {part} tensor(s) this model lacks ({_listed(extra)}); check {fix}"
-            )
-        if missing:
-            problems.append(
-                f"this model has {len(missing)} {part} tensor(s) the checkpoint lacks ({_listed(missing)}); check {fix}"
-            )
-    shapes = sorted(
-        f"{k} {tuple(saved[k].shape)} vs {tuple(own[k].shape)}"
-        for k in set(saved) & set(own)
-        if hasattr(saved[k], "shape") and saved[k].shape != own[k].shape
-    )
-    if shapes:
-        problems.append(f"{len(shapes)} tensor(s) differ in shape, checkpoint vs model ({_listed(shapes)})")
-    return problems
-
-
-def non_finite_tensors(checkpoint: dict[str, Any]) -> list[str]:
-    """Names of the floating-point tensors of a checkpoint's weights and optimizer states with NaN or inf.
-
-    Sharded tensors (``DTensor``) are checked on this rank's shard only.
-    """
-
-    def bad(value: Any) -> bool:
-        local = value.to_local() if hasattr(value, "to_local") else value
-        return isinstance(local, Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all())
-
-    names = [key for key, value in checkpoint.get("state_dict", {}).items() if bad(value)]
-    for i, optimizer in enumerate(checkpoint.get("optimizer_states", [])):
-        for param, state in optimizer.get("state", {}).items():
-            names += [f"optimizer_states[{i}].state[{param}].{key}" for key, value in state.items() if bad(value)]
-    return names
-
-
 def loop_gains(losses: dict[int, float], max_loops: int) -> dict[str, float]:
     """Elastic depth's gain from a validation's loss per k, under budget K = ``max_loops``.
 
@@ -112,10 +60,6 @@ def loop_gains(losses: dict[int, float], max_loops: int) -> dict[str, float]:
         if k not in (1, max_loops):
             gains[f"gain_frac_k{k}"] = (losses[1] - losses[k]) / gain if gain != 0 else math.nan
     return gains
-
-
-def _listed(names: list[str], limit: int = 4) -> str:
-    return ", ".join(names[:limit]) + (f", ... {len(names) - limit} more" if len(names) > limit else "")
 
 
 class ELRModule(LightningModule):
@@ -482,7 +426,7 @@ class ELRModule(LightningModule):
         bad = non_finite_tensors(checkpoint)
         attached = self._trainer is not None  # also called outside a run, e.g. by ``elr import``
         if not (self.trainer.strategy.reduce_boolean_decision(not bad, all=True) if attached else not bad):
-            found = f"non-finite values in {_listed(bad)}" if bad else "non-finite values on another rank"
+            found = f"non-finite values in {listed(bad)}" if bad else "non-finite values on another rank"
             step = self.trainer.global_step if attached else checkpoint.get("global_step", 0)
             raise FloatingPointError(
                 f"not saving the checkpoint of step {step}: {found}; the last good checkpoint "
@@ -515,7 +459,7 @@ class ELRModule(LightningModule):
             ]
         state = checkpoint.get("state_dict")
         if state is not None and self.strict_loading:
-            problems += _state_dict_differences(state, self.state_dict())
+            problems += state_dict_differences(state, self.state_dict())
         if problems:
             raise ValueError(
                 "this checkpoint does not fit this model:\n  - " + "\n  - ".join(problems) + "\nBuild the model "
