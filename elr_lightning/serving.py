@@ -3,8 +3,10 @@
 At a fixed loop count k the context c_i of loop i depends on ``(i, k, K)`` alone (eq. 4), so each
 modulated sublayer's FiLM scale and shift, adapter ``A diag(g(c_i))`` and exit gate are constants
 of the loop. :func:`conditioned_at` computes them once for a k and runs the layers' own weights
-with them: per sublayer an ``rms_norm`` with the weight times the FiLM scale, the adapter (with
-the shift) as two thin matmuls, and the gate in the residual add. Decoding then runs no
+with them (:class:`ConditionedBlock`): per sublayer the FiLM scale, the adapter with the shift as
+two thin matmuls, the normalization, and the gate in the residual add. On the CPU the norm's
+per-token scalar is taken after the pre-map, which runs fewer dispatched ops than ``rms_norm``
+itself there, so a conditioned sublayer costs about what a plain one does. Decoding then runs no
 conditioner and holds the recurrent weights once. Folding the constants into copies of the
 weights instead (:func:`~elr_lightning.fold.fold_conditioning`) needs no extra op but holds the
 recurrent weights k times, and a decode step reads them all: on the CPU we measure, an
@@ -17,10 +19,11 @@ it keeps the model it built per k while the parameters are unchanged."""
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -36,15 +39,12 @@ if TYPE_CHECKING:  # the model module does not import this one
 __all__ = ["ConditionedBlock", "conditioned_at", "serving_model"]
 
 
-def _constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(weight, one, down, up, gate)``: eq. (4) for one sublayer under the context ``c``, as operands.
+#: One sublayer's eq. (4) operands in one of :class:`ConditionedBlock`'s forms (tensors, and the norm's eps).
+_Constants = tuple[Any, ...]
 
-    ``P (w s * rms(x) + m) = h + (A g)(B h) + P m`` with ``h = w s * rms(x)``: the shift ``P m``
-    rides the adapter's products as one more rank whose input is the constant 1, so the sublayer
-    runs ``rms_norm`` with the weight ``w s``, then ``t = [0.., 1] + [B; 0] h`` and
-    ``h + [A g | P m] t``: two thin products and no other pass. ``down`` is ``[r + 1, d]`` and
-    ``up`` ``[d, r + 1]``, both contiguous (matrix-vector products read them row by row).
-    """
+
+def _modulation(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(w s, m, A g, B, gate)`` of eq. (4) for one sublayer under ``c``; a missing adapter as rank 0."""
     try:
         scale, shift, terms = mod.modulation(c)
     except NotImplementedError as err:
@@ -55,26 +55,69 @@ def _constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> tuple[Tensor, Ten
     d = weight.shape[-1]
     up = torch.zeros(d, 0, dtype=weight.dtype, device=weight.device) if terms.up is None else terms.up
     down = torch.zeros(0, d, dtype=weight.dtype, device=weight.device) if terms.down is None else terms.down
+    return weight, shift, up, down, terms.gate
+
+
+def _fused_constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> _Constants:
+    """``(weight, eps, one, down, up, gate)``: eq. (4) for one sublayer after a fused ``rms_norm``.
+
+    ``P (w s * rms(x) + m) = h + (A g)(B h) + P m`` with ``h = w s * rms(x)``: the shift ``P m``
+    rides the adapter's products as one more rank whose input is the constant 1, so the sublayer
+    runs ``rms_norm`` with the weight ``w s``, then ``t = [0.., 1] + [B; 0] h`` and
+    ``h + [A g | P m] t``: two thin products and no other pass. ``down`` is ``[r + 1, d]`` and
+    ``up`` ``[d, r + 1]``, both contiguous (matrix-vector products read them row by row).
+    """
+    weight, shift, up, down, gate = _modulation(norm, mod, c)
     p_shift = shift + up @ (down @ shift)
     one = torch.zeros(up.shape[1] + 1, dtype=weight.dtype, device=weight.device)
     one[-1] = 1.0
     down = torch.cat((down, torch.zeros_like(weight)[None]), dim=0).contiguous()
     up = torch.cat((up, p_shift[:, None]), dim=1).contiguous()
-    return weight, one, down, up, terms.gate
+    return weight, norm.eps, one, down, up, gate
 
 
-def _residual(
-    x: Tensor, mixer: nn.Module, consts: tuple[Tensor, ...], eps: Optional[float], ctx: LoopContext, layer: int
-) -> Tensor:
-    """``x + gate * mixer(P (w s * rms(x) + m))`` from :func:`_constants`' operands (eq. 4)."""
-    weight, one, down, up, gate = consts
+def _fused_residual(x: Tensor, mixer: nn.Module, consts: _Constants, ctx: LoopContext, layer: int) -> Tensor:
+    """``x + gate * mixer(P (w s * rms(x) + m))`` from :func:`_fused_constants`' operands (eq. 4)."""
+    weight, eps, one, down, up, gate = consts
     h = F.rms_norm(x, weight.shape, weight, eps)
     if h.numel() == h.shape[-1]:  # one token of one sequence: matrix-vector products dispatch faster
         v = h.view(-1)
-        h = torch.addmv(v, up, torch.addmv(one, down, v)).view(h.shape)
+        h = torch.addmv(v, up, torch.addmv(one, down, v)).view_as(h)
     else:
         flat = h.view(-1, h.shape[-1])
-        h = torch.addmm(flat, torch.addmm(one, flat, down.T), up.T).view(h.shape)
+        h = torch.addmm(flat, torch.addmm(one, flat, down.T), up.T).view_as(h)
+    return torch.addcmul(x, mixer(h, ctx, layer), gate)
+
+
+def _split_constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> _Constants:
+    """``(u, down, up, shift, root_eps, gate)``: eq. (4) for one sublayer with the norm's scalar taken last.
+
+    ``rms(x) = x / sqrt(mean(x^2) + eps)`` scales each token by one number, so it commutes with the
+    linear pre-map: ``P (w s * rms(x) + m) = (u * x + (A g)(B diag(u) x)) / hypot(||x||, sqrt(d eps)) + P m``
+    with ``u = sqrt(d) w s``. The sublayer then runs the FiLM scale, the adapter and the
+    normalization as six small ops (a product, two thin products, a norm, ``hypot`` and ``addcdiv``).
+    """
+    weight, shift, up, down, gate = _modulation(norm, mod, c)
+    d = weight.shape[-1]
+    eps = torch.finfo(weight.dtype).eps if norm.eps is None else norm.eps
+    u = weight * math.sqrt(d)
+    p_shift = shift + up @ (down @ shift)
+    root_eps = torch.tensor(math.sqrt(d * eps), dtype=weight.dtype, device=weight.device)
+    return u, (down * u).contiguous(), up.contiguous(), p_shift, root_eps, gate
+
+
+def _split_residual(x: Tensor, mixer: nn.Module, consts: _Constants, ctx: LoopContext, layer: int) -> Tensor:
+    """``x + gate * mixer(P (w s * rms(x) + m))`` from :func:`_split_constants`' operands (eq. 4)."""
+    u, down, up, shift, root_eps, gate = consts
+    if x.numel() == x.shape[-1]:  # one token of one sequence: matrix-vector products dispatch faster
+        v = x.reshape(-1)
+        y = torch.addmv(v * u, up, torch.mv(down, v))
+        h = torch.addcdiv(shift, y, torch.hypot(torch.linalg.vector_norm(v), root_eps)).view_as(x)
+    else:
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.addmm(flat * u, flat @ down.T, up.T)
+        norm = torch.hypot(torch.linalg.vector_norm(flat, dim=-1, keepdim=True), root_eps)
+        h = torch.addcdiv(shift, y, norm).view_as(x)
     return torch.addcmul(x, mixer(h, ctx, layer), gate)
 
 
@@ -83,34 +126,47 @@ class ConditionedBlock(nn.Module):
 
     Runs the block's own mixers (shared, not copied) with eq. (4)'s constants for c_i, computed at
     construction, so ``forward(x, ctx)`` equals ``block(x, ctx.at(i, c_i))`` to fp32 round-off.
-    Per sublayer: ``x + gate * f(P (w s * rms(x) + m))`` with ``P = I + (A diag g) B``, as an
-    ``rms_norm`` and two thin matmuls (see :func:`_constants`). The constants are plain tensors,
-    read without a module lookup per token: they neither follow later changes of the block's
-    parameters nor move with ``.to()``; build the block again on the device and dtype it runs
-    with (:func:`serving_model` does).
+    Per sublayer: ``x + gate * f(P (w s * rms(x) + m))`` with ``P = I + (A diag g) B``, in one of
+    two forms with the same result:
+
+    * fused: ``rms_norm`` with the weight ``w s``, then the adapter and shift as two thin matmuls
+      (:func:`_fused_constants`): three ops where ``rms_norm`` is one kernel (CUDA);
+    * split: the norm's per-token scalar taken after the pre-map (:func:`_split_constants`): six
+      small ops. On the CPU ``rms_norm`` itself runs as about eight ops (``pow``, ``mean``,
+      ``rsqrt``, ...), and a one-token decode step is bound by per-op latency, so this form costs
+      about what the plain layer's ``rms_norm`` does.
+
+    The constants are plain tensors, read without a module lookup per token: they neither follow
+    later changes of the block's parameters nor move with ``.to()``; build the block again on the
+    device and dtype it runs with (:func:`serving_model` does).
 
     Args:
         block: A recurrent or output block whose modulators implement ``Modulator.modulation``.
         c: The context c_i.
+        fused_norm: The fused form (``True``) or the split form (``False``); ``None``: the split
+            form on the CPU, the fused form on other devices.
 
     Raises:
         NotImplementedError: a modulator does not implement ``modulation``.
     """
 
-    def __init__(self, block: Block, c: Tensor) -> None:
+    def __init__(self, block: Block, c: Tensor, fused_norm: Optional[bool] = None) -> None:
         super().__init__()
+        if fused_norm is None:
+            fused_norm = c.device.type != "cpu"
+        constants = _fused_constants if fused_norm else _split_constants
+        self.sublayer = _fused_residual if fused_norm else _split_residual
         self.index = block.index
         self.attn, self.mlp = block.attn, block.mlp
-        self.eps = (block.attn_norm.eps, block.mlp_norm.eps)
         self.constants = (
-            _constants(block.attn_norm, block.attn_mod, c),
-            _constants(block.mlp_norm, block.mlp_mod, c),
+            constants(block.attn_norm, block.attn_mod, c),
+            constants(block.mlp_norm, block.mlp_mod, c),
         )
 
     def forward(self, x: Tensor, ctx: LoopContext) -> Tensor:
         """The block's output at its fixed context (``ctx.cond`` is not read)."""
-        x = _residual(x, self.attn, self.constants[0], self.eps[0], ctx, self.index)
-        return _residual(x, self.mlp, self.constants[1], self.eps[1], ctx, self.index)
+        x = self.sublayer(x, self.attn, self.constants[0], ctx, self.index)
+        return self.sublayer(x, self.mlp, self.constants[1], ctx, self.index)
 
 
 @torch.inference_mode(False)
@@ -156,7 +212,7 @@ def _build(model: LoopedLM, loops: int) -> FoldedLM:
     decode step reads: no more weight traffic and no extra op (it holds the recurrent and output
     layers twice in memory). At k > 1 copies would be read once per loop (k times the recurrent
     weights; 0.79-0.83x the unconditioned model's decode rate at k = 4 on a CPU), so the weights
-    stay shared and each loop adds two thin matmuls per sublayer.
+    stay shared and each loop runs its constants (:class:`ConditionedBlock`).
     """
     if loops == 1:
         try:

@@ -141,3 +141,34 @@ def test_no_process_wide_hook_and_the_cache_dies_with_its_model() -> None:
     del model
     gc.collect()
     assert len(_SERVED) == size - 1
+
+
+@pytest.mark.parametrize("fused_norm", [True, False], ids=["fused", "split"])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 5)], ids=["one_token", "one_sequence", "batch"])
+@pytest.mark.parametrize("eps", [1e-6, None], ids=["eps", "dtype_eps"])
+def test_each_form_of_a_conditioned_block_equals_the_block(fused_norm: bool, shape: tuple, eps) -> None:
+    model = perturbed_model(GQA_CONFIG)
+    block = model.core.layers[1]
+    block.attn_norm.eps = block.mlp_norm.eps = eps  # None: the norm uses its dtype's epsilon
+    c = model.conditioner(2, 3, GQA_CONFIG.max_loops, model.embed.weight)
+    ctx = model.loop_context(torch.zeros(shape, dtype=torch.long), 3)
+    x = 3 * torch.randn(*shape, GQA_CONFIG.d_model, generator=torch.Generator().manual_seed(2))
+    x[0, 0] *= 1e-3  # a small token, where eps weighs in the norm
+    with torch.no_grad():
+        want = block(x, ctx.at(2, c))
+        got = ConditionedBlock(block, c, fused_norm=fused_norm)(x, ctx.at(2, None))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_on_the_cpu_a_conditioned_block_runs_no_rms_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = perturbed_model(GQA_CONFIG)
+    c = model.conditioner(1, 2, GQA_CONFIG.max_loops, model.embed.weight)
+    block = ConditionedBlock(model.core.layers[0], c)  # the default form on this device
+    calls = []
+    rms_norm = torch.nn.functional.rms_norm
+    monkeypatch.setattr(torch.nn.functional, "rms_norm", lambda *a, **k: calls.append(a) or rms_norm(*a, **k))
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        block(torch.randn(1, 1, GQA_CONFIG.d_model), model.loop_context(ids, 2).at(1, None))
+        model.core.layers[0](torch.randn(1, 1, GQA_CONFIG.d_model), model.loop_context(ids, 2).at(1, c))
+    assert len(calls) == 2  # the block as trained normalizes twice; its served form not at all
