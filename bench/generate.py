@@ -8,7 +8,9 @@ the same way at k = 1. Variants are measured round-robin, after a warm-up, and t
 repeats is reported. Also the ELR model without conditioning at every k, and at k = 1 a batch of 16.
 
 The conditioned model decodes as ``generate`` serves it by default: each loop's eq. 4 constants
-computed once per k, the weights shared (``elr_lightning.serving``). Beside it, per k and with the
+computed once per k, the weights shared (``elr_lightning.serving``; on the CPU the RMSNorm's
+per-token scalar is taken after the FiLM-and-adapter map, which dispatches fewer ops than
+``rms_norm`` there). Beside it, per k and with the
 per-loop cache: the same model with the conditioner run per token (``fold=False``, the model as
 trained) and with the constants folded into copies of the weights (``fold_conditioning``, done once
 before timing: the recurrent weights held k times). The target: served / unconditioned >= 0.95 at

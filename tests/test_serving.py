@@ -16,7 +16,7 @@ from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.fold import FoldedLM
 from elr_lightning.generation import generate
 from elr_lightning.model import LoopedLM
-from elr_lightning.serving import _SERVED, ConditionedBlock, conditioned_at, serving_model
+from elr_lightning.serving import _SERVED, ConditionedBlock, _build, conditioned_at, serving_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,10 +45,14 @@ def test_decoding_through_the_constants_equals_the_conditioner_per_token(config,
     runner = serving_model(model, loops)
     assert isinstance(runner, FoldedLM)
     shared = runner.core.per_loop[0][0].attn is model.core.layers[0].attn
-    # k > 1 (and an MoE, whose mixer has no weight fold): the weights are shared, not copied;
-    # k = 1 folds into copies, which a decode step reads instead of the originals.
-    assert shared == (loops > 1 or config is MOE)
-    assert shared == any(isinstance(m, ConditionedBlock) for m in runner.modules())
+    # On the CPU the weights are shared, not copied, at every k; elsewhere k = 1 folds into copies
+    # (which a decode step reads instead of the originals) unless a mixer has no weight fold (MoE).
+    assert shared
+    assert any(isinstance(m, ConditionedBlock) for m in runner.modules())
+    copied = _build(model, loops, fused_norm=True)
+    assert (copied.core.per_loop[0][0].attn is model.core.layers[0].attn) == (loops > 1 or config is MOE)
+    with torch.no_grad():
+        torch.testing.assert_close(copied(prompt, loops), runner(prompt, loops), atol=1e-4, rtol=0)
     plain = generate(model, prompt, fold=False, **kwargs)
     torch.testing.assert_close(served.logits, plain.logits, atol=1e-4, rtol=0)
     assert torch.equal(served.new_tokens, plain.new_tokens)
