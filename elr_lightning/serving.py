@@ -44,7 +44,7 @@ _Constants = tuple[Any, ...]
 
 
 def _fused_norm(device: torch.device) -> bool:
-    """Whether :class:`ConditionedBlock` runs its fused form on ``device`` by default: where ``rms_norm`` is one kernel.
+    """Whether :class:`ConditionedBlock` runs its fused form on ``device`` by default: where ``rms_norm`` is one op.
 
     On the CPU ``rms_norm`` dispatches about eight ops (``pow``, ``mean``, ``rsqrt``, ...).
     """
@@ -215,7 +215,7 @@ def conditioned_at(model: LoopedLM, loops: int, fused_norm: Optional[bool] = Non
 
 
 def _build(model: LoopedLM, loops: int, fused_norm: Optional[bool] = None) -> FoldedLM:
-    """At k = 1 off the CPU the constants folded into copies of the weights, where every mixer folds; else :func:`conditioned_at`.
+    """At k = 1 off the CPU the constants folded into copies of the weights (where every mixer folds), else shared.
 
     At k = 1 every layer runs once per token, so a folded copy replaces the original in what a
     decode step reads: no more weight traffic and no extra op (it holds the recurrent and output
