@@ -100,3 +100,18 @@ def test_beta_mean_is_the_last_loops_mean_step_and_is_reduced_once() -> None:
     torch.testing.assert_close(first, seen[-1].float().mean())
     assert model.update._beta is None
     assert model.update.metrics()["beta_mean"] is first
+
+
+def test_folded_training_under_bf16_autocast_tracks_fp32() -> None:
+    """The weight form under bf16 autocast: the fold runs in the weights' dtype, gradients follow fp32's."""
+    model = perturbed_model(GQA_CONFIG).train()
+    ids = torch.randint(0, 64, (6, 64), generator=torch.Generator().manual_seed(3))
+    loss, grads = loss_and_grads(model, ids, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low_loss, low_grads = loss_and_grads(model, ids, 2)
+    torch.testing.assert_close(low_loss, loss, atol=0.05, rtol=0.02)
+    assert grads.keys() == low_grads.keys()
+    for name, g in grads.items():
+        assert low_grads[name].dtype == torch.float32
+        cosine = F.cosine_similarity(low_grads[name].flatten(), g.flatten(), dim=0)
+        assert cosine > 0.95, f"{name}: cosine {cosine:.3f} to the fp32 gradient"

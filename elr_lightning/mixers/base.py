@@ -66,9 +66,12 @@ class _LowRankFold(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, w: Tensor, up: Tensor, down: Tensor) -> Tensor:
-        wu = w @ up
-        ctx.save_for_backward(w, up, down, wu)
-        return torch.addmm(w, wu, down)
+        # In the weight's dtype even under autocast: the linear that reads the result casts it as it
+        # would the weight, and the backward then gets its gradient in that dtype too.
+        with torch.autocast(w.device.type, enabled=False):
+            wu = w @ up
+            ctx.save_for_backward(w, up, down, wu)
+            return torch.addmm(w, wu, down)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
