@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -103,7 +102,7 @@ class Block(nn.Module):
         """The residual branch ``f(norm(x))``, modulated under ``ctx.cond`` (eq. 4).
 
         A modulator with a :meth:`Modulator.modulation` is folded: its scale into the norm's
-        weight and its shift into the norm's last multiply (``addcmul``), the adapter and gate by
+        weight and its shift added in place to the norm's output, the adapter and gate by
         the mixer (:meth:`~elr_lightning.mixers.TokenMixer.modulated`).
         """
         c = ctx.cond
@@ -114,5 +113,7 @@ class Block(nn.Module):
         except NotImplementedError:
             return mod.post(mixer(mod.pre(norm(x), c), ctx, self.index), c)
         weight = scale if norm.weight is None else norm.weight * scale
-        h = torch.addcmul(shift.to(x.dtype), F.rms_norm(x, norm.normalized_shape, None, norm.eps), weight.to(x.dtype))
-        return mixer.modulated(h, ctx, self.index, terms)
+        h = F.rms_norm(x, norm.normalized_shape, weight, norm.eps)
+        # In place: the norm's backward reads its input and weight, never its output. An addcmul here
+        # costs a slower three-operand pass and, in the backward, one more pass to scale by its value.
+        return mixer.modulated(h.add_(shift.to(h.dtype)), ctx, self.index, terms)

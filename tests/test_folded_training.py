@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from conftest import GQA_CONFIG, perturbed_model
 from elr_lightning.conditioning import FiLMAdapterModulator
+from elr_lightning.mixers.base import low_rank_fold
 from elr_lightning.model import LoopedLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -71,3 +72,46 @@ def test_folded_gradients_equal_with_padding(monkeypatch: pytest.MonkeyPatch) ->
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], atol=2e-5, rtol=1e-4)
 
+
+
+@pytest.mark.parametrize("shape", [(6, 5), (40, 16)])
+def test_low_rank_fold_backward_matches_autograd_in_float64(shape: tuple[int, int]) -> None:
+    """The hand-written backward of W P = W + (W up) down (eq. 4's adapter in a weight) is exact."""
+    gen = torch.Generator().manual_seed(shape[0])
+    w, up, down = (
+        torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True)
+        for s in (shape, (shape[1], 3), (3, shape[1]))
+    )
+    assert torch.autograd.gradcheck(low_rank_fold, (w, up, down))
+    grad = torch.randn(shape, generator=gen, dtype=torch.float64)
+    ours = torch.autograd.grad(low_rank_fold(w, up, down), (w, up, down), grad)
+    reference = torch.autograd.grad(torch.addmm(w, w @ up, down), (w, up, down), grad)
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_beta_mean_is_the_last_loops_mean_step_and_is_reduced_once() -> None:
+    """``metrics()`` reduces the last training forward's beta when asked, then keeps the value, not the tensor."""
+    model = perturbed_model(GQA_CONFIG).train()
+    seen: list[torch.Tensor] = []
+    model.update.register_forward_hook(lambda module, args, out: seen.append(module.beta(args[2]).detach()))
+    model(torch.randint(0, 64, (2, 9)), 3)
+    first = model.update.metrics()["beta_mean"]
+    torch.testing.assert_close(first, seen[-1].float().mean())
+    assert model.update._beta is None
+    assert model.update.metrics()["beta_mean"] is first
+
+
+def test_folded_training_under_bf16_autocast_tracks_fp32() -> None:
+    """The weight form under bf16 autocast: the fold runs in the weights' dtype, gradients follow fp32's."""
+    model = perturbed_model(GQA_CONFIG).train()
+    ids = torch.randint(0, 64, (6, 64), generator=torch.Generator().manual_seed(3))
+    loss, grads = loss_and_grads(model, ids, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low_loss, low_grads = loss_and_grads(model, ids, 2)
+    torch.testing.assert_close(low_loss, loss, atol=0.05, rtol=0.02)
+    assert grads.keys() == low_grads.keys()
+    for name, g in grads.items():
+        assert low_grads[name].dtype == torch.float32
+        cosine = F.cosine_similarity(low_grads[name].flatten(), g.flatten(), dim=0)
+        assert cosine > 0.95, f"{name}: cosine {cosine:.3f} to the fp32 gradient"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +53,37 @@ class Modulation:
     up: Optional[Tensor]
     down: Optional[Tensor]
     gate: Tensor
+
+
+class _LowRankFold(torch.autograd.Function):
+    """``W P = W + (W up) down``, eq. (4)'s adapter folded into a weight, with a backward of few passes.
+
+    Autograd's own backward of ``addmm(W, W @ up, down)`` sums two ``[out, d]`` gradients for ``W``
+    in a fresh tensor; this one adds the low-rank term into the incoming gradient in place, so the
+    fold reads or writes a weight-sized tensor eight times (three forward, five backward) and
+    allocates one.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, w: Tensor, up: Tensor, down: Tensor) -> Tensor:
+        # In the weight's dtype even under autocast: the linear that reads the result casts it as it
+        # would the weight, and the backward then gets its gradient in that dtype too.
+        with torch.autocast(w.device.type, enabled=False):
+            wu = w @ up
+            ctx.save_for_backward(w, up, down, wu)
+            return torch.addmm(w, wu, down)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        w, up, down, wu = ctx.saved_tensors
+        t = grad @ down.T
+        grad_down = wu.T @ grad
+        return torch.addmm(grad, t, up.T), w.T @ t, grad_down
+
+
+def low_rank_fold(w: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """``w + (w @ up) @ down``: the weight ``W`` times ``P = I + up down`` (eq. 4), differentiable in all three."""
+    return _LowRankFold.apply(w, up, down)
 
 
 class _Mixer(nn.Module):
@@ -105,7 +136,7 @@ class _Mixer(nn.Module):
             if inputs and outputs and sum(linear.out_features for linear in inputs) < tokens:
                 for name, linear in zip(self.fold_inputs, inputs):
                     w = linear.weight
-                    weights[f"{name}.weight"] = torch.addmm(w, w @ mod.up.to(w.dtype), mod.down.to(w.dtype))
+                    weights[f"{name}.weight"] = low_rank_fold(w, mod.up.to(w.dtype), mod.down.to(w.dtype))
             else:
                 flat = x.reshape(tokens, x.shape[-1])
                 x = torch.addmm(flat, flat @ mod.down.T.to(x.dtype), mod.up.T.to(x.dtype)).view_as(x)
