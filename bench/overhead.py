@@ -8,6 +8,12 @@ process's CPU time, which on a machine shared with other processes counts only t
 work (with one thread, ``OMP_NUM_THREADS=1``, it is the step's cost; with more threads it sums
 them). The load average is printed before and after.
 
+Beside the baseline, the ELR model with the gate of eq. (2) alone, and the conditioned model at each
+k, two rows separate what each part costs: the conditioned model with its conditioning switched off
+(the same parameters and allocations; on / off is eq. 4's cost alone) and a second copy of the
+baseline (its ratio to the baseline is the noise floor: two identical models differ by where their
+memory lies).
+
     python bench/overhead.py                       # prints a table, writes bench/results/overhead.json
     python bench/overhead.py --precision bf16 --d_model 512
 
@@ -33,13 +39,15 @@ from elr_lightning.model import LoopedLM
 from elr_lightning.optim import param_groups
 
 
-def make_step(model: LoopedLM, batch: torch.Tensor, loops: int, precision: str):
+def make_step(model: LoopedLM, batch: torch.Tensor, loops: int, precision: str, conditioning: bool = True):
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
     autocast = (
         torch.autocast(batch.device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
     )
 
     def step() -> tuple[float, float]:
+        if model.conditioner is not None:
+            model.conditioner.set_active(conditioning)
         start, start_cpu = time.perf_counter(), time.process_time()
         with autocast:
             logits = model(batch[:, :-1], loops)
@@ -81,7 +89,9 @@ def main() -> None:
             for layer in [*model.input_layers, *model.core.layers, *model.output_layers]:
                 layer.compile()
     cases = {"baseline k=1": make_step(baseline, batch, 1, args.precision)}
+    cases["baseline k=1 (a copy)"] = make_step(LoopedLM.baseline(cfg), batch, 1, args.precision)
     cases["elr k=1 (gate only)"] = make_step(gate_only, batch, 1, args.precision)
+    cases["elr k=1 (conditioning off)"] = make_step(conditioned, batch, 1, args.precision, conditioning=False)
     for k in range(1, cfg.max_loops + 1):
         cases[f"elr k={k} (conditioned)"] = make_step(conditioned, batch, k, args.precision)
 
@@ -98,8 +108,8 @@ def main() -> None:
     load_after = os.getloadavg()
     median = {name: statistics.median(ts) for name, ts in times.items()}
 
-    def per_round(name: str, clock: dict[str, list[float]] = times) -> dict[str, float]:
-        ratios = [t / b for t, b in zip(clock[name], clock["baseline k=1"])]
+    def per_round(name: str, clock: dict[str, list[float]] = times, base: str = "baseline k=1") -> dict[str, float]:
+        ratios = [t / b for t, b in zip(clock[name], clock[base])]
         return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
     k1 = median["elr k=1 (conditioned)"]
@@ -133,12 +143,20 @@ def main() -> None:
         "elr_k1_conditioned_over_baseline": per_round("elr k=1 (conditioned)"),
         "elr_k1_gate_only_over_baseline_cpu": per_round("elr k=1 (gate only)", cpu_times),
         "elr_k1_conditioned_over_baseline_cpu": per_round("elr k=1 (conditioned)", cpu_times),
+        "baseline_copy_over_baseline_cpu": per_round("baseline k=1 (a copy)", cpu_times),
+        "conditioning_on_over_off_cpu": per_round("elr k=1 (conditioned)", cpu_times, "elr k=1 (conditioning off)"),
     }
     print(f"\nELR k=1 / baseline, per-round ratios over {args.rounds} rounds: median (range); target <= 1.03 conditioned")
     for label in ("gate_only", "conditioned"):
         wall, cpu = result[f"elr_k1_{label}_over_baseline"], result[f"elr_k1_{label}_over_baseline_cpu"]
         print(f"  {label:<12} wall {wall['median']:.3f} ({wall['min']:.3f}-{wall['max']:.3f})"
               f"   cpu {cpu['median']:.3f} ({cpu['min']:.3f}-{cpu['max']:.3f})")
+    for label, key in (
+        ("eq. 4 alone: the conditioned model, conditioning on / off", "conditioning_on_over_off_cpu"),
+        ("noise floor: a second copy of the baseline / the baseline", "baseline_copy_over_baseline_cpu"),
+    ):
+        cpu = result[key]
+        print(f"  {label}: cpu {cpu['median']:.3f} ({cpu['min']:.3f}-{cpu['max']:.3f})")
     print(f"load average (1, 5, 15 min): before {load_before}, after {load_after}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
