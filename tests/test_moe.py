@@ -324,3 +324,18 @@ def test_route_replay_is_refused_without_moe_or_with_an_unknown_mode():
         replace(moe_config(), route_replay="always")
     model = LoopedLM(replace(moe_config(), route_replay="replay_inference"))
     assert model.core.layers[0].mlp.replay == "replay_inference"
+
+
+@pytest.mark.parametrize("checkpointing", ["loop", "layer"])
+def test_recomputed_loops_count_their_expert_load_once(checkpointing: str) -> None:
+    """Activation checkpointing runs a loop's forward again in the backward: its routes are not counted again."""
+    loads = {}
+    for setting in ("none", checkpointing):
+        model = perturbed_model(moe_config(GQA_CONFIG, replay="dynamic"), seed=6).train()
+        model.set_backprop(setting)
+        ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+        model(ids, 3).float().pow(2).mean().backward()
+        loads[setting] = [layer.mlp.end_step(lambda t: t) for layer in [*model.input_layers, *model.core.layers, *model.output_layers]]
+    for plain, recomputed in zip(loads["none"], loads[checkpointing]):
+        assert plain.sum() > 0
+        torch.testing.assert_close(recomputed, plain)

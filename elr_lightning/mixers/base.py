@@ -251,7 +251,9 @@ class ChannelMixer(_Mixer):
     :meth:`modulated` (e.g. folding ``P`` into every expert's input weights). Either way it must
     equal ``mod.gate * self(P x)``. Under activation checkpointing a loop's forward runs twice;
     scratch written at loop i is written again with equal values, and auxiliary losses added
-    during the recomputation are not collected again.
+    during the recomputation are not collected again. Statistics kept outside the graph (e.g. an
+    expert load) must be counted once per ``ctx.scratch(layer)``: the recomputation sees the same
+    store (:class:`~elr_lightning.mixers.MoE` marks it).
     """
 
     #: Whether the mixer routes tokens to experts (and so can replay routes across loops).

@@ -170,7 +170,7 @@ class MoE(ChannelMixer):
             if ctx.loop == 1 and self.replay != "dynamic":
                 first.update(plan=plan, weights=weights)
             if self.training:
-                aux = self._account(probs, plan, ctx)
+                aux = self._account(probs, plan, ctx, ctx.scratch(layer))
         y = combine(expert_swiglu(x, self.w_up, self.w_down, plan, self._grouped(x)), weights, plan, x.shape[0])
         if self.shared_up is not None and self.shared_down is not None:
             gate, up = self.shared_up(x).chunk(2, dim=-1)
@@ -179,10 +179,17 @@ class MoE(ChannelMixer):
             ctx.add_aux_loss(AUX_LOSS, aux)
         return y.reshape(shape)
 
-    def _account(self, probs: Tensor, plan: DispatchPlan, ctx: LoopContext) -> Optional[Tensor]:
-        """Count this routing call's load; its balance loss, or ``None`` (training only)."""
+    def _account(self, probs: Tensor, plan: DispatchPlan, ctx: LoopContext, store: dict) -> Optional[Tensor]:
+        """Count this routing call's load; its balance loss, or ``None`` (training only).
+
+        ``store`` is this layer's scratch at this loop. Activation checkpointing runs the forward
+        again in the backward pass with the same context; the routes it counted the first time are
+        not counted again.
+        """
         counts = plan.counts.detach().float()
-        self._load = counts if self._load is None else self._load + counts
+        if not store.get("load_counted", False):
+            store["load_counted"] = True
+            self._load = counts if self._load is None else self._load + counts
         if self.aux_loss_coef == 0:
             return None
         routing_calls = ctx.loops if ctx.loop >= 1 and self.replay != "replay" else 1
