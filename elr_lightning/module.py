@@ -323,9 +323,8 @@ class ELRModule(LightningModule):
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         self.log("train/loops_mean", sum(schedule) / len(schedule))
         self.log("train/p1", sum(k == 1 for k in schedule) / len(schedule))
-        if self.trainer.global_step % self.trainer.log_every_n_steps == 0:  # a reduction: only where it is written
-            for name, value in self.model.update.metrics().items():
-                self.log(f"train/{name}", value)
+        for name, value in self.model.update.metrics().items():
+            self.log(f"train/{name}", value)
         return loss
 
     @override

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +84,6 @@ class AdaptiveDelta(StateUpdate):
         set_module_role(self.gate, init="zeros", group="gate")
         set_role(self.gamma, init="module", group="gate")
         self.register_buffer("_beta_mean", torch.zeros(()), persistent=False)
-        self._beta: Optional[Tensor] = None
 
     @torch.no_grad()
     def init_parameter(self, name: str, param: Tensor) -> None:
@@ -103,16 +101,11 @@ class AdaptiveDelta(StateUpdate):
     def forward(self, s_prev: Tensor, r: Tensor, s_tilde: Tensor) -> Tensor:
         beta = self.beta(s_tilde)
         if self.training:
-            self._beta = beta.detach()  # no copy: autograd keeps beta for the backward anyway
+            self._beta_mean = beta.detach().float().mean()
         return torch.lerp(s_prev, r.to(s_prev.dtype), beta.to(s_prev.dtype))  # s + beta (r - s), one op
 
     def metrics(self) -> dict[str, Tensor]:
-        """``beta_mean``: mean step size of the last training forward's last loop.
-
-        Reduced here, when asked (the module asks on logging steps), not in every loop's forward.
-        """
-        if self._beta is not None:
-            self._beta_mean, self._beta = self._beta.float().mean(), None
+        """``beta_mean``: mean step size of the last training forward."""
         return {"beta_mean": self._beta_mean}
 
 
