@@ -58,10 +58,9 @@ class Modulation:
 class _LowRankFold(torch.autograd.Function):
     """``W P = W + (W up) down``, eq. (4)'s adapter folded into a weight, with a backward of few passes.
 
-    Autograd's own backward of ``addmm(W, W @ up, down)`` sums two ``[out, d]`` gradients for ``W``
-    in a fresh tensor; this one adds the low-rank term into the incoming gradient in place, so the
-    fold reads or writes a weight-sized tensor eight times (three forward, five backward) and
-    allocates one.
+    Autograd's own backward of ``addmm(W, W @ up, down)`` forms the low-rank term of ``W``'s
+    gradient as one ``[out, d]`` tensor and then sums it with the incoming gradient into another;
+    this one adds the term to the incoming gradient in one ``addmm``, one weight-sized tensor fewer.
     """
 
     @staticmethod

@@ -22,7 +22,7 @@ well, so loops 2..k skip the router entirely.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -179,7 +179,7 @@ class MoE(ChannelMixer):
             ctx.add_aux_loss(AUX_LOSS, aux)
         return y.reshape(shape)
 
-    def _account(self, probs: Tensor, plan: DispatchPlan, ctx: LoopContext, store: dict) -> Optional[Tensor]:
+    def _account(self, probs: Tensor, plan: DispatchPlan, ctx: LoopContext, store: dict[str, Any]) -> Optional[Tensor]:
         """Count this routing call's load; its balance loss, or ``None`` (training only).
 
         ``store`` is this layer's scratch at this loop. Activation checkpointing runs the forward
