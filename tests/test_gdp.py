@@ -76,7 +76,7 @@ def test_chunked_equals_fla_reference(n: int) -> None:
 
 
 def test_fla_request_on_cpu_falls_back_and_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(delta_rule, "_FLA_WARNED", False)
+    monkeypatch.setattr(delta_rule, "_FLA_WARNED", set())
     q, k, v, g, beta, _ = (x.detach() for x in inputs(1, 5, 1, 4, 4, 1))
     with pytest.warns(UserWarning, match="PyTorch chunked path"):
         o, _ = delta_product(q, k, v, g, beta, kernels="fla")

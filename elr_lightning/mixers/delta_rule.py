@@ -31,9 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-_FLA_WARNED = False
-
-
 def chunked_delta_product(
     q: Tensor,
     k: Tensor,
@@ -118,6 +115,49 @@ def _fla_kernel() -> Optional[Callable[..., tuple[Tensor, Tensor]]]:
 #: Kernel choices of :func:`delta_product`.
 KERNELS = ("auto", "fla", "torch")
 
+#: Device types fla's Triton kernels run on (ROCm devices report ``cuda`` too).
+FLA_DEVICE_TYPES = ("cuda",)
+
+#: Input dtypes of fla's chunked kernels: ``chunk_gated_delta_product`` asserts ``q.dtype != torch.float32``.
+FLA_DTYPES = (torch.bfloat16, torch.float16)
+
+#: Widest key per head fla's kernels take (``assert K <= 256`` in its state kernels).
+FLA_MAX_HEAD_DIM = 256
+
+
+def fla_unsupported(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor] = None
+) -> Optional[str]:
+    """Why fla's ``chunk_gated_delta_product`` cannot take these inputs, or ``None`` where it can.
+
+    Reads only the tensors' devices, dtypes and widths (arguments as :func:`delta_product`'s), then
+    whether fla imports (tried last: the import is slow and needs Triton). fla's contract: every
+    tensor on a device of :data:`FLA_DEVICE_TYPES`; ``q``, ``k``, ``v`` in one dtype of
+    :data:`FLA_DTYPES` (``g``, ``beta`` and the state may be float32, as fla's own layer passes them);
+    a key width of at most :data:`FLA_MAX_HEAD_DIM`.
+
+    Returns:
+        A clause naming the unmet condition and its fix, for the warning of ``kernels="fla"``.
+    """
+    tensors = (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))
+    if any(x.device.type not in FLA_DEVICE_TYPES for x in tensors):
+        return "the tensors are not on CUDA"
+    if q.dtype not in FLA_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        dtypes = ", ".join(sorted({str(x.dtype).removeprefix("torch.") for x in (q, k, v)}))
+        return (
+            f"fla's kernels need bf16 or fp16 inputs, not {dtypes}: train with precision bf16-mixed "
+            "(or generate and evaluate with dtype bfloat16)"
+        )
+    if q.shape[-1] > FLA_MAX_HEAD_DIM:
+        return f"fla's kernels take head_dim <= {FLA_MAX_HEAD_DIM}, not {q.shape[-1]}"
+    if _fla_kernel() is None:
+        return "fla does not import (pip install 'elr-lightning[fla]')"
+    return None
+
+
+#: The reasons :func:`delta_product` has already warned about (each once per process).
+_FLA_WARNED: set[str] = set()
+
 
 @torch.compiler.disable
 def delta_product(
@@ -133,35 +173,30 @@ def delta_product(
 ) -> tuple[Tensor, Tensor]:
     """:func:`chunked_delta_product`, or fla's Triton kernels (same arguments and numbers).
 
-    ``kernels``: ``auto`` uses fla on CUDA when it imports, else PyTorch; ``fla`` asks for fla and,
-    where it cannot run (on CPU, or without the ``fla`` extra), uses PyTorch and warns once per
-    process, never failing mid-run; ``torch`` always uses PyTorch.
+    ``kernels``: ``auto`` uses fla where it can run (:func:`fla_unsupported`: CUDA, bf16 or fp16
+    inputs, fla installed), else PyTorch; ``fla`` asks for fla and, where it cannot run, uses PyTorch
+    and warns once per reason and process, naming it, never failing mid-run; ``torch`` always uses
+    PyTorch.
 
     ``torch.compile`` leaves this call out of its graphs: the chunk loop would be unrolled per
     sequence length and takes minutes to compile; the projections around it are still compiled.
     """
-    global _FLA_WARNED
     if kernels != "torch":
-        kernel = _fla_kernel() if q.is_cuda else None
-        if kernel is not None:
-            return kernel(
-                q.to(k.dtype),
+        why = fla_unsupported(q, k, v, g, beta, initial_state)
+        if why is None:
+            return _fla_kernel()(
+                q,
                 k,
                 v,
                 g.float(),
-                beta,
+                beta.to(k.dtype),
                 num_householder=num_householder,
                 scale=1.0,
                 initial_state=None if initial_state is None else initial_state.float(),
                 output_final_state=True,
             )
-        if kernels == "fla" and not _FLA_WARNED:
-            _FLA_WARNED = True
-            why = (
-                "the tensors are not on CUDA"
-                if not q.is_cuda
-                else "fla does not import (pip install 'elr-lightning[fla]')"
-            )
+        if kernels == "fla" and why not in _FLA_WARNED:
+            _FLA_WARNED.add(why)
             warnings.warn(
                 f"GatedDeltaProduct: kernels='fla' but {why}; using the PyTorch chunked path instead",
                 stacklevel=2,

@@ -36,8 +36,9 @@ class GatedDeltaProduct(TokenMixer):
         conv_size: Width of the short causal convolution (>= 1; 1 is a per-channel scale).
         allow_neg_eigval: Let beta range over (0, 2) instead of (0, 1).
         chunk_size: Sub-steps per chunk of the PyTorch path.
-        kernels: ``auto`` (fla on CUDA when it imports), ``fla`` (ask for fla; warns once and falls
-            back where it cannot run) or ``torch``.
+        kernels: ``auto`` (fla where it can run: CUDA, bf16 or fp16 activations, fla installed; see
+            :func:`~elr_lightning.mixers.delta_rule.fla_unsupported`), ``fla`` (ask for fla; warns once
+            per reason and falls back where it cannot run) or ``torch``.
     """
 
     fold_inputs = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj")
@@ -138,7 +139,7 @@ class GatedDeltaProduct(TokenMixer):
             k,
             v,
             g,
-            beta.view(b, t * n, h).to(k.dtype),
+            beta.view(b, t * n, h),
             num_householder=n,
             initial_state=None if store is None else store.state("S"),
             chunk_size=self.chunk_size,
