@@ -8,11 +8,21 @@ The width, heads, vocabulary and sequence length of GPT-0.5B (d = 1152, 18 heads
    the model FLOPs of ``elr_lightning.flops.train_flops_per_token`` against the device's dense bf16
    peak (``--peak_tflops``, else looked up from the device name);
 2. the peak allocated memory of a training step at each k with ``activation_checkpointing`` none
-   and loop (``torch.cuda.max_memory_allocated``);
+   and loop (``torch.accelerator.max_memory_allocated``, the CUDA caching allocator's peak);
 3. greedy decode tokens/s at each k under both cache policies (batch 1, 128-token prompt);
 4. whether a training step makes a host sync (``torch.cuda.set_sync_debug_mode("error")``).
 
 Writes ``bench/results/gpu.json``. Figures are from this run only.
+
+CPU smoke run (every code path once, in seconds; the figures mean nothing there)::
+
+    python bench/gpu.py --device cpu --tiny --out bench/results/gpu_cpu.json
+
+``--device`` other than ``cuda`` runs sections 1 and 3 as on CUDA; section 2 needs the device's
+allocator statistics (``torch.accelerator``) and section 4 CUDA's sync debug mode, so on CPU each
+reports ``{"not_measured": "<why>"}`` instead of figures. ``--tiny`` shrinks the model and the run
+(d = 64, 2 heads, 256 tokens, 64 positions, 1/1/1 layers, k = 1..2, one step each); ``--d_model``,
+``--n_heads`` and ``--vocab`` override the shape, ``--compile_backend`` the ``torch.compile`` backend.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import time
 
@@ -43,18 +54,42 @@ def peak_tflops(name: str, override: float | None) -> float | None:
     return next((v for k, v in PEAKS.items() if k in name), None)
 
 
-def build(cfg: ModelConfig, compiled: bool, checkpointing: str = "none") -> LoopedLM:
+#: ``--tiny``: the smallest run that still takes every code path (a CPU smoke test).
+TINY = {"d_model": 64, "n_heads": 2, "vocab": 256, "layers": [1, 1, 1], "batch": 2, "seq_len": 64,
+        "max_loops": 2, "warmup": 1, "steps": 1, "new_tokens": 4, "prompt_len": 8}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({platform.processor() or platform.machine()})"
+
+
+def synchronize(device: torch.device) -> None:
+    torch.get_device_module(device).synchronize()
+
+
+def allocator_stats(device: torch.device) -> str | None:
+    """``None`` where ``torch.accelerator`` keeps peak allocator statistics for ``device``, else why not."""
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or accelerator.type != device.type:
+        return (f"no allocator peak statistics on {device.type} (torch.accelerator.max_memory_allocated); "
+                "bench/memory.py measures process peaks there")
+    return None
+
+
+def build(cfg: ModelConfig, args, compiled: bool, checkpointing: str = "none") -> LoopedLM:
     torch.manual_seed(0)
-    model = LoopedLM(cfg, conditioner=LoopConditioner(d_cond=64, rank=16)).to("cuda")
+    model = LoopedLM(cfg, conditioner=LoopConditioner(d_cond=64, rank=16)).to(args.device)
     model.set_backprop(checkpointing)
     if compiled:
         for layer in [*model.input_layers, *model.core.layers, *model.output_layers]:
-            layer.compile()
+            layer.compile(backend=args.compile_backend)
     return model
 
 
 def train_step(model: LoopedLM, optimizer, batch: torch.Tensor, loops: int) -> torch.Tensor:
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(batch.device.type, dtype=torch.bfloat16):
         logits = model(batch[:, :-1], loops)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
     loss.backward()
@@ -64,79 +99,96 @@ def train_step(model: LoopedLM, optimizer, batch: torch.Tensor, loops: int) -> t
 
 
 def throughput(cfg, args, batch, compiled: bool) -> list[dict]:
-    model = build(cfg, compiled)
+    device = batch.device
+    model = build(cfg, args, compiled)
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, fused=True)
     rows = []
     for k in range(1, args.max_loops + 1):
         for _ in range(args.warmup):
             train_step(model, optimizer, batch, k)
-        torch.cuda.synchronize()
+        synchronize(device)
         times = []
         for _ in range(args.steps):
             start = time.perf_counter()
             train_step(model, optimizer, batch, k)
-            torch.cuda.synchronize()
+            synchronize(device)
             times.append(time.perf_counter() - start)
         t = statistics.median(times)
         tokens = batch.shape[0] * (batch.shape[1] - 1)
         flops = train_flops_per_token(cfg, k, cfg.max_seq_len, adapter_rank=16) * tokens / t
-        peak = peak_tflops(torch.cuda.get_device_name(), args.peak_tflops)
+        peak = peak_tflops(device_name(device), args.peak_tflops)
         rows.append({"compile_layers": compiled, "loops": k, "step_s": t, "tokens_per_s": tokens / t,
                      "model_tflops": flops / 1e12, "mfu": None if peak is None else flops / 1e12 / peak})
         mfu = "n/a" if peak is None else f"{100 * rows[-1]['mfu']:.1f}%"
         print(f"train  compile={str(compiled):<5} k={k}  {tokens / t:>10.0f} tok/s  {flops / 1e12:7.1f} TFLOP/s  MFU {mfu}",
               flush=True)
     del model, optimizer
-    torch.cuda.empty_cache()
+    empty_cache(device)
     return rows
 
 
-def memory(cfg, args, batch) -> list[dict]:
+def empty_cache(device: torch.device) -> None:
+    if allocator_stats(device) is None:
+        torch.accelerator.empty_cache()
+
+
+def memory(cfg, args, batch) -> list[dict] | dict:
+    device = batch.device
+    why = allocator_stats(device)
+    if why is not None:
+        print(f"memory not measured: {why}", flush=True)
+        return {"not_measured": why}
     rows = []
     for checkpointing in ("none", "loop"):
-        model = build(cfg, False, checkpointing)
+        model = build(cfg, args, False, checkpointing)
         for k in range(1, args.max_loops + 1):
             model.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            synchronize(device)
+            torch.accelerator.reset_peak_memory_stats(device)
+            before = torch.accelerator.memory_allocated(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 logits = model(batch[:, :-1], k)
             F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
             del logits
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - before
+            synchronize(device)
+            peak = torch.accelerator.max_memory_allocated(device) - before
             rows.append({"activation_checkpointing": checkpointing, "loops": k, "peak_bytes": peak})
             print(f"memory checkpointing={checkpointing:<4} k={k}  peak {peak / 2**30:6.2f} GiB above weights", flush=True)
         del model
-        torch.cuda.empty_cache()
+        empty_cache(device)
     return rows
 
 
 def decode(cfg, args) -> list[dict]:
-    model = build(cfg, False).eval()
-    prompt = torch.randint(0, cfg.vocab_size, (1, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    device = torch.device(args.device)
+    model = build(cfg, args, False).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt_len), device=device,
+                           generator=torch.Generator(device).manual_seed(0))
     rows = []
     for policy in ("per_loop", "last_loop"):
         for k in range(1, args.max_loops + 1):
             rates = []
             for _ in range(2):  # the first run folds the conditioning for k and warms the kernels
-                cache = CACHE_POLICIES[policy](max_len=128 + args.new_tokens)
+                cache = CACHE_POLICIES[policy](max_len=args.prompt_len + args.new_tokens)
                 stream = stream_generate(model, prompt, loops=k, kv_cache=cache, max_new_tokens=args.new_tokens,
                                          greedy=True, autocast_dtype=torch.bfloat16)
                 next(stream)
-                torch.cuda.synchronize()
+                synchronize(device)
                 start = time.perf_counter()
                 n = sum(1 for _ in stream)
-                torch.cuda.synchronize()
+                synchronize(device)
                 rates.append(n / (time.perf_counter() - start))
             rows.append({"policy": policy, "loops": k, "decode_tokens_per_s": rates[-1]})
             print(f"decode policy={policy:<9} k={k}  {rates[-1]:8.1f} tok/s", flush=True)
     return rows
 
 
-def sync_check(cfg, args, batch) -> str:
-    model = build(cfg, False, "loop")
+def sync_check(cfg, args, batch) -> str | dict:
+    if batch.device.type != "cuda":
+        why = f"torch.cuda.set_sync_debug_mode has no counterpart on {batch.device.type}; tests/test_host_syncs.py checks statically"
+        print(f"host syncs not measured: {why}", flush=True)
+        return {"not_measured": why}
+    model = build(cfg, args, False, "loop")
     model.set_backprop("loop", 2)
     train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, 3)  # warm-up
     torch.cuda.synchronize()
@@ -155,8 +207,13 @@ def sync_check(cfg, args, batch) -> str:
     return verdict
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="torch device; anything but cuda is a smoke run")
+    parser.add_argument("--tiny", action="store_true", help=f"smoke-test sizes, unless given explicitly: {TINY}")
+    parser.add_argument("--d_model", type=int, default=1152)
+    parser.add_argument("--n_heads", type=int, default=18)
+    parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--layers", type=int, nargs=3, default=[2, 4, 2], metavar=("N_IN", "N_REC", "N_OUT"))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=2048)
@@ -164,20 +221,31 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--new_tokens", type=int, default=64)
+    parser.add_argument("--prompt_len", type=int, default=128)
+    parser.add_argument("--compile_backend", default="inductor", help="torch.compile backend of compile_layers")
     parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak of the device")
     parser.add_argument("--out", default="bench/results/gpu.json")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if parser.parse_known_args(argv)[0].tiny:  # the preset replaces the defaults; explicit flags still win
+        parser.set_defaults(**TINY)
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/gpu.py: no CUDA device visible to torch; run it on a machine with one GPU")
-    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
     n_in, n_rec, n_out = args.layers
-    cfg = ModelConfig(vocab_size=50304, d_model=1152, n_heads=18, n_in=n_in, n_rec=n_rec, n_out=n_out,
-                      max_seq_len=args.seq_len, max_loops=args.max_loops)
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, layers {args.layers}, "
+    cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_heads=args.n_heads, n_in=n_in, n_rec=n_rec,
+                      n_out=n_out, max_seq_len=args.seq_len, max_loops=args.max_loops)
+    name = device_name(device)
+    print(f"device {name}, torch {torch.__version__}, layers {args.layers}, d_model {args.d_model}, "
           f"batch {args.batch} x {args.seq_len}", flush=True)
-    batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), device="cuda")
+    batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), device=device,
+                          generator=torch.Generator(device).manual_seed(0))
     started = time.perf_counter()
-    result = {"config": vars(args), "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result = {"config": vars(args), "device": name, "torch": torch.__version__}
     result["sync_check"] = sync_check(cfg, args, batch)
     result["train"] = throughput(cfg, args, batch, False) + throughput(cfg, args, batch, True)
     result["memory"] = memory(cfg, args, batch)
@@ -186,7 +254,7 @@ def main() -> None:
     print(f"done in {result['wall_s']:.0f} s", flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+        json.dump(result, f, indent=2, allow_nan=False)
     print(f"wrote {args.out}")
 
 

@@ -1,0 +1,79 @@
+"""``bench/gpu.py`` runs end to end on CPU (``--device cpu --tiny``) and ``bench/gpu.sh`` refuses without CUDA.
+
+The CPU run takes every code path the CUDA run takes except the two that need CUDA (allocator peaks,
+the sync debug mode), which must say so in the JSON instead of giving figures.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_gpu_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def env_without_cuda() -> dict[str, str]:
+    """This checkout first on the path, one thread, and no CUDA device visible even where one exists."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run_writes_every_section(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    args = ["--device", "cpu", "--tiny", "--compile_backend", "aot_eager", "--out", str(out)]
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), *args], cwd=tmp_path,
+                         env=env_without_cuda(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result) == {"config", "device", "torch", "sync_check", "train", "memory", "decode", "wall_s"}
+    loops = result["config"]["max_loops"]
+    assert loops == 2 and result["config"]["d_model"] == 64 and result["device"].startswith("cpu")
+    assert [(r["compile_layers"], r["loops"]) for r in result["train"]] == [
+        (compiled, k) for compiled in (False, True) for k in range(1, loops + 1)
+    ]
+    for row in result["train"]:
+        assert all(positive(row[key]) for key in ("step_s", "tokens_per_s", "model_tflops")), row
+        assert row["mfu"] is None  # no peak known for a CPU: no made-up utilisation
+    assert [(r["policy"], r["loops"]) for r in result["decode"]] == [
+        (policy, k) for policy in ("per_loop", "last_loop") for k in range(1, loops + 1)
+    ]
+    assert all(positive(row["decode_tokens_per_s"]) for row in result["decode"])
+    assert "max_memory_allocated" in result["memory"]["not_measured"]
+    assert "set_sync_debug_mode" in result["sync_check"]["not_measured"]
+    assert positive(result["wall_s"])
+    assert "memory not measured" in run.stdout and "host syncs not measured" in run.stdout
+
+
+def test_gpu_sh_refuses_without_cuda_in_one_line() -> None:
+    run = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh")], env=env_without_cuda(),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2
+    assert run.stderr.strip().count("\n") == 0 and "no CUDA device visible to torch" in run.stderr
+
+
+def test_tiny_preset_yields_to_explicit_flags_and_cuda_is_the_default() -> None:
+    gpu = load_gpu_bench()
+    full = gpu.parse_args([])
+    assert (full.device, full.d_model, full.n_heads, full.vocab, full.layers) == ("cuda", 1152, 18, 50304, [2, 4, 2])
+    tiny = gpu.parse_args(["--tiny", "--d_model", "96", "--layers", "2", "2", "2"])
+    assert (tiny.d_model, tiny.layers, tiny.n_heads, tiny.vocab, tiny.seq_len) == (96, [2, 2, 2], 2, 256, 64)
