@@ -6,14 +6,18 @@ expert's SwiGLU on its contiguous slice of the sorted copies, and :func:`combine
 results back to their tokens. No token is dropped and no Python loop runs over tokens.
 
 The grouped matmul is ``torch._grouped_mm`` where the device and dtype support it (see
-:func:`grouped_mm_supported`), else a loop over the experts' contiguous slices. Both use every
+:func:`grouped_mm_supported`), else a loop over the experts' contiguous slices. Autocast does not
+cover ``torch._grouped_mm``, so the grouped path casts the tokens and weights to the autocast dtype
+itself (:func:`compute_dtype`), as autocast does for the loop path's matmuls. Both use every
 expert's weights at every call, also an expert with no token (an empty slice multiplies, giving a zero
 gradient), so DDP and FSDP reduce the same parameters on every rank.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +36,6 @@ class DispatchPlan:
         order: ``[N top_k]`` the copies sorted by expert (indices into the flattened ``experts``).
         tokens: ``[N top_k]`` the token of each sorted copy (``order // top_k``).
         counts: ``[E]`` copies per expert (int64).
-        sizes: ``counts`` as a Python list (the slice sizes of the loop path; one host sync).
         offsets: ``[E]`` int32 cumulative counts (the ``offs`` of ``torch._grouped_mm``).
     """
 
@@ -40,8 +43,13 @@ class DispatchPlan:
     order: Tensor
     tokens: Tensor
     counts: Tensor
-    sizes: list[int]
     offsets: Tensor
+
+    @functools.cached_property
+    def sizes(self) -> list[int]:
+        """``counts`` as a Python list: the slice sizes of the loop path, read on first use only
+        (a host sync; the grouped path never reads it)."""
+        return self.counts.tolist()
 
 
 def plan_dispatch(experts: Tensor, num_experts: int) -> DispatchPlan:
@@ -54,25 +62,34 @@ def plan_dispatch(experts: Tensor, num_experts: int) -> DispatchPlan:
         order=order,
         tokens=order // experts.shape[1],
         counts=counts,
-        sizes=counts.tolist(),
         offsets=counts.cumsum(0).to(torch.int32),
     )
 
 
-def grouped_mm_supported(x: Tensor, weight: Tensor) -> bool:
-    """Whether ``torch._grouped_mm(x, weight, offs=...)`` runs here.
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a matmul on ``x`` computes in: autocast's where it is on for ``x``'s device, else ``x``'s."""
+    if x.dtype.is_floating_point and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
-    It needs this torch to have it, a floating dtype, rows aligned to 16 bytes (the inner and outer
-    widths a multiple of 16 bytes), and on CUDA bf16 on a Hopper-class device (compute capability 9.0
-    or later).
+
+def grouped_mm_supported(x: Tensor, weight: Tensor, dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether ``torch._grouped_mm`` runs ``x @ weight[e]`` here in ``dtype`` (default :func:`compute_dtype`).
+
+    It needs this torch to have it, floating tensors of one dtype (or an autocast ``dtype`` both are
+    cast to), rows aligned to 16 bytes (the inner and outer widths a multiple of 16 bytes in
+    ``dtype``), and on CUDA bf16 on a Hopper-class device (compute capability 9.0 or later).
     """
-    if not hasattr(torch, "_grouped_mm") or not x.dtype.is_floating_point or x.dtype != weight.dtype:
+    dtype = compute_dtype(x) if dtype is None else dtype
+    if not hasattr(torch, "_grouped_mm") or not dtype.is_floating_point or not weight.dtype.is_floating_point:
         return False
-    size = x.element_size()
+    if dtype == x.dtype and weight.dtype != x.dtype:  # nothing casts them to one dtype
+        return False
+    size = torch.empty((), dtype=dtype, device="meta").element_size()
     if (weight.shape[1] * size) % 16 or (weight.shape[2] * size) % 16:
         return False
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
     return x.device.type == "cpu"
 
 
@@ -83,10 +100,12 @@ def grouped_matmul(x: Tensor, weight: Tensor, plan: DispatchPlan, grouped: bool)
         x: The sorted token copies, expert by expert.
         weight: The experts' stacked weights.
         plan: The dispatch plan (slice sizes and offsets).
-        grouped: Use ``torch._grouped_mm`` (see :func:`grouped_mm_supported`); else loop over experts.
+        grouped: Use ``torch._grouped_mm`` in :func:`compute_dtype` (see :func:`grouped_mm_supported`);
+            else loop over experts.
     """
     if grouped:
-        return torch._grouped_mm(x, weight, offs=plan.offsets)
+        dtype = compute_dtype(x)
+        return torch._grouped_mm(x.to(dtype), weight.to(dtype), offs=plan.offsets)
     parts = torch.split(x, plan.sizes)
     return torch.cat([part @ weight[e] for e, part in enumerate(parts)])
 
