@@ -222,6 +222,11 @@ class _Job:
     autocast_dtype: Optional[torch.dtype]
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Same device type, and the same index where both name one (``cuda`` is ``cuda:0`` to a generator)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def _prepare(
     model: Union[LoopedLM, ELRModule, FoldedLM],
     prompt: PromptLike,
@@ -255,6 +260,11 @@ def _prepare(
         )
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
+    elif generator is not None and not _same_device(generator.device, device):
+        raise ValueError(
+            f"generator is on {generator.device} but the model on {device}; pass "
+            f"torch.Generator(device={str(device)!r}), or seed=... for a fresh one there"
+        )
 
     def sample(logits: Tensor) -> Tensor:
         return sample_next(logits, temperature, top_k, top_p, greedy, generator)
@@ -358,7 +368,7 @@ def stream_generate(
         eos_id: End-of-sequence id, or ``None`` to always run ``max_new_tokens`` steps.
         pad_id: Id for padding and for the positions after a sequence's EOS.
         seed: Seed of a fresh ``torch.Generator`` on the model's device (ignored with ``generator``).
-        generator: Random source for sampling.
+        generator: Random source for sampling, on the model's device (``ValueError`` otherwise).
         autocast_dtype: Run the model under ``torch.autocast(device.type, dtype)``, e.g.
             ``torch.bfloat16``; ``None`` runs in the weights' dtype.
         fold: Whether to decode with each loop's conditioning constants computed once for this
@@ -436,7 +446,7 @@ def generate(
         eos_id: End-of-sequence id.
         pad_id: Id for padding and for positions after EOS.
         seed: Seed of a fresh generator on the model's device.
-        generator: Random source for sampling.
+        generator: Random source for sampling, on the model's device (``ValueError`` otherwise).
         autocast_dtype: Autocast dtype, or ``None``.
         callback: Called with each step's ``[B]`` tokens, in order, as they are produced.
         output_logits: Keep every step's next-token logits in :attr:`GenerationOutput.logits`.

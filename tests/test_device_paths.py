@@ -7,14 +7,18 @@ shapes without data) where only the decision is under test.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import tiny_config
 from elr_lightning.context import LoopContext
+from elr_lightning.generation import generate
 from elr_lightning.mixers import MoE
 from elr_lightning.mixers.dispatch import expert_swiglu, grouped_mm_supported, plan_dispatch
+from elr_lightning.model import LoopedLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,3 +86,14 @@ def test_grouped_dispatch_reads_nothing_back_to_the_host(monkeypatch: pytest.Mon
     expert_swiglu(x, w_up, w_down, plan, grouped=False)
     assert reads == [1]
     torch.testing.assert_close(grouped, loop, atol=1e-4, rtol=1e-4)
+
+
+def test_a_generator_on_another_device_than_the_model_is_refused_before_the_prefill() -> None:
+    """A CPU generator with a CUDA model would fail inside ``torch.multinomial`` after the prefill."""
+    model = LoopedLM(tiny_config()).eval()
+    elsewhere = SimpleNamespace(device=torch.device("cuda", 0))  # what a CUDA generator reports
+    with pytest.raises(ValueError, match=r"generator is on cuda:0 but the model on cpu; pass torch.Generator\(device='cpu'\)"):
+        generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, generator=elsewhere)
+    same = generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, generator=torch.Generator().manual_seed(0))
+    again = generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, seed=0)
+    assert torch.equal(same.new_tokens, again.new_tokens)
