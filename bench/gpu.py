@@ -185,7 +185,8 @@ def decode(cfg, args) -> list[dict]:
 
 def sync_check(cfg, args, batch) -> str | dict:
     if batch.device.type != "cuda":
-        why = f"torch.cuda.set_sync_debug_mode has no counterpart on {batch.device.type}; tests/test_host_syncs.py checks statically"
+        why = (f"torch.cuda.set_sync_debug_mode has no counterpart on {batch.device.type}; "
+               "tests/test_host_syncs.py checks statically")
         print(f"host syncs not measured: {why}", flush=True)
         return {"not_measured": why}
     model = build(cfg, args, False, "loop")

@@ -75,7 +75,8 @@ def test_grouped_support_on_cuda_follows_the_compute_dtype(monkeypatch: pytest.M
 def test_grouped_dispatch_reads_nothing_back_to_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """The slice sizes (a host sync) are read by the loop path only, once per plan."""
     g = torch.Generator().manual_seed(0)
-    x, w_up, w_down = torch.randn(9, 16, generator=g), torch.randn(3, 16, 16, generator=g), torch.randn(3, 8, 16, generator=g)
+    x, w_up = torch.randn(9, 16, generator=g), torch.randn(3, 16, 16, generator=g)
+    w_down = torch.randn(3, 8, 16, generator=g)
     plan = plan_dispatch(torch.randint(0, 3, (9, 2), generator=g), 3)
     reads = []
     real = torch.Tensor.tolist
@@ -92,7 +93,8 @@ def test_a_generator_on_another_device_than_the_model_is_refused_before_the_pref
     """A CPU generator with a CUDA model would fail inside ``torch.multinomial`` after the prefill."""
     model = LoopedLM(tiny_config()).eval()
     elsewhere = SimpleNamespace(device=torch.device("cuda", 0))  # what a CUDA generator reports
-    with pytest.raises(ValueError, match=r"generator is on cuda:0 but the model on cpu; pass torch.Generator\(device='cpu'\)"):
+    refused = r"generator is on cuda:0 but the model on cpu; pass torch.Generator\(device='cpu'\)"
+    with pytest.raises(ValueError, match=refused):
         generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, generator=elsewhere)
     same = generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, generator=torch.Generator().manual_seed(0))
     again = generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, seed=0)

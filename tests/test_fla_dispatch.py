@@ -155,3 +155,14 @@ def test_cached_bf16_decode_hands_fla_the_float32_state(fla_calls: list[dict]) -
     prefill, decode = [c for c in fla_calls if c["tokens"] == 5], [c for c in fla_calls if c["tokens"] == 1]
     assert prefill and decode and len(prefill) + len(decode) == len(fla_calls)
     assert all(c["state"] for c in decode) and bf16.new_tokens.shape == (1, 3)
+
+
+def test_the_pytorch_path_computes_in_float32_under_autocast() -> None:
+    """bf16 autocast (``bf16-mixed``, where fla cannot run) must not turn the chunk products to bf16."""
+    q, k, v, g, beta, state = inputs(torch.float32, t=40)
+    want_o, want_s = chunked_delta_product(q, k, v, g, beta, 2, state, chunk_size=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, s = delta_product(q, k, v, g, beta, num_householder=2, initial_state=state, chunk_size=16)
+    assert o.dtype == s.dtype == torch.float32
+    torch.testing.assert_close(o, want_o, atol=0, rtol=0)
+    torch.testing.assert_close(s, want_s, atol=0, rtol=0)

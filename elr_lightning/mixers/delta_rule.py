@@ -60,9 +60,24 @@ def chunked_delta_product(
     Returns:
         ``(o, S)``: outputs ``[B, T, H, d_v]`` in ``q``'s dtype and the final state ``[B, H, d_k, d_v]`` (float32).
     """
+    with torch.autocast(q.device.type, enabled=False):  # autocast would run the products in bf16
+        return _chunked(q, k, v, g, beta, num_householder, initial_state, chunk_size)
+
+
+def _chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    n: int,
+    initial_state: Optional[Tensor],
+    chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    """:func:`chunked_delta_product`'s computation (autocast off)."""
     dtype = q.dtype
     b, t, h, dk = q.shape
-    n, dv = num_householder, v.shape[-1]
+    dv = v.shape[-1]
     tokens = max(1, min(chunk_size // n, t))
     c = tokens * n
     pad = -t % tokens
