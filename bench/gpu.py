@@ -10,19 +10,24 @@ The width, heads, vocabulary and sequence length of GPT-0.5B (d = 1152, 18 heads
 2. the peak allocated memory of a training step at each k with ``activation_checkpointing`` none
    and loop (``torch.accelerator.max_memory_allocated``, the CUDA caching allocator's peak);
 3. greedy decode tokens/s at each k under both cache policies (batch 1, 128-token prompt);
-4. whether a training step makes a host sync (``torch.cuda.set_sync_debug_mode("error")``).
+4. whether a training step makes a host sync (``torch.cuda.set_sync_debug_mode("error")``);
+5. fla's gated delta-product kernels against the PyTorch chunked path on the same bf16 inputs
+   (B = 2, T = 512, 4 heads of 64, n = 2): relative differences of the outputs, final state and
+   every input gradient, and the forward-plus-backward time of each.
 
-Writes ``bench/results/gpu.json``. Figures are from this run only.
+Writes ``bench/results/gpu.json`` after every section (a run stopped by the time limit keeps what
+it measured). Figures are from this run only.
 
 CPU smoke run (every code path once, in seconds; the figures mean nothing there)::
 
     python bench/gpu.py --device cpu --tiny --out bench/results/gpu_cpu.json
 
 ``--device`` other than ``cuda`` runs sections 1 and 3 as on CUDA; section 2 needs the device's
-allocator statistics (``torch.accelerator``) and section 4 CUDA's sync debug mode, so on CPU each
-reports ``{"not_measured": "<why>"}`` instead of figures. ``--tiny`` shrinks the model and the run
-(d = 64, 2 heads, 256 tokens, 64 positions, 1/1/1 layers, k = 1..2, one step each); ``--d_model``,
-``--n_heads`` and ``--vocab`` override the shape, ``--compile_backend`` the ``torch.compile`` backend.
+allocator statistics (``torch.accelerator``), section 4 CUDA's sync debug mode and section 5 fla's
+kernels (CUDA, bf16), so on CPU each reports ``{"not_measured": "<why>"}`` instead of figures.
+``--tiny`` shrinks the model and the run (d = 64, 2 heads, 256 tokens, 64 positions, 1/1/1 layers,
+k = 1..2, one step each); ``--d_model``, ``--n_heads`` and ``--vocab`` override the shape,
+``--compile_backend`` the ``torch.compile`` backend (``aot_eager`` skips code generation).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.flops import train_flops_per_token
 from elr_lightning.generation import CACHE_POLICIES, stream_generate
+from elr_lightning.mixers.delta_rule import delta_product, fla_unsupported
 from elr_lightning.model import LoopedLM
 from elr_lightning.optim import param_groups
 
@@ -208,6 +214,48 @@ def sync_check(cfg, args, batch) -> str | dict:
     return verdict
 
 
+def fla_check(args) -> dict:
+    """fla's kernels against :func:`chunked_delta_product`: forward, final state and gradients, and times."""
+    device = torch.device(args.device)
+    gen = torch.Generator(device).manual_seed(0)
+    b, t, h, d, n = 2, 512, 4, 64, 2
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=gen)
+
+    q = (randn(b, t, h, d) * d**-0.5).bfloat16()
+    k = F.normalize(randn(b, t * n, h, d), dim=-1).bfloat16()
+    v = randn(b, t * n, h, d).bfloat16()
+    g = -F.softplus(randn(b, t, h))
+    beta = torch.rand(b, t * n, h, device=device, generator=gen) * 2
+    state = randn(b, h, d, d) * 0.1
+    why = fla_unsupported(q, k, v, g, beta, state)
+    if why is not None:
+        print(f"fla not measured: {why}", flush=True)
+        return {"not_measured": why}
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, state)]
+    w_o, w_s = randn(b, t, h, d), randn(b, h, d, d)
+    runs = {}
+    for kernels in ("fla", "torch"):
+        times = []
+        for _ in range(3):  # the first call compiles (fla) or warms up (torch)
+            synchronize(device)
+            start = time.perf_counter()
+            o, s = delta_product(q, k, v, g, beta, n, state, kernels=kernels)
+            grads = torch.autograd.grad((o.float() * w_o).sum() + (s * w_s).sum(), leaves)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        runs[kernels] = ([x.detach().float() for x in (o, s, *grads)], min(times[1:]))
+    names = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dstate")
+    rel = {name: float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
+           for name, a, r in zip(names, runs["fla"][0], runs["torch"][0])}
+    row = {"max_rel_diff": rel, "fla_s": runs["fla"][1], "torch_s": runs["torch"][1],
+           "speedup": runs["torch"][1] / runs["fla"][1]}
+    print(f"fla vs torch: max rel diff {max(rel.values()):.2e} ({max(rel, key=rel.get)}), forward+backward "
+          f"{runs['fla'][1] * 1e3:.1f} ms vs {runs['torch'][1] * 1e3:.1f} ms ({row['speedup']:.1f}x)", flush=True)
+    return row
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="torch device; anything but cuda is a smoke run")
@@ -247,16 +295,20 @@ def main() -> None:
                           generator=torch.Generator(device).manual_seed(0))
     started = time.perf_counter()
     result = {"config": vars(args), "device": name, "torch": torch.__version__}
-    result["sync_check"] = sync_check(cfg, args, batch)
-    result["train"] = throughput(cfg, args, batch, False) + throughput(cfg, args, batch, True)
-    result["memory"] = memory(cfg, args, batch)
-    result["decode"] = decode(cfg, args)
-    result["wall_s"] = time.perf_counter() - started
-    print(f"done in {result['wall_s']:.0f} s", flush=True)
+    sections = {
+        "sync_check": lambda: sync_check(cfg, args, batch),
+        "train": lambda: throughput(cfg, args, batch, False) + throughput(cfg, args, batch, True),
+        "memory": lambda: memory(cfg, args, batch),
+        "decode": lambda: decode(cfg, args),
+        "fla": lambda: fla_check(args),
+    }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2, allow_nan=False)
-    print(f"wrote {args.out}")
+    for section, measure in sections.items():
+        result[section] = measure()
+        result["wall_s"] = time.perf_counter() - started
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2, allow_nan=False)
+    print(f"done in {result['wall_s']:.0f} s; wrote {args.out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
+
+from elr_lightning.mixers import delta_rule
+from test_fla_dispatch import fake_fla
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +49,7 @@ def test_cpu_smoke_run_writes_every_section(tmp_path: Path) -> None:
                          env=env_without_cuda(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result) == {"config", "device", "torch", "sync_check", "train", "memory", "decode", "wall_s"}
+    assert set(result) == {"config", "device", "torch", "sync_check", "train", "memory", "decode", "fla", "wall_s"}
     loops = result["config"]["max_loops"]
     assert loops == 2 and result["config"]["d_model"] == 64 and result["device"].startswith("cpu")
     assert [(r["compile_layers"], r["loops"]) for r in result["train"]] == [
@@ -60,6 +64,7 @@ def test_cpu_smoke_run_writes_every_section(tmp_path: Path) -> None:
     assert all(positive(row["decode_tokens_per_s"]) for row in result["decode"])
     assert "max_memory_allocated" in result["memory"]["not_measured"]
     assert "set_sync_debug_mode" in result["sync_check"]["not_measured"]
+    assert result["fla"] == {"not_measured": "the tensors are not on CUDA"}
     assert positive(result["wall_s"])
     assert "memory not measured" in run.stdout and "host syncs not measured" in run.stdout
 
@@ -77,3 +82,17 @@ def test_tiny_preset_yields_to_explicit_flags_and_cuda_is_the_default() -> None:
     assert (full.device, full.d_model, full.n_heads, full.vocab, full.layers) == ("cuda", 1152, 18, 50304, [2, 4, 2])
     tiny = gpu.parse_args(["--tiny", "--d_model", "96", "--layers", "2", "2", "2"])
     assert (tiny.d_model, tiny.layers, tiny.n_heads, tiny.vocab, tiny.seq_len) == (96, [2, 2, 2], 2, 256, 64)
+
+
+def test_fla_section_compares_every_output_and_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA-only section, run on CPU through the fake kernel that enforces fla's input asserts."""
+    calls: list[dict] = []
+    monkeypatch.setattr(delta_rule, "_fla_kernel", lambda: fake_fla(calls))
+    monkeypatch.setattr(delta_rule, "FLA_DEVICE_TYPES", ("cuda", "cpu"))
+    gpu = load_gpu_bench()
+    row = gpu.fla_check(gpu.parse_args(["--device", "cpu"]))
+    assert len(calls) == 3 and all(c["dtype"] == torch.bfloat16 and c["state"] for c in calls)
+    assert set(row["max_rel_diff"]) == {"o", "state", "dq", "dk", "dv", "dg", "dbeta", "dstate"}
+    # the fake is the PyTorch path on beta rounded to bf16, as fla receives it: close, not equal
+    assert all(0 <= d < 0.05 for d in row["max_rel_diff"].values()), row
+    assert positive(row["fla_s"]) and positive(row["torch_s"]) and positive(row["speedup"])
