@@ -17,7 +17,8 @@ from conftest import tiny_config
 from elr_lightning.context import LoopContext
 from elr_lightning.generation import generate
 from elr_lightning.mixers import MoE
-from elr_lightning.mixers.dispatch import expert_swiglu, grouped_mm_supported, plan_dispatch
+from elr_lightning.mixers.delta_rule import delta_product
+from elr_lightning.mixers.dispatch import compute_dtype, expert_swiglu, grouped_mm_supported, plan_dispatch
 from elr_lightning.model import LoopedLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -99,3 +100,13 @@ def test_a_generator_on_another_device_than_the_model_is_refused_before_the_pref
     same = generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, generator=torch.Generator().manual_seed(0))
     again = generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, seed=0)
     assert torch.equal(same.new_tokens, again.new_tokens)
+
+
+def test_device_dependent_choices_hold_on_the_meta_device() -> None:
+    """Strategies probe the model on the meta device, where autocast cannot even be asked about."""
+    q = torch.empty(1, 5, 2, 8, device="meta")
+    k, v = torch.empty(1, 10, 2, 8, device="meta"), torch.empty(1, 10, 2, 8, device="meta")
+    g, beta = torch.empty(1, 5, 2, device="meta"), torch.empty(1, 10, 2, device="meta")
+    o, s = delta_product(q, k, v, g, beta, num_householder=2)
+    assert o.shape == (1, 5, 2, 8) and s.shape == (1, 2, 8, 8) and o.device.type == "meta"
+    assert compute_dtype(q) == torch.float32 and not grouped_mm_supported(q[0, 0], torch.empty(3, 8, 8, device="meta"))

@@ -22,6 +22,7 @@ so everything but the chunk-to-chunk state hand-over is a batched matrix product
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -60,7 +61,9 @@ def chunked_delta_product(
     Returns:
         ``(o, S)``: outputs ``[B, T, H, d_v]`` in ``q``'s dtype and the final state ``[B, H, d_k, d_v]`` (float32).
     """
-    with torch.autocast(q.device.type, enabled=False):  # autocast would run the products in bf16
+    device = q.device.type  # autocast would run the products in bf16; the meta device has no autocast
+    off = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
+    with off:
         return _chunked(q, k, v, g, beta, num_householder, initial_state, chunk_size)
 
 

@@ -68,8 +68,9 @@ def plan_dispatch(experts: Tensor, num_experts: int) -> DispatchPlan:
 
 def compute_dtype(x: Tensor) -> torch.dtype:
     """The dtype a matmul on ``x`` computes in: autocast's where it is on for ``x``'s device, else ``x``'s."""
-    if x.dtype.is_floating_point and torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
+    device = x.device.type  # the meta device has no autocast (asking about it raises)
+    if x.dtype.is_floating_point and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
     return x.dtype
 
 
