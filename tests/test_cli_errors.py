@@ -93,6 +93,10 @@ CASES: dict[str, Case] = {
         [*FIT, "--model.init_args.arch.d_model", "32", "--ckpt_path", "run.ckpt"], "model.init_args.arch.d_model is 32"
     ),
     "resume_with_another_lr": Case([*FIT, "--model.init_args.lr", "0.01", "--ckpt_path", "run.ckpt"], "init_args.lr"),
+    "one_mixer_argument_by_flag": Case(
+        [*FIT, "--model.init_args.arch.token_pattern", "[gdp]", "--model.init_args.arch.mixers.gdp.init_args.num_heads", "2"],
+        "give the entry whole: --model.init_args.arch.mixers.gdp '{class_path",
+    ),
     "validate_ckpt_last_without_one": Case(
         ["validate", "--config", "tiny.yaml", "--ckpt_path", "last"], "--ckpt_path last: no last.ckpt in"
     ),
