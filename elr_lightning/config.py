@@ -108,7 +108,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(
-                f"arch.d_model / arch.n_heads = {self.head_dim} must be even for rotary embeddings"
+                f"arch.d_model / arch.n_heads = {self.head_dim} must be even for rotary embeddings; "
+                "pick d_model as a multiple of 2 * n_heads"
             )
         kv = self.kv_heads
         if kv < 1 or self.n_heads % kv:

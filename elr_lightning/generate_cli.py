@@ -151,6 +151,11 @@ def generate_command(argv: list[str]) -> None:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than arch.max_seq_len={config.max_seq_len}; shorten it"
             )
+    if len(ids) + max_new - 1 > config.max_seq_len:  # before the prompt is echoed: the stream checks it lazily
+        raise ValueError(
+            f"a prompt of {len(ids)} tokens plus --max_new_tokens {max_new} needs {len(ids) + max_new - 1} positions, "
+            f"more than arch.max_seq_len={config.max_seq_len}; shorten the prompt or lower --max_new_tokens"
+        )
     cache = resolve_policy(args.kv_cache)(max_len=max(1, len(ids) + max_new - 1))
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     decoder = IncrementalDecoder(tokenizer)

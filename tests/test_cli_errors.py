@@ -218,6 +218,18 @@ def test_ckpt_path_last_resumes_the_newest_last_checkpoint_of_earlier_runs(
     assert steps == [4]
 
 
+def test_a_prompt_too_long_for_the_model_is_refused_before_it_is_echoed(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.chdir(workdir)
+    monkeypatch.delenv("ELR_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--ckpt_path", "run.ckpt", "--prompt", "x" * 30, "--max_new_tokens", "5"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 1 and out == ""
+    assert "needs 34 positions, more than arch.max_seq_len=32; shorten the prompt or lower --max_new_tokens" in err
+
+
 def test_last_checkpoint_patterns_cover_logger_versions_root_and_callback_dirpath() -> None:
     trainer = {
         "default_root_dir": "root",

@@ -201,7 +201,7 @@ def test_failed_prepare_leaves_no_cache(tmp_path: Path, corpus: Path, monkeypatc
     [
         ({"seq_len": 0}, ValueError, "data.seq_len"),
         ({"batch_size": 0}, ValueError, "data.batch_size"),
-        ({"val_fraction": 0.0}, ValueError, "data.val_fraction"),
+        ({"val_fraction": 0.0}, ValueError, "data.val_fraction.*trainer.limit_val_batches: 0"),
         ({"val_fraction": 1.0}, ValueError, "data.val_fraction"),
         ({"max_bytes": 0}, ValueError, "data.max_bytes"),
         ({"val_batches": 0}, ValueError, "data.val_batches"),

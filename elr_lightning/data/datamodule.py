@@ -121,7 +121,10 @@ class TextDataModule(pl.LightningDataModule):
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction must be strictly between 0 and 1, got {val_fraction}")
+            raise ValueError(
+                f"data.val_fraction must be strictly between 0 and 1, got {val_fraction}; "
+                "to train without validation keep it and set trainer.limit_val_batches: 0"
+            )
         if max_bytes is not None and max_bytes < 1:
             raise ValueError(f"data.max_bytes must be >= 1 or null, got {max_bytes}")
         if val_batches is not None and val_batches < 1:
