@@ -6,7 +6,6 @@ checks, streaming detokenisation and the ``--stats`` report.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import warnings
@@ -119,11 +118,6 @@ def generate_command(argv: list[str]) -> None:
     if (args.prompt is None) == (args.prompt_file is None):
         raise ValueError("give exactly one of --prompt and --prompt_file")
     text = _read_prompt(args.prompt, args.prompt_file)
-    if os.path.isdir(args.ckpt_path):
-        raise ValueError(
-            f"--ckpt_path {args.ckpt_path!r} is a directory; give a .ckpt file (a sharded FSDP checkpoint folder "
-            "must be consolidated first, e.g. with lightning.pytorch.utilities.consolidate_checkpoint)"
-        )
     verify_checkpoint_path(args.ckpt_path, "--ckpt_path")
     if not text:
         raise ValueError("the prompt is empty; pass some text with --prompt or --prompt_file")
