@@ -22,7 +22,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -247,7 +247,7 @@ def _fit_subprocess(config_path: str, ckpt_path: Optional[str]) -> None:
 
 
 def run_ablation(
-    config_path: str,
+    config_path: Union[str, list[str]],
     out: str,
     arms: Optional[list[str]] = None,
     steps: Optional[int] = None,
@@ -259,7 +259,8 @@ def run_ablation(
     """Train every ``(arm, seed)`` not finished yet, then write the report; return every run's result.
 
     Args:
-        config_path: The ``elr fit`` config the arms derive from.
+        config_path: The ``elr fit`` config the arms derive from, or several merged as ``elr fit`` merges
+            them (:func:`~elr_lightning.cost.merged_config`).
         out: Output folder (configs, runs, TensorBoard, report).
         arms: Arm names (default: all of :data:`ARMS`).
         steps: ``trainer.max_steps`` of every arm (default: the config's).
@@ -277,8 +278,13 @@ def run_ablation(
         raise ValueError("--arms and --seeds must not be empty")
     if subprocesses and callbacks:
         raise ValueError("extra callbacks only apply to in-process runs (subprocesses=False)")
-    with open(config_path) as f:
-        base = yaml.safe_load(f) or {}
+    if isinstance(config_path, str):
+        with open(config_path) as f:
+            base = yaml.safe_load(f) or {}
+    else:
+        from elr_lightning.cost import merged_config
+
+        base = merged_config(config_path)
     configs = {(arm, seed): arm_config(base, arm, seed, out, steps) for arm in arms for seed in seeds}
     os.makedirs(os.path.join(out, "configs"), exist_ok=True)
     results = []
@@ -337,7 +343,13 @@ def main(argv: list[str]) -> None:
         description="Train the paper's ablation arms on one config (same data order and seed); write a "
         "Markdown table with the paper's checks, a loss-vs-k plot and one TensorBoard run per arm.",
     )
-    parser.add_argument("--config", type=str, required=True, help="An `elr fit` YAML file.")
+    parser.add_argument(
+        "--config",
+        type=str,
+        action="append",
+        required=True,
+        help="An `elr fit` YAML file; several are merged as `elr fit` merges them (e.g. a callbacks fragment).",
+    )
     parser.add_argument("--out", type=str, required=True, help="Output folder; rerun with the same one to resume.")
     parser.add_argument("--arms", type=Optional[str], default=None, help=f"Comma-separated subset of: {', '.join(ARMS)}.")
     parser.add_argument("--steps", type=Optional[int], default=None, help="trainer.max_steps of every arm.")
@@ -351,4 +363,5 @@ def main(argv: list[str]) -> None:
         raise ValueError(f"--seeds={args.seeds!r} must be comma-separated integers, e.g. 0,1") from None
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps={args.steps} must be >= 1")
-    run_ablation(args.config, args.out, arms, args.steps, seeds, subprocesses=args.subprocess)
+    config = args.config[0] if len(args.config) == 1 else args.config
+    run_ablation(config, args.out, arms, args.steps, seeds, subprocesses=args.subprocess)

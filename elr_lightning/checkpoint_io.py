@@ -105,6 +105,49 @@ def remove_orphans(folder: str) -> list[str]:
     return removed
 
 
+def is_sharded_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a folder written by a strategy with ``save_distributed_checkpoint=True``."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def read_sharded_checkpoint(folder: str, weights: bool = True) -> dict[str, Any]:
+    """A sharded (``torch.distributed.checkpoint``) Lightning checkpoint as one checkpoint dict, in one process.
+
+    Every entry of the folder's ``meta.pt`` (hyperparameters, loop state, the ``elr`` entry) and,
+    with ``weights``, the full ``state_dict`` gathered from every rank's shard. Optimizer state is
+    left out: the result serves inference (``elr generate``, ``eval``, ``serve``, ``export``), not
+    resuming.
+
+    Args:
+        folder: The checkpoint folder.
+        weights: Also read the model weights (else only ``meta.pt``).
+
+    Raises:
+        ValueError: ``folder`` is not a sharded Lightning checkpoint.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = os.path.join(folder, "meta.pt")
+    if not is_sharded_checkpoint(folder) or not os.path.isfile(meta):
+        raise ValueError(f"{folder!r} is not a sharded Lightning checkpoint (it needs .metadata and meta.pt)")
+    checkpoint = torch.load(meta, map_location="cpu", weights_only=False)
+    if not weights:
+        return checkpoint
+    reader = dcp.FileSystemReader(folder)
+    prefix = "state_dict."
+    state_dict = {
+        key[len(prefix) :]: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*assuming the intent is to load in a single process")
+        dcp.load({"state_dict": state_dict}, storage_reader=reader, no_dist=True)
+    checkpoint["state_dict"] = state_dict
+    return checkpoint
+
+
 def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
     """Check a checkpoint path before anything loads it; the one message for every command.
 

@@ -108,7 +108,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(
-                f"arch.d_model / arch.n_heads = {self.head_dim} must be even for rotary embeddings"
+                f"arch.d_model / arch.n_heads = {self.head_dim} must be even for rotary embeddings; "
+                "pick d_model as a multiple of 2 * n_heads"
             )
         kv = self.kv_heads
         if kv < 1 or self.n_heads % kv:
@@ -176,6 +177,12 @@ class ModelConfig:
         spec: Union[str, dict[str, Any]] = self.mixers.get(name, BUILTIN_MIXERS.get(name, name))
         if isinstance(spec, str):
             spec = {"class_path": spec}
+        if isinstance(spec, dict) and any("." in str(key) for key in spec):
+            raise ValueError(
+                f"arch.mixers.{name}={spec!r}: a flag below one mixer (--model.init_args.arch.mixers.{name}.init_args.X) "
+                f"replaces its whole entry, class_path included; give the entry whole: "
+                f"--model.init_args.arch.mixers.{name} '{{class_path: ..., init_args: {{...}}}}'"
+            )
         if not isinstance(spec, dict) or set(spec) - {"class_path", "init_args"} or "class_path" not in spec:
             raise ValueError(
                 f"arch.mixers.{name}={spec!r} must be a class path or {{class_path: ..., init_args: {{...}}}}"

@@ -6,7 +6,6 @@ checks, streaming detokenisation and the ``--stats`` report.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import warnings
@@ -119,11 +118,6 @@ def generate_command(argv: list[str]) -> None:
     if (args.prompt is None) == (args.prompt_file is None):
         raise ValueError("give exactly one of --prompt and --prompt_file")
     text = _read_prompt(args.prompt, args.prompt_file)
-    if os.path.isdir(args.ckpt_path):
-        raise ValueError(
-            f"--ckpt_path {args.ckpt_path!r} is a directory; give a .ckpt file (a sharded FSDP checkpoint folder "
-            "must be consolidated first, e.g. with lightning.pytorch.utilities.consolidate_checkpoint)"
-        )
     verify_checkpoint_path(args.ckpt_path, "--ckpt_path")
     if not text:
         raise ValueError("the prompt is empty; pass some text with --prompt or --prompt_file")
@@ -151,6 +145,11 @@ def generate_command(argv: list[str]) -> None:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than arch.max_seq_len={config.max_seq_len}; shorten it"
             )
+    if len(ids) + max_new - 1 > config.max_seq_len:  # before the prompt is echoed: the stream checks it lazily
+        raise ValueError(
+            f"a prompt of {len(ids)} tokens plus --max_new_tokens {max_new} needs {len(ids) + max_new - 1} positions, "
+            f"more than arch.max_seq_len={config.max_seq_len}; shorten the prompt or lower --max_new_tokens"
+        )
     cache = resolve_policy(args.kv_cache)(max_len=max(1, len(ids) + max_new - 1))
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     decoder = IncrementalDecoder(tokenizer)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from elr_lightning.cache import (
     recurrent_state_bytes,
     resolve_policy,
 )
+from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
 from elr_lightning.fold import FoldedLM
 from elr_lightning.serving import serving_model
 from elr_lightning.model import LoopedLM
@@ -497,7 +499,8 @@ def load_model(ckpt_path: str, map_location: Union[str, torch.device] = "cpu") -
     its hyperparameters. Only load checkpoints you made or trust.
 
     Args:
-        ckpt_path: Path of a ``.ckpt`` file written by ``elr fit`` or ``Trainer.save_checkpoint``.
+        ckpt_path: Path of a ``.ckpt`` file written by ``elr fit`` or ``Trainer.save_checkpoint``, or of a
+            sharded checkpoint folder (read with :func:`~elr_lightning.checkpoint_io.read_sharded_checkpoint`).
         map_location: Device to load the weights onto.
 
     Returns:
@@ -507,6 +510,11 @@ def load_model(ckpt_path: str, map_location: Union[str, torch.device] = "cpu") -
         FileNotFoundError: No file at ``ckpt_path``.
         ValueError: The file is not a readable ELR Lightning checkpoint.
     """
+    if is_sharded_checkpoint(ckpt_path):  # written under FSDP with save_distributed_checkpoint
+        with tempfile.TemporaryDirectory() as folder:
+            single = os.path.join(folder, os.path.basename(os.path.normpath(ckpt_path)))
+            torch.save(read_sharded_checkpoint(ckpt_path), single)
+            return load_model(single, map_location)
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"checkpoint {ckpt_path!r} does not exist")
     try:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
+import sys
 import warnings
 import zipfile
 from typing import Any, Optional
@@ -55,6 +57,10 @@ class ELRCLI(LightningCLI):
         ckpt_path = config.get("ckpt_path")
         if ckpt_path is None:
             return
+        if ckpt_path == "last" and not os.path.exists("last"):
+            ckpt_path = config["ckpt_path"] = resolve_last_checkpoint(config.get("trainer"), subcommand)
+            if ckpt_path is None:
+                return
         verify_checkpoint_path(str(ckpt_path), "--ckpt_path")
         if not os.path.isfile(str(ckpt_path)):
             return
@@ -69,6 +75,65 @@ class ELRCLI(LightningCLI):
                 "Use the checkpoint's values (its run's config.yaml), or start a new run from its weights with "
                 "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
             )
+
+
+def last_checkpoint_patterns(trainer: Any) -> list[str]:
+    """Where ``last.ckpt`` files of earlier runs of a trainer config lie, as glob patterns.
+
+    Every run logs to a new ``version_N`` folder, so Lightning's own ``ckpt_path="last"`` (which
+    looks in the new run's folder only) never finds the previous run's checkpoint. These patterns
+    cover the version folders of the configured loggers (``save_dir/name/version_*/checkpoints``),
+    Lightning's default one under ``default_root_dir``, and every checkpoint callback's ``dirpath``.
+    """
+
+    def get(node: Any, key: str, default: Any = None) -> Any:
+        return node.get(key, default) if hasattr(node, "get") else default
+
+    root = str(get(trainer, "default_root_dir") or os.getcwd())
+    logger = get(trainer, "logger", True)
+    loggers = logger if isinstance(logger, list) else [logger]
+    log_roots = [os.path.join(root, "lightning_logs")] if logger is True or logger is None else []
+    for entry in loggers:
+        init_args = get(entry, "init_args") or {}
+        save_dir = get(init_args, "save_dir") or get(init_args, "root_dir")
+        if save_dir is not None:
+            log_roots.append(os.path.join(str(save_dir), str(get(init_args, "name", "lightning_logs") or "")))
+    patterns = [os.path.join(glob.escape(r), "version_*", "checkpoints", "last*.ckpt") for r in log_roots]
+    patterns.append(os.path.join(glob.escape(root), "checkpoints", "last*.ckpt"))
+    for callback in get(trainer, "callbacks") or []:
+        dirpath = get(get(callback, "init_args") or {}, "dirpath")
+        if dirpath:
+            patterns.append(os.path.join(glob.escape(str(dirpath)), "last*.ckpt"))
+    return list(dict.fromkeys(patterns))
+
+
+def resolve_last_checkpoint(trainer: Any, subcommand: str) -> Optional[str]:
+    """``--ckpt_path last``: the newest ``last*.ckpt`` of :func:`last_checkpoint_patterns`.
+
+    Args:
+        trainer: The parsed ``trainer`` config.
+        subcommand: ``fit`` starts from scratch when there is none (a command that resumes itself
+            after a crash, run for the first time); every other subcommand needs one.
+
+    Returns:
+        The checkpoint path, or ``None`` for a ``fit`` with none to resume.
+
+    Raises:
+        FileNotFoundError: No checkpoint was found for a subcommand other than ``fit``.
+    """
+    patterns = last_checkpoint_patterns(trainer)
+    found = [path for pattern in patterns for path in glob.glob(pattern)]
+    searched = ", ".join(patterns)
+    if not found:
+        if subcommand == "fit":
+            print(f"elr: --ckpt_path last: no last.ckpt in {searched}; training from scratch", file=sys.stderr)
+            return None
+        raise FileNotFoundError(
+            f"--ckpt_path last: no last.ckpt in {searched}; give the checkpoint file itself to --ckpt_path"
+        )
+    newest = max(found, key=lambda path: (os.path.getmtime(path), path))
+    print(f"elr: --ckpt_path last: {newest}", file=sys.stderr)
+    return newest
 
 
 def checkpoint_conflicts(checkpoint: dict[str, Any], init_args: dict[str, Any], subcommand: str) -> list[str]:

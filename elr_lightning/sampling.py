@@ -239,7 +239,8 @@ class DeepLoopOverride(OneLoopOverride):
     ) -> None:
         super().__init__(max_loops=max_loops, override_fraction=override_fraction)
         if max_loops < 2:
-            raise ValueError(f"DeepLoopOverride.max_loops={max_loops} must be >= 2 (it draws the shared k from 2..K)")
+            raise ValueError(f"DeepLoopOverride.max_loops={max_loops} must be >= 2 (it draws the shared k from 2..K); "
+                "for K = 1 use elr_lightning.sampling.FixedLoops")
         self.weights = None if weights is None else _normalised_weights(type(self).__name__, weights, max_loops - 1)
 
     @override

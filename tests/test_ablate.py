@@ -257,3 +257,17 @@ def test_falling_in_k_is_judged_per_seed(seed1, status):
     assert [c.status for c in checks if c.claim.startswith("ELR's loss falls")] == [status]
     rising = paper_checks(summarise([run(0, [1.40, 1.41, 1.38]), run(1, [1.30, 1.31, 1.29])]), 3)
     assert [c.status for c in rising if c.claim.startswith("ELR's loss falls")] == [FAILS]
+
+
+def test_several_configs_are_merged_as_elr_fit_merges_them(tmp_path):
+    """``elr ablate --config base.yaml --config fragment.yaml``: the second file used to replace the first."""
+    fragment = tmp_path / "fragment.yaml"
+    fragment.write_text(yaml.safe_dump({"model": {"init_args": {"arch": {"d_model": 16}}}, "trainer": {"max_steps": 2}}))
+    out = tmp_path / "out"
+    main(["ablate", "--config", _tiny_config(tmp_path), "--config", str(fragment), "--out", str(out), "--arms", "elr"])
+    with open(out / "configs" / "elr-s0.yaml") as f:
+        config = yaml.safe_load(f)
+    arch = config["model"]["init_args"]["arch"]
+    assert arch["d_model"] == 16 and arch["max_loops"] == 2  # the fragment's width, the base's loop budget
+    assert config["trainer"]["max_steps"] == 2
+    assert (out / "ablate.md").exists()

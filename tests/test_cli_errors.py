@@ -24,6 +24,7 @@ import torch
 
 from elr_lightning.callbacks.exclusive_save_config import CLAIM_FILE
 from elr_lightning.cli import main, run
+from elr_lightning.lightning_cli import last_checkpoint_patterns
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,6 +93,13 @@ CASES: dict[str, Case] = {
         [*FIT, "--model.init_args.arch.d_model", "32", "--ckpt_path", "run.ckpt"], "model.init_args.arch.d_model is 32"
     ),
     "resume_with_another_lr": Case([*FIT, "--model.init_args.lr", "0.01", "--ckpt_path", "run.ckpt"], "init_args.lr"),
+    "one_mixer_argument_by_flag": Case(
+        [*FIT, "--model.init_args.arch.token_pattern", "[gdp]", "--model.init_args.arch.mixers.gdp.init_args.num_heads", "2"],
+        "give the entry whole: --model.init_args.arch.mixers.gdp '{class_path",
+    ),
+    "validate_ckpt_last_without_one": Case(
+        ["validate", "--config", "tiny.yaml", "--ckpt_path", "last"], "--ckpt_path last: no last.ckpt in"
+    ),
     "generate_prompt_not_utf8": Case(
         ["generate", "--ckpt_path", "nope.ckpt", "--prompt_file", "binary.bin"], "--prompt_file"
     ),
@@ -192,6 +200,49 @@ def test_resuming_or_validating_with_the_checkpoints_own_values_still_works(
     assert torch.load(next((workdir / "resumed" / "checkpoints").glob("*.ckpt")), weights_only=False)["global_step"] == 4
     # validate may differ in what it measures (val_loops), not in the architecture
     run(["validate", "--config", "tiny.yaml", "--ckpt_path", "run.ckpt", "--model.init_args.val_loops", "[1, 2, 3]"])
+
+
+def test_ckpt_path_last_resumes_the_newest_last_checkpoint_of_earlier_runs(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Each run logs to a new folder, where Lightning's own ``last`` looked and found nothing."""
+    monkeypatch.chdir(workdir)
+    folder = workdir / "again" / "checkpoints"
+    folder.mkdir(parents=True)
+    shutil.copy(workdir / "run.ckpt", folder / "last-v1.ckpt")
+    os.utime(folder / "last-v1.ckpt", (1, 1))
+    shutil.copy(workdir / "run.ckpt", folder / "last.ckpt")
+    run([*FIT, "--ckpt_path", "last", "--trainer.max_steps", "4", "--trainer.default_root_dir", "again"])
+    assert f"elr: --ckpt_path last: {os.path.join('again', 'checkpoints', 'last.ckpt')}" in capsys.readouterr().err
+    steps = [torch.load(p, weights_only=False)["global_step"] for p in folder.glob("epoch*.ckpt")]
+    assert steps == [4]
+
+
+def test_a_prompt_too_long_for_the_model_is_refused_before_it_is_echoed(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.chdir(workdir)
+    monkeypatch.delenv("ELR_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--ckpt_path", "run.ckpt", "--prompt", "x" * 30, "--max_new_tokens", "5"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 1 and out == ""
+    assert "needs 34 positions, more than arch.max_seq_len=32; shorten the prompt or lower --max_new_tokens" in err
+
+
+def test_last_checkpoint_patterns_cover_logger_versions_root_and_callback_dirpath() -> None:
+    trainer = {
+        "default_root_dir": "root",
+        "logger": [{"class_path": "TensorBoardLogger", "init_args": {"save_dir": "runs", "name": "exp"}}],
+        "callbacks": [{"class_path": "ModelCheckpoint", "init_args": {"dirpath": "ckpts"}}],
+    }
+    assert last_checkpoint_patterns(trainer) == [
+        os.path.join("runs", "exp", "version_*", "checkpoints", "last*.ckpt"),
+        os.path.join("root", "checkpoints", "last*.ckpt"),
+        os.path.join("ckpts", "last*.ckpt"),
+    ]
+    default = last_checkpoint_patterns({"default_root_dir": "root", "logger": True})
+    assert default[0] == os.path.join("root", "lightning_logs", "version_*", "checkpoints", "last*.ckpt")
 
 
 def test_a_second_run_in_a_claimed_log_folder_is_refused(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -102,6 +102,21 @@ def test_directory_and_glob_sources(corpus: Path) -> None:
     assert globbed == [str(corpus / "sub" / "b.py"), str(corpus / "a.txt")]
 
 
+def test_one_source_may_be_given_without_a_list(tmp_path: Path, corpus: Path) -> None:
+    """``--data.init_args.sources corpus/`` used to fail in the parser with "Expected a <class 'list'>"."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(TextDataModule, "data")
+    assert parser.parse_args(["--data.sources", str(corpus)]).data.sources == str(corpus)
+    assert parser.parse_args(["--data.sources", f"[{corpus}]"]).data.sources == [str(corpus)]
+    assert resolve_sources(str(corpus)) == resolve_sources([str(corpus)])
+    assert resolve_sources(str(corpus / "*.txt")) == [str(corpus / "a.txt")]
+    dm = make_dm(tmp_path, sources=str(corpus), seq_len=8, batch_size=2)
+    dm.setup("fit")
+    assert next(iter(dm.train_dataloader())).shape == (2, 9)
+
+
 def test_default_corpus_module_reads_stdlib_in_order(tmp_path: Path) -> None:
     dm = make_dm(tmp_path, seq_len=64, max_bytes=30_000, batch_size=2)
     dm.prepare_data()
@@ -186,7 +201,7 @@ def test_failed_prepare_leaves_no_cache(tmp_path: Path, corpus: Path, monkeypatc
     [
         ({"seq_len": 0}, ValueError, "data.seq_len"),
         ({"batch_size": 0}, ValueError, "data.batch_size"),
-        ({"val_fraction": 0.0}, ValueError, "data.val_fraction"),
+        ({"val_fraction": 0.0}, ValueError, "data.val_fraction.*trainer.limit_val_batches: 0"),
         ({"val_fraction": 1.0}, ValueError, "data.val_fraction"),
         ({"max_bytes": 0}, ValueError, "data.max_bytes"),
         ({"val_batches": 0}, ValueError, "data.val_batches"),

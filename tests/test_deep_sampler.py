@@ -65,7 +65,7 @@ def test_every_step_mixes_depths_once_p1_times_shards_reaches_one(k, f, step, se
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_loops=1), "max_loops=1 must be >= 2"),
+        (dict(max_loops=1), "max_loops=1 must be >= 2 .*; for K = 1 use elr_lightning.sampling.FixedLoops"),
         (dict(max_loops=3, weights=[1.0]), "weights=.*must list 2 weights"),
         (dict(max_loops=3, weights=[0.0, 0.0]), "must not all be zero"),
         (dict(max_loops=3, override_fraction=1.5), "override_fraction=1.5 must be in"),

@@ -144,6 +144,7 @@ def test_init_weights_zeroes_gate_and_heads(tiny):
         ({"max_loops": 0}, "arch.max_loops"),
         ({"n_heads": 4, "n_kv_heads": 3}, "arch.n_kv_heads"),
         ({"vocab_size": 0}, "arch.vocab_size"),
+        ({"d_model": 27, "n_heads": 3}, "arch.d_model / arch.n_heads = 9 must be even for rotary embeddings; pick"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, field):

@@ -189,6 +189,16 @@ def test_every_parameter_takes_part_at_every_k(replay):
     assert all(names == [] for names in unused_parameters(model, range(1, 5)).values())
 
 
+@pytest.mark.parametrize("replay", ["dynamic", "replay"])
+def test_a_meta_device_moe_runs_the_fsdp_setup_probe(replay):
+    """meta_init + FSDP probes the unmaterialised model (config/30b_a3b.yaml): routing has no values there."""
+    with torch.device("meta"):
+        model = LoopedLM(moe_config(replay=replay, num_experts=3, top_k=2))
+    assert loop_dependent_parameters(model, range(1, 4)) == {}
+    plan = plan_dispatch(torch.empty(5, 2, dtype=torch.long, device="meta"), 3)
+    assert plan.sizes == [4, 3, 3] and plan.counts.is_meta and plan.offsets.is_meta
+
+
 # ---- balancing -----------------------------------------------------------------------------------
 
 

@@ -4,7 +4,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import numpy as np
@@ -84,7 +84,8 @@ class TextDataModule(pl.LightningDataModule):
     ``max(1, round(val_fraction * n_windows))`` are validation, the rest training.
 
     Args:
-        sources: Files, directories or globs; ``None`` for the standard library.
+        sources: Files, directories or globs (one entry may be given alone, without a list);
+            ``None`` for the standard library.
         tokenizer: ``"byte"`` or the path of a HF ``tokenizer.json``.
         seq_len: Tokens the model sees per sequence (T).
         batch_size: Sequences per batch on each device.
@@ -102,7 +103,7 @@ class TextDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        sources: Optional[list[str]] = None,
+        sources: Optional[Union[list[str], str]] = None,
         tokenizer: str = "byte",
         seq_len: int = 256,
         batch_size: int = 16,
@@ -120,7 +121,10 @@ class TextDataModule(pl.LightningDataModule):
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction must be strictly between 0 and 1, got {val_fraction}")
+            raise ValueError(
+                f"data.val_fraction must be strictly between 0 and 1, got {val_fraction}; "
+                "to train without validation keep it and set trainer.limit_val_batches: 0"
+            )
         if max_bytes is not None and max_bytes < 1:
             raise ValueError(f"data.max_bytes must be >= 1 or null, got {max_bytes}")
         if val_batches is not None and val_batches < 1:

@@ -9,7 +9,7 @@ import json
 import os
 import sysconfig
 from collections.abc import Iterator, Sequence
-from typing import Optional
+from typing import Optional, Union
 
 TEXT_SUFFIXES: tuple[str, ...] = (".py", ".txt", ".md", ".jsonl")
 """Files a directory in ``data.sources`` contributes (searched recursively, hidden entries skipped)."""
@@ -53,7 +53,7 @@ def _files_in_directory(root: str) -> list[str]:
     return sorted(found, key=lambda p: os.path.relpath(p, root).split(os.sep))
 
 
-def resolve_sources(sources: Optional[Sequence[str]]) -> list[str]:
+def resolve_sources(sources: Optional[Union[Sequence[str], str]]) -> list[str]:
     """Expand ``data.sources`` into an ordered list of files.
 
     Each entry is a file, a directory (its :data:`TEXT_SUFFIXES` files, recursively, sorted) or a
@@ -61,7 +61,8 @@ def resolve_sources(sources: Optional[Sequence[str]]) -> list[str]:
     is kept at its first place.
 
     Args:
-        sources: The entries, or ``None`` for :func:`default_corpus_files`.
+        sources: The entries (a single entry may be given as a string), or ``None`` for
+            :func:`default_corpus_files`.
 
     Returns:
         Absolute file paths.
@@ -73,7 +74,7 @@ def resolve_sources(sources: Optional[Sequence[str]]) -> list[str]:
     if sources is None:
         return default_corpus_files()
     if isinstance(sources, str):
-        raise ValueError(f"data.sources must be a list of paths, got the string {sources!r}; write [{sources!r}]")
+        sources = [sources]
     if len(sources) == 0:
         raise ValueError("data.sources is an empty list; give files, directories or globs, or null for the stdlib")
     files: list[str] = []

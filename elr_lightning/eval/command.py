@@ -88,7 +88,7 @@ def eval_command(argv: list[str]) -> None:
 def run_eval(args: Any) -> dict[str, Any]:
     """Run the harness at every requested k; return the summary that ``summary.json`` holds."""
     loops = parse_loops(args.loops) if args.loops is not None else None
-    if not os.path.isfile(args.ckpt_path):
+    if not os.path.exists(args.ckpt_path):
         raise FileNotFoundError(f"--ckpt_path: checkpoint {args.ckpt_path!r} does not exist")
     from lm_eval.tasks import TaskManager
 

@@ -53,9 +53,25 @@ class DispatchPlan:
 
 
 def plan_dispatch(experts: Tensor, num_experts: int) -> DispatchPlan:
-    """Sort the copies of ``experts`` ``[N, top_k]`` by expert: the plan every later step reuses."""
+    """Sort the copies of ``experts`` ``[N, top_k]`` by expert: the plan every later step reuses.
+
+    On the meta device, where routes have shapes but no values (a ``meta_init`` model probed by a
+    strategy's setup), the copies are counted as spread evenly over the experts: every shape
+    downstream is right and every expert's weights take part, as they do on real data.
+    """
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
+    if flat.is_meta:
+        share, extra = divmod(flat.numel(), num_experts)
+        counts = torch.tensor([share + (e < extra) for e in range(num_experts)], dtype=torch.int64)
+        return DispatchPlan(
+            experts=experts,
+            order=order,
+            tokens=order // experts.shape[1],
+            counts=counts.to(flat.device),
+            sizes=counts.tolist(),
+            offsets=counts.cumsum(0).to(device=flat.device, dtype=torch.int32),
+        )
     counts = torch.bincount(flat, minlength=num_experts)
     return DispatchPlan(
         experts=experts,

@@ -10,6 +10,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
+from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
 from elr_lightning.config import ModelConfig
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, choose_tokenizer
 
@@ -82,9 +83,12 @@ def serve_command(argv: list[str]) -> None:
         raise ImportError('elr serve needs LitServe; install it with pip install "elr-lightning[serve]"') from err
     from elr_lightning.serve.api import CompletionsSpec, ELRServeAPI
 
-    if not os.path.isfile(args.ckpt_path):
+    if is_sharded_checkpoint(args.ckpt_path):
+        raw = read_sharded_checkpoint(args.ckpt_path, weights=False)
+    elif os.path.isfile(args.ckpt_path):
+        raw = torch.load(args.ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+    else:
         raise FileNotFoundError(f"--ckpt_path {args.ckpt_path!r} does not exist")
-    raw = torch.load(args.ckpt_path, map_location="cpu", weights_only=False, mmap=True)
     if not isinstance(raw, Mapping):
         raise ValueError(f"--ckpt_path {args.ckpt_path!r} is not a Lightning checkpoint")
     config = checkpoint_arch(raw, args.ckpt_path)

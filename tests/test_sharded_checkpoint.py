@@ -1,0 +1,61 @@
+"""Inference commands read a sharded checkpoint folder (FSDP with ``save_distributed_checkpoint``) in one process."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from _elr_ckpt import write_checkpoint
+from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
+from elr_lightning.cli import main
+from elr_lightning.generation import load_model
+
+
+def shard_like_fsdp(ckpt: Path, folder: Path) -> None:
+    """Lay ``ckpt`` out as Lightning's ModelParallelStrategy does: tensors through DCP, the rest in meta.pt."""
+    checkpoint = torch.load(ckpt, weights_only=False)
+    tensors = {"state_dict": checkpoint.pop("state_dict"), "optimizer_0": checkpoint.pop("optimizer_states")[0]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(tensors, checkpoint_id=str(folder), no_dist=True)
+    torch.save(checkpoint, folder / "meta.pt")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("sharded")
+    write_checkpoint(root / "full.ckpt")
+    (root / "last.ckpt").mkdir()
+    shard_like_fsdp(root / "full.ckpt", root / "last.ckpt")
+    return root / "full.ckpt", root / "last.ckpt"
+
+
+def test_a_sharded_folder_loads_the_same_model_as_the_file(checkpoints: tuple[Path, Path]) -> None:
+    full, folder = checkpoints
+    assert is_sharded_checkpoint(str(folder)) and not is_sharded_checkpoint(str(full))
+    reference, _ = load_model(str(full))
+    model, _ = load_model(str(folder))
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for k in (1, 3):
+            assert torch.equal(model(ids, k), reference(ids, k))
+    meta = read_sharded_checkpoint(str(folder), weights=False)
+    assert "state_dict" not in meta and meta["hyper_parameters"]["arch"].d_model == 32
+
+
+def test_elr_generate_reads_a_sharded_folder(checkpoints: tuple[Path, Path], capsys: pytest.CaptureFixture) -> None:
+    full, folder = checkpoints
+    outputs = []
+    for path in (full, folder):
+        main(["generate", "--ckpt_path", str(path), "--loops", "2", "--prompt", "ab", "--max_new_tokens", "6", "--seed", "3"])
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].startswith("ab") and len(outputs[0]) > 3
+
+
+def test_a_folder_that_is_not_a_sharded_checkpoint_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is not a sharded Lightning checkpoint"):
+        read_sharded_checkpoint(str(tmp_path))
