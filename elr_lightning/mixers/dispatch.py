@@ -37,6 +37,8 @@ class DispatchPlan:
         tokens: ``[N top_k]`` the token of each sorted copy (``order // top_k``).
         counts: ``[E]`` copies per expert (int64).
         offsets: ``[E]`` int32 cumulative counts (the ``offs`` of ``torch._grouped_mm``).
+        known_sizes: ``counts`` as a list where it is known without reading the device (the meta
+            device, whose tensors hold no values), else ``None``.
     """
 
     experts: Tensor
@@ -44,12 +46,13 @@ class DispatchPlan:
     tokens: Tensor
     counts: Tensor
     offsets: Tensor
+    known_sizes: Optional[list[int]] = None
 
     @functools.cached_property
     def sizes(self) -> list[int]:
         """``counts`` as a Python list: the slice sizes of the loop path, read on first use only
         (a host sync; the grouped path never reads it)."""
-        return self.counts.tolist()
+        return self.known_sizes if self.known_sizes is not None else self.counts.tolist()
 
 
 def plan_dispatch(experts: Tensor, num_experts: int) -> DispatchPlan:
@@ -61,24 +64,20 @@ def plan_dispatch(experts: Tensor, num_experts: int) -> DispatchPlan:
     """
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
+    known_sizes = None
     if flat.is_meta:
         share, extra = divmod(flat.numel(), num_experts)
-        counts = torch.tensor([share + (e < extra) for e in range(num_experts)], dtype=torch.int64)
-        return DispatchPlan(
-            experts=experts,
-            order=order,
-            tokens=order // experts.shape[1],
-            counts=counts.to(flat.device),
-            sizes=counts.tolist(),
-            offsets=counts.cumsum(0).to(device=flat.device, dtype=torch.int32),
-        )
-    counts = torch.bincount(flat, minlength=num_experts)
+        known_sizes = [share + (e < extra) for e in range(num_experts)]
+        counts = torch.tensor(known_sizes, device=flat.device)
+    else:
+        counts = torch.bincount(flat, minlength=num_experts)
     return DispatchPlan(
         experts=experts,
         order=order,
         tokens=order // experts.shape[1],
         counts=counts,
         offsets=counts.cumsum(0).to(torch.int32),
+        known_sizes=known_sizes,
     )
 
 
