@@ -160,6 +160,8 @@ class ELRModule(LightningModule):
         self.tokenizer: Optional[Tokenizer] = None
         #: Per-expert load of each routed layer at the last logging step (see :meth:`on_before_optimizer_step`).
         self.expert_loads: dict[int, Tensor] = {}
+        # name -> (optimizer step, sum, count) of the micro-batches of that step (see _step_mean)
+        self._step_sums: dict[str, tuple[int, Tensor, int]] = {}
 
     @property
     def arch(self) -> ModelConfig:
@@ -309,7 +311,7 @@ class ELRModule(LightningModule):
         loss = self.shard_loss(batch, loops, aux)
         loss = loss + sum(aux.values(), start=torch.zeros_like(loss))
         for name, value in aux.items():  # a copy: syncing under some strategies reduces in place
-            self.log(f"train/{name}", value.detach().clone(), sync_dist=True)
+            self.log(f"train/{name}", self._step_mean(name, value), sync_dist=True)
         # Reading the loss stalls the device: check it on the steps that log it anyway. Every rank
         # takes part, so a rank-local NaN stops all ranks together, not at the collective timeout.
         if self.trainer.global_step % self.trainer.log_every_n_steps == 0:
@@ -320,12 +322,28 @@ class ELRModule(LightningModule):
                     f"train/loss {where} at step {self.trainer.global_step} (loops {loops}); "
                     "lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
                 )
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train/loss", self._step_mean("loss", loss), prog_bar=True, sync_dist=True)
         self.log("train/loops_mean", sum(schedule) / len(schedule))
         self.log("train/p1", sum(k == 1 for k in schedule) / len(schedule))
         for name, value in self.model.update.metrics().items():
             self.log(f"train/{name}", value)
         return loss
+
+    def _step_mean(self, name: str, value: Tensor) -> Tensor:
+        """Mean of ``value`` over the micro-batches of the current optimizer step run so far (detached).
+
+        Lightning logs a step's metrics after its last micro-batch only, with the value logged last;
+        logging this running mean makes ``train/loss`` the token mean over all shards of the step
+        under gradient accumulation too (every micro-batch holds the same number of tokens).
+        """
+        step = self.trainer.global_step
+        value = value.detach().float()
+        saved = self._step_sums.get(name)
+        if saved is None or saved[0] != step:
+            saved = (step, torch.zeros_like(value), 0)
+        total, count = saved[1] + value, saved[2] + 1
+        self._step_sums[name] = (step, total, count)
+        return total / count
 
     @override
     def on_train_start(self) -> None:
@@ -433,6 +451,8 @@ class ELRModule(LightningModule):
                 "is kept. Lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
             )
         checkpoint["elr"] = {"arch": dataclasses.asdict(self.arch)}
+        if attached:
+            checkpoint["elr"]["schedule"] = {"num_shards": self.num_shards(), "seed": self.seed}
         if self.tokenizer is not None:
             checkpoint["elr"]["tokenizer"] = tokenizer_state(self.tokenizer)
 
@@ -466,5 +486,39 @@ class ELRModule(LightningModule):
                 "with the checkpoint's model.init_args (its hyper_parameters), or start a new run from it with "
                 "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
             )
+        self._check_resumed_schedule(checkpoint.get("elr", {}).get("schedule"))
         if self.tokenizer is None:
             self.tokenizer = checkpoint_tokenizer(checkpoint)
+
+    def _check_resumed_schedule(self, saved: Optional[dict[str, int]]) -> None:
+        """Refuse to resume training with another loop schedule than the checkpoint's run had.
+
+        The schedule is a pure function of ``(seed, step, shard, num_shards)`` (DESIGN §4): a resumed
+        run with another number of shards per step (data-parallel ranks x ``virtual_ranks``) or
+        another loop seed would silently run other loop counts than the interrupted run.
+
+        Raises:
+            ValueError: Naming the field and the value that keeps the schedule.
+        """
+        if saved is None or self._trainer is None or self.trainer.state.fn != "fit":
+            return
+        ranks = self.data_parallel_layout()[1]
+        shards, seed = self.num_shards(), self.seed
+        if saved["num_shards"] != shards:
+            fits = saved["num_shards"] % ranks == 0
+            fix = (
+                f"set model.init_args.virtual_ranks: {saved['num_shards'] // ranks}"
+                if fits
+                else f"use a number of data-parallel ranks that divides {saved['num_shards']}"
+            )
+            raise ValueError(
+                f"cannot resume the loop schedule exactly: the checkpoint was trained with {saved['num_shards']} "
+                f"shards per step, this run has {shards} ({ranks} data-parallel rank(s) x "
+                f"model.init_args.virtual_ranks={self.virtual_ranks}); {fix} (keeping data.batch_size x devices), "
+                "or start a fresh run from the weights with DelayedMixedDepth(init_from=...)"
+            )
+        if saved["seed"] != seed:
+            raise ValueError(
+                f"cannot resume the loop schedule exactly: the checkpoint was trained with loop seed {saved['seed']}, "
+                f"this run has {seed}; set model.init_args.loop_seed: {saved['seed']} (or the same seed_everything)"
+            )

@@ -1,0 +1,129 @@
+"""The training lifecycle in cases beyond the happy path: gradient accumulation's logged loss and
+resuming with another loop schedule (another number of shards or loop seed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.loggers import Logger
+
+from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.config import ModelConfig
+from elr_lightning.data import TextDataModule
+from elr_lightning.module import ELRModule
+from elr_lightning.sampling import OneLoopOverride
+
+TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
+
+
+class MemoryLogger(Logger):
+    """Keeps every ``log_metrics`` call as ``(step, metrics)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((int(step or 0), dict(metrics)))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def logged(self, tag: str) -> dict[int, float]:
+        return {step: metrics[tag] for step, metrics in self.rows if tag in metrics}
+
+
+class MicroBatchLosses(Callback):
+    """The loss of every micro-batch with its optimizer step (Lightning hands back loss / accumulation)."""
+
+    def __init__(self) -> None:
+        self.losses: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
+        self.losses.append((idx, float(outputs["loss"]) * trainer.accumulate_grad_batches))
+
+
+def module(virtual_ranks: int = 2, loop_seed: int = 7) -> ELRModule:
+    seed_everything(0)
+    arch = ModelConfig(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=32, max_loops=3)
+    return ELRModule(
+        arch=arch,
+        sampler=OneLoopOverride(max_loops=3, override_fraction=0.5),
+        conditioner=LoopConditioner(d_cond=8, rank=2, n_freqs=2),
+        virtual_ranks=virtual_ranks,
+        lr=1e-2,
+        warmup_steps=0,
+        loop_seed=loop_seed,
+    )
+
+
+def data(tmp_path: Path) -> TextDataModule:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    return TextDataModule(sources=[str(corpus)], seq_len=16, batch_size=4, cache_dir=str(tmp_path / "cache"))
+
+
+def trainer(steps: int, **kwargs: Any) -> Trainer:
+    settings: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    settings.update(kwargs)
+    return Trainer(**settings)
+
+
+def test_logged_train_loss_is_the_mean_over_accumulated_micro_batches(tmp_path: Path) -> None:
+    logger, record = MemoryLogger(), MicroBatchLosses()
+    trainer(3, accumulate_grad_batches=3, logger=logger, callbacks=[record]).fit(module(), datamodule=data(tmp_path))
+    logged = logger.logged("train/loss")
+    assert sorted(logged) == [0, 1, 2]
+    for step, value in logged.items():
+        # by position: on_train_batch_end of a step's last micro-batch already sees the next global step
+        micro = [loss for i, (_, loss) in enumerate(record.losses) if i // 3 == step]
+        assert len(micro) == 3 and len(set(micro)) == 3  # three different micro-batch losses
+        assert value == pytest.approx(sum(micro) / 3, rel=1e-6)
+        assert value != pytest.approx(micro[-1], rel=1e-6)  # not just the last micro-batch's
+
+
+def fitted_checkpoint(tmp_path: Path, virtual_ranks: int = 2, loop_seed: int = 7) -> Path:
+    run = trainer(2, logger=False)
+    run.fit(module(virtual_ranks, loop_seed), datamodule=data(tmp_path))
+    path = tmp_path / "step2.ckpt"
+    run.save_checkpoint(path)
+    return path
+
+
+def test_resuming_with_another_number_of_shards_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    ckpt = fitted_checkpoint(tmp_path, virtual_ranks=2)
+    assert torch.load(ckpt, weights_only=False)["elr"]["schedule"] == {"num_shards": 2, "seed": 7}
+    with pytest.raises(ValueError, match=r"trained with 2 shards per step, this run has 4 .*virtual_ranks: 2"):
+        trainer(4, logger=False).fit(module(virtual_ranks=4), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
+    with pytest.raises(ValueError, match=r"loop seed 7, this run has 8; set model.init_args.loop_seed: 7"):
+        trainer(4, logger=False).fit(module(loop_seed=8), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
+    # evaluating the checkpoint does not depend on the training schedule
+    trainer(4, logger=False, limit_val_batches=1).validate(
+        module(virtual_ranks=4), data(tmp_path), ckpt_path=ckpt, weights_only=False
+    )
+    # the same schedule resumes
+    resumed = trainer(3, logger=False)
+    resumed.fit(module(), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
+    assert resumed.global_step == 3
