@@ -127,3 +127,15 @@ def test_resuming_with_another_number_of_shards_is_refused_naming_the_fix(tmp_pa
     resumed = trainer(3, logger=False)
     resumed.fit(module(), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
     assert resumed.global_step == 3
+
+
+def test_resuming_a_sharded_folder_without_fsdp_names_the_strategy(tmp_path: Path) -> None:
+    from elr_lightning.callbacks import AtomicModelCheckpoint
+
+    folder = tmp_path / "epoch=0-step=3.ckpt"  # what OneLoopOverrideFSDPStrategy writes by default
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"")
+    (folder / "meta.pt").write_bytes(b"")
+    run = trainer(4, logger=False, enable_checkpointing=True, callbacks=[AtomicModelCheckpoint(dirpath=tmp_path / "c")])
+    with pytest.raises(ValueError, match=r"sharded checkpoint folder .*OneLoopOverrideFSDPStrategy"):
+        run.fit(module(), datamodule=data(tmp_path), ckpt_path=folder, weights_only=False)
