@@ -12,6 +12,7 @@ from typing import Any, MutableMapping, Optional
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -239,6 +240,8 @@ class ELRModule(LightningModule):
                 f"initialises the sharded model); this run uses {type(self.trainer.strategy).__name__}. "
                 "Set trainer.strategy to it or meta_init: false"
             )
+        if stage == "fit":
+            self._check_plain_ddp()
         datamodule = getattr(self.trainer, "datamodule", None)
         tokenizer = getattr(datamodule, "tokenizer", None)
         if tokenizer is not None and tokenizer.vocab_size > self.arch.vocab_size:
@@ -265,6 +268,37 @@ class ELRModule(LightningModule):
             padded = torch.zeros(self.arch.vocab_size)
             padded[: len(token_bytes)] = torch.as_tensor(token_bytes, dtype=torch.float32)
             self.token_bytes = padded.to(self.token_bytes.device)
+
+    def _check_plain_ddp(self) -> None:
+        """Refuse Lightning's own DDP without ``find_unused_parameters`` when some parameter sits out.
+
+        ``trainer.devices > 1`` without ``trainer.strategy`` gives Lightning's ``DDPStrategy``, whose
+        reducer fails at the second step (or hangs) when a parameter takes no part in the loss: the
+        conditioning heads before the delayed switch (DESIGN §5) or a parameter unused at some k.
+        The model is probed (two tokens, every k) before DDP wraps it, so the run stops at once
+        with the fix. :class:`~elr_lightning.strategies.OneLoopOverrideDDPStrategy` makes its own check.
+
+        Raises:
+            ValueError: Naming the unused parameters and the strategy to use.
+        """
+        from elr_lightning.strategies.common import DataParallelLayout, unused_parameters
+
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, DDPStrategy) or isinstance(strategy, DataParallelLayout):
+            return
+        # Lightning keeps DistributedDataParallel's arguments here and has no public accessor for them.
+        if getattr(strategy, "_ddp_kwargs", {}).get("find_unused_parameters", False):
+            return
+        usage = unused_parameters(self.model, range(1, self.arch.max_loops + 1))
+        unused = {key: names for key, names in usage.items() if names}
+        if unused:
+            (active, k), names = next(iter(unused.items()))
+            raise ValueError(
+                f"trainer.strategy: Lightning's {type(strategy).__name__} (what trainer.devices > 1 picks by default) "
+                f"needs every parameter in the loss, but {len(names)} take no part at k={k} with the conditioner "
+                f"{'on' if active else 'off'} (e.g. {names[:3]}); set trainer.strategy.class_path "
+                "elr_lightning.strategies.OneLoopOverrideDDPStrategy"
+            )
 
     @override
     def configure_model(self) -> None:

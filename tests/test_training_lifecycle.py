@@ -139,3 +139,17 @@ def test_resuming_a_sharded_folder_without_fsdp_names_the_strategy(tmp_path: Pat
     run = trainer(4, logger=False, enable_checkpointing=True, callbacks=[AtomicModelCheckpoint(dirpath=tmp_path / "c")])
     with pytest.raises(ValueError, match=r"sharded checkpoint folder .*OneLoopOverrideFSDPStrategy"):
         run.fit(module(), datamodule=data(tmp_path), ckpt_path=folder, weights_only=False)
+
+
+def test_lightning_ddp_with_a_parameter_sitting_out_names_the_elr_strategy(tmp_path: Path) -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    heads_off = module()
+    heads_off.model.conditioner.set_active(False)  # as before the delayed switch
+    with pytest.raises(ValueError, match=r"take no part at k=1 with the conditioner off.*OneLoopOverrideDDPStrategy"):
+        trainer(1, logger=False, strategy=DDPStrategy()).fit(heads_off, datamodule=data(tmp_path))
+    heads_off = module()
+    heads_off.model.conditioner.set_active(False)
+    allowed = trainer(1, logger=False, strategy=DDPStrategy(find_unused_parameters=True))
+    allowed.fit(heads_off, datamodule=data(tmp_path))
+    assert allowed.global_step == 1
