@@ -419,16 +419,18 @@ class ELRModule(LightningModule):
                 self.val_bpb[str(k)].update(nll / nbytes / math.log(2), nbytes)
 
     def _log_evaluation(self, prefix: str) -> None:
+        # compute() already reduces each metric over the ranks, so every rank logs the same values;
+        # sync_dist averages those equal values and keeps Lightning from warning that they are rank-local.
         losses = {}
         for k in self.val_loops:
             losses[k] = float(self.val_loss[str(k)].compute())
-            self.log(f"{prefix}/loss_k{k}", losses[k], prog_bar=k in (1, self.val_loops[-1]))
-            self.log(f"{prefix}/bpb_k{k}", self.val_bpb[str(k)].compute())
+            self.log(f"{prefix}/loss_k{k}", losses[k], prog_bar=k in (1, self.val_loops[-1]), sync_dist=True)
+            self.log(f"{prefix}/bpb_k{k}", self.val_bpb[str(k)].compute(), sync_dist=True)
             with torch.inference_mode(False):  # states re-made here must not be inference tensors
                 self.val_loss[str(k)].reset()
                 self.val_bpb[str(k)].reset()
         for name, value in loop_gains(losses, self.arch.max_loops).items():
-            self.log(f"{prefix}/{name}", value)
+            self.log(f"{prefix}/{name}", value, sync_dist=True)
 
     @override
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:

@@ -55,7 +55,7 @@ class MicroBatchLosses(Callback):
         self.losses.append((idx, float(outputs["loss"]) * trainer.accumulate_grad_batches))
 
 
-def module(virtual_ranks: int = 2, loop_seed: int = 7) -> ELRModule:
+def module(virtual_ranks: int = 2, loop_seed: int = 7, **kwargs: Any) -> ELRModule:
     seed_everything(0)
     arch = ModelConfig(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=32, max_loops=3)
     return ELRModule(
@@ -66,6 +66,7 @@ def module(virtual_ranks: int = 2, loop_seed: int = 7) -> ELRModule:
         lr=1e-2,
         warmup_steps=0,
         loop_seed=loop_seed,
+        **kwargs,
     )
 
 
@@ -153,3 +154,19 @@ def test_lightning_ddp_with_a_parameter_sitting_out_names_the_elr_strategy(tmp_p
     allowed = trainer(1, logger=False, strategy=DDPStrategy(find_unused_parameters=True))
     allowed.fit(heads_off, datamodule=data(tmp_path))
     assert allowed.global_step == 1
+
+
+def test_validation_under_ddp_logs_every_k_without_rank_local_warnings(tmp_path: Path) -> None:
+    import warnings
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    logger = MemoryLogger()
+    run = trainer(1, logger=logger, strategy=DDPStrategy(), limit_val_batches=1, val_check_interval=1)
+    mod = module(val_loops=[1, 2, 3, 5])  # k = 5 beyond the budget K = 3: extrapolation
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.fit(mod, datamodule=data(tmp_path))
+    assert not [w for w in caught if "sync_dist=True" in str(w.message)]
+    for tag in ("loss_k1", "loss_k5", "bpb_k3", "bpb_k5", "gain_kK", "gain_frac_k2", "gain_frac_k5"):
+        assert list(logger.logged(f"val/{tag}")) == [0], tag
