@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -43,6 +44,14 @@ def _checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:
             "raise arch.max_loops (the loop budget K) or lower the sampler's"
         )
     return sampler
+
+
+def _planned_steps(trainer: Any) -> Optional[int]:
+    """The fitting run's planned optimizer steps (the LR schedule's length); ``None`` when unbounded or not fitting."""
+    if trainer.state.fn != "fit":
+        return None
+    total = trainer.estimated_stepping_batches
+    return int(total) if math.isfinite(total) else None
 
 
 def loop_gains(losses: dict[int, float], max_loops: int) -> dict[str, float]:
@@ -488,7 +497,11 @@ class ELRModule(LightningModule):
             )
         checkpoint["elr"] = {"arch": dataclasses.asdict(self.arch)}
         if attached:
-            checkpoint["elr"]["schedule"] = {"num_shards": self.num_shards(), "seed": self.seed}
+            checkpoint["elr"]["schedule"] = {
+                "num_shards": self.num_shards(),
+                "seed": self.seed,
+                "total_steps": _planned_steps(self.trainer),
+            }
         if self.tokenizer is not None:
             checkpoint["elr"]["tokenizer"] = tokenizer_state(self.tokenizer)
 
@@ -557,4 +570,12 @@ class ELRModule(LightningModule):
             raise ValueError(
                 f"cannot resume the loop schedule exactly: the checkpoint was trained with loop seed {saved['seed']}, "
                 f"this run has {seed}; set model.init_args.loop_seed: {saved['seed']} (or the same seed_everything)"
+            )
+        planned, total = saved.get("total_steps"), _planned_steps(self.trainer)
+        if planned is not None and total is not None and planned != total:
+            rank_zero_warn(
+                f"the checkpoint's run planned {planned} optimizer steps, this run plans {total}: the LR schedule is "
+                f"restored from the checkpoint, so its cosine still ends at step {planned}"
+                + (" and the LR rises again after it" if total > planned else "")
+                + f"; resume with the checkpoint's trainer.max_steps ({planned} steps) to continue it exactly"
             )

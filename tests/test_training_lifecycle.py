@@ -115,7 +115,7 @@ def fitted_checkpoint(tmp_path: Path, virtual_ranks: int = 2, loop_seed: int = 7
 
 def test_resuming_with_another_number_of_shards_is_refused_naming_the_fix(tmp_path: Path) -> None:
     ckpt = fitted_checkpoint(tmp_path, virtual_ranks=2)
-    assert torch.load(ckpt, weights_only=False)["elr"]["schedule"] == {"num_shards": 2, "seed": 7}
+    assert torch.load(ckpt, weights_only=False)["elr"]["schedule"] == {"num_shards": 2, "seed": 7, "total_steps": 2}
     with pytest.raises(ValueError, match=r"trained with 2 shards per step, this run has 4 .*virtual_ranks: 2"):
         trainer(4, logger=False).fit(module(virtual_ranks=4), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
     with pytest.raises(ValueError, match=r"loop seed 7, this run has 8; set model.init_args.loop_seed: 7"):
@@ -124,9 +124,10 @@ def test_resuming_with_another_number_of_shards_is_refused_naming_the_fix(tmp_pa
     trainer(4, logger=False, limit_val_batches=1).validate(
         module(virtual_ranks=4), data(tmp_path), ckpt_path=ckpt, weights_only=False
     )
-    # the same schedule resumes
+    # the same loop schedule resumes; a longer run is told that the restored LR schedule ends at step 2
     resumed = trainer(3, logger=False)
-    resumed.fit(module(), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
+    with pytest.warns(UserWarning, match=r"planned 2 optimizer steps, this run plans 3: .*rises again"):
+        resumed.fit(module(), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
     assert resumed.global_step == 3
 
 
