@@ -171,3 +171,33 @@ def test_validation_under_ddp_logs_every_k_without_rank_local_warnings(tmp_path:
     assert not [w for w in caught if "sync_dist=True" in str(w.message)]
     for tag in ("loss_k1", "loss_k5", "bpb_k3", "bpb_k5", "gain_kK", "gain_frac_k2", "gain_frac_k5"):
         assert list(logger.logged(f"val/{tag}")) == [0], tag
+
+
+@pytest.mark.parametrize("val_batches", [2, None])
+def test_validation_windows_depend_on_the_global_batch_not_the_device_count(tmp_path: Path, val_batches) -> None:
+    from types import SimpleNamespace
+
+    def windows(batch_size: int, world_size: int) -> tuple[int, int]:
+        corpus = tmp_path / "corpus.txt"
+        corpus.write_text(TEXT)
+        dm = TextDataModule(
+            sources=[str(corpus)],
+            seq_len=16,
+            batch_size=batch_size,
+            val_batches=val_batches,
+            val_fraction=0.2,
+            cache_dir=str(tmp_path / "c"),
+        )
+        dm.trainer = SimpleNamespace(global_rank=0, world_size=world_size)
+        dm.prepare_data()
+        dm.setup("fit")
+        val = dm.val_dataloader().dataset
+        return val.start, val.stop
+
+    if val_batches is not None:  # 2 global batches of 4 windows, however they are split over devices
+        one = windows(batch_size=4, world_size=1)
+        assert one[1] - one[0] == 8
+        assert windows(batch_size=2, world_size=2) == one == windows(batch_size=1, world_size=4)
+    for world_size in (3, 4):  # no window twice: a multiple of the device count
+        start, stop = windows(batch_size=1, world_size=world_size)
+        assert (stop - start) % world_size == 0 and stop > start
