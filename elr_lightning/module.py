@@ -12,7 +12,7 @@ from typing import Any, MutableMapping, Optional
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, XLAStrategy
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
@@ -293,7 +293,9 @@ class ELRModule(LightningModule):
         from elr_lightning.strategies.common import DataParallelLayout, unused_parameters
 
         strategy = self.trainer.strategy
-        if not isinstance(strategy, DDPStrategy) or isinstance(strategy, DataParallelLayout):
+        # DeepSpeed and XLA subclass DDPStrategy but wrap the model in their own engines, not torch's DDP.
+        torch_ddp = isinstance(strategy, DDPStrategy) and not isinstance(strategy, (DeepSpeedStrategy, XLAStrategy))
+        if not torch_ddp or isinstance(strategy, DataParallelLayout):
             return
         # Lightning keeps DistributedDataParallel's arguments here and has no public accessor for them.
         if getattr(strategy, "_ddp_kwargs", {}).get("find_unused_parameters", False):
