@@ -23,6 +23,7 @@ from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
 from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
 from elr_lightning.optim import check_lr_scale, param_groups, warmup_cosine
+from elr_lightning.parameter_usage import unused_parameters
 from elr_lightning.roles import copy_with_roles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, tokenizer_state
@@ -290,12 +291,11 @@ class ELRModule(LightningModule):
         Raises:
             ValueError: Naming the unused parameters and the strategy to use.
         """
-        from elr_lightning.strategies.common import DataParallelLayout, unused_parameters
-
         strategy = self.trainer.strategy
         # DeepSpeed and XLA subclass DDPStrategy but wrap the model in their own engines, not torch's DDP.
         torch_ddp = isinstance(strategy, DDPStrategy) and not isinstance(strategy, (DeepSpeedStrategy, XLAStrategy))
-        if not torch_ddp or isinstance(strategy, DataParallelLayout):
+        elr_strategy = hasattr(strategy, "data_parallel_rank")  # the DataParallelLayout protocol, as in data_parallel_layout
+        if not torch_ddp or elr_strategy:
             return
         # Lightning keeps DistributedDataParallel's arguments here and has no public accessor for them.
         if getattr(strategy, "_ddp_kwargs", {}).get("find_unused_parameters", False):

@@ -3,8 +3,9 @@ resuming with another loop schedule (another number of shards or loop seed)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -143,6 +144,19 @@ def test_resuming_a_sharded_folder_without_fsdp_names_the_strategy(tmp_path: Pat
         run.fit(module(), datamodule=data(tmp_path), ckpt_path=folder, weights_only=False)
 
 
+@pytest.fixture
+def process_group() -> Iterator[None]:
+    """Lightning's DDP in this process (one rank) leaves its default process group and its environment
+    variables (``MASTER_PORT``, ...) behind: destroy the one, restore the other."""
+    environ = dict(os.environ)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+@pytest.mark.usefixtures("process_group")
 def test_lightning_ddp_with_a_parameter_sitting_out_names_the_elr_strategy(tmp_path: Path) -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -157,6 +171,7 @@ def test_lightning_ddp_with_a_parameter_sitting_out_names_the_elr_strategy(tmp_p
     assert allowed.global_step == 1
 
 
+@pytest.mark.usefixtures("process_group")
 def test_validation_under_ddp_logs_every_k_without_rank_local_warnings(tmp_path: Path) -> None:
     import warnings
 
