@@ -227,7 +227,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     read of the file), because ``torch.load`` does not: a flipped bit in a tensor would load
     silently. A file that fails the check, or that ``torch.load`` cannot read and is not a complete
     archive, raises :class:`CorruptCheckpointError` naming the file, its size and the fix, instead
-    of torch's ``PytorchStreamReader failed reading zip archive``.
+    of torch's ``PytorchStreamReader failed reading zip archive``. A sharded checkpoint folder (which
+    this plugin cannot load) is refused naming the strategy that resumes it.
 
     :class:`~elr_lightning.callbacks.AtomicModelCheckpoint` installs this plugin by itself; add it
     by hand (``trainer.plugins``) to cover other writers such as ``trainer.save_checkpoint``.
@@ -256,6 +257,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         map_location: Optional[Callable] = lambda storage, loc: storage,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
+        if "://" not in str(path) and os.path.isdir(path):
+            raise ValueError(
+                f"--ckpt_path {str(path)!r} is a sharded checkpoint folder (save_distributed_checkpoint: true), which "
+                "only the strategy that wrote it can load; resume it with trainer.strategy.class_path "
+                "elr_lightning.strategies.OneLoopOverrideFSDPStrategy (on any number of devices)"
+            )
         local_file = "://" not in str(path) and os.path.isfile(path)
         if local_file and self.verify and not is_intact(str(path)):
             raise _corrupt(str(path), "its records fail their CRC check or the archive is incomplete")

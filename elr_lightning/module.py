@@ -12,6 +12,8 @@ from typing import Any, MutableMapping, Optional
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, XLAStrategy
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -21,6 +23,7 @@ from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
 from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
 from elr_lightning.optim import check_lr_scale, param_groups, warmup_cosine
+from elr_lightning.parameter_usage import unused_parameters
 from elr_lightning.roles import copy_with_roles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, tokenizer_state
@@ -42,6 +45,14 @@ def _checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:
             "raise arch.max_loops (the loop budget K) or lower the sampler's"
         )
     return sampler
+
+
+def _planned_steps(trainer: Any) -> Optional[int]:
+    """The fitting run's planned optimizer steps (the LR schedule's length); ``None`` when unbounded or not fitting."""
+    if trainer.state.fn != "fit":
+        return None
+    total = trainer.estimated_stepping_batches
+    return int(total) if math.isfinite(total) else None
 
 
 def loop_gains(losses: dict[int, float], max_loops: int) -> dict[str, float]:
@@ -160,6 +171,8 @@ class ELRModule(LightningModule):
         self.tokenizer: Optional[Tokenizer] = None
         #: Per-expert load of each routed layer at the last logging step (see :meth:`on_before_optimizer_step`).
         self.expert_loads: dict[int, Tensor] = {}
+        # name -> (optimizer step, sum, count) of the micro-batches of that step (see _step_mean)
+        self._step_sums: dict[str, tuple[int, Tensor, int]] = {}
 
     @property
     def arch(self) -> ModelConfig:
@@ -237,6 +250,8 @@ class ELRModule(LightningModule):
                 f"initialises the sharded model); this run uses {type(self.trainer.strategy).__name__}. "
                 "Set trainer.strategy to it or meta_init: false"
             )
+        if stage == "fit":
+            self._check_plain_ddp()
         datamodule = getattr(self.trainer, "datamodule", None)
         tokenizer = getattr(datamodule, "tokenizer", None)
         if tokenizer is not None and tokenizer.vocab_size > self.arch.vocab_size:
@@ -263,6 +278,38 @@ class ELRModule(LightningModule):
             padded = torch.zeros(self.arch.vocab_size)
             padded[: len(token_bytes)] = torch.as_tensor(token_bytes, dtype=torch.float32)
             self.token_bytes = padded.to(self.token_bytes.device)
+
+    def _check_plain_ddp(self) -> None:
+        """Refuse Lightning's own DDP without ``find_unused_parameters`` when some parameter sits out.
+
+        ``trainer.devices > 1`` without ``trainer.strategy`` gives Lightning's ``DDPStrategy``, whose
+        reducer fails at the second step (or hangs) when a parameter takes no part in the loss: the
+        conditioning heads before the delayed switch (DESIGN §5) or a parameter unused at some k.
+        The model is probed (two tokens, every k) before DDP wraps it, so the run stops at once
+        with the fix. :class:`~elr_lightning.strategies.OneLoopOverrideDDPStrategy` makes its own check.
+
+        Raises:
+            ValueError: Naming the unused parameters and the strategy to use.
+        """
+        strategy = self.trainer.strategy
+        # DeepSpeed and XLA subclass DDPStrategy but wrap the model in their own engines, not torch's DDP.
+        torch_ddp = isinstance(strategy, DDPStrategy) and not isinstance(strategy, (DeepSpeedStrategy, XLAStrategy))
+        elr_strategy = hasattr(strategy, "data_parallel_rank")  # the DataParallelLayout protocol, as in data_parallel_layout
+        if not torch_ddp or elr_strategy:
+            return
+        # Lightning keeps DistributedDataParallel's arguments here and has no public accessor for them.
+        if getattr(strategy, "_ddp_kwargs", {}).get("find_unused_parameters", False):
+            return
+        usage = unused_parameters(self.model, range(1, self.arch.max_loops + 1))
+        unused = {key: names for key, names in usage.items() if names}
+        if unused:
+            (active, k), names = next(iter(unused.items()))
+            raise ValueError(
+                f"trainer.strategy: Lightning's {type(strategy).__name__} (what trainer.devices > 1 picks by default) "
+                f"needs every parameter in the loss, but {len(names)} take no part at k={k} with the conditioner "
+                f"{'on' if active else 'off'} (e.g. {names[:3]}); set trainer.strategy.class_path "
+                "elr_lightning.strategies.OneLoopOverrideDDPStrategy"
+            )
 
     @override
     def configure_model(self) -> None:
@@ -309,7 +356,7 @@ class ELRModule(LightningModule):
         loss = self.shard_loss(batch, loops, aux)
         loss = loss + sum(aux.values(), start=torch.zeros_like(loss))
         for name, value in aux.items():  # a copy: syncing under some strategies reduces in place
-            self.log(f"train/{name}", value.detach().clone(), sync_dist=True)
+            self.log(f"train/{name}", self._step_mean(name, value), sync_dist=True)
         # Reading the loss stalls the device: check it on the steps that log it anyway. Every rank
         # takes part, so a rank-local NaN stops all ranks together, not at the collective timeout.
         if self.trainer.global_step % self.trainer.log_every_n_steps == 0:
@@ -320,12 +367,28 @@ class ELRModule(LightningModule):
                     f"train/loss {where} at step {self.trainer.global_step} (loops {loops}); "
                     "lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
                 )
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train/loss", self._step_mean("loss", loss), prog_bar=True, sync_dist=True)
         self.log("train/loops_mean", sum(schedule) / len(schedule))
         self.log("train/p1", sum(k == 1 for k in schedule) / len(schedule))
         for name, value in self.model.update.metrics().items():
             self.log(f"train/{name}", value)
         return loss
+
+    def _step_mean(self, name: str, value: Tensor) -> Tensor:
+        """Mean of ``value`` over the micro-batches of the current optimizer step run so far (detached).
+
+        Lightning logs a step's metrics after its last micro-batch only, with the value logged last;
+        logging this running mean makes ``train/loss`` the token mean over all shards of the step
+        under gradient accumulation too (every micro-batch holds the same number of tokens).
+        """
+        step = self.trainer.global_step
+        value = value.detach().float()
+        saved = self._step_sums.get(name)
+        if saved is None or saved[0] != step:
+            saved = (step, torch.zeros_like(value), 0)
+        total, count = saved[1] + value, saved[2] + 1
+        self._step_sums[name] = (step, total, count)
+        return total / count
 
     @override
     def on_train_start(self) -> None:
@@ -367,16 +430,18 @@ class ELRModule(LightningModule):
                 self.val_bpb[str(k)].update(nll / nbytes / math.log(2), nbytes)
 
     def _log_evaluation(self, prefix: str) -> None:
+        # compute() already reduces each metric over the ranks, so every rank logs the same values;
+        # sync_dist averages those equal values and keeps Lightning from warning that they are rank-local.
         losses = {}
         for k in self.val_loops:
             losses[k] = float(self.val_loss[str(k)].compute())
-            self.log(f"{prefix}/loss_k{k}", losses[k], prog_bar=k in (1, self.val_loops[-1]))
-            self.log(f"{prefix}/bpb_k{k}", self.val_bpb[str(k)].compute())
+            self.log(f"{prefix}/loss_k{k}", losses[k], prog_bar=k in (1, self.val_loops[-1]), sync_dist=True)
+            self.log(f"{prefix}/bpb_k{k}", self.val_bpb[str(k)].compute(), sync_dist=True)
             with torch.inference_mode(False):  # states re-made here must not be inference tensors
                 self.val_loss[str(k)].reset()
                 self.val_bpb[str(k)].reset()
         for name, value in loop_gains(losses, self.arch.max_loops).items():
-            self.log(f"{prefix}/{name}", value)
+            self.log(f"{prefix}/{name}", value, sync_dist=True)
 
     @override
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
@@ -433,6 +498,12 @@ class ELRModule(LightningModule):
                 "is kept. Lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
             )
         checkpoint["elr"] = {"arch": dataclasses.asdict(self.arch)}
+        if attached:
+            checkpoint["elr"]["schedule"] = {
+                "num_shards": self.num_shards(),
+                "seed": self.seed,
+                "total_steps": _planned_steps(self.trainer),
+            }
         if self.tokenizer is not None:
             checkpoint["elr"]["tokenizer"] = tokenizer_state(self.tokenizer)
 
@@ -466,5 +537,47 @@ class ELRModule(LightningModule):
                 "with the checkpoint's model.init_args (its hyper_parameters), or start a new run from it with "
                 "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
             )
+        self._check_resumed_schedule(checkpoint.get("elr", {}).get("schedule"))
         if self.tokenizer is None:
             self.tokenizer = checkpoint_tokenizer(checkpoint)
+
+    def _check_resumed_schedule(self, saved: Optional[dict[str, int]]) -> None:
+        """Refuse to resume training with another loop schedule than the checkpoint's run had.
+
+        The schedule is a pure function of ``(seed, step, shard, num_shards)`` (DESIGN §4): a resumed
+        run with another number of shards per step (data-parallel ranks x ``virtual_ranks``) or
+        another loop seed would silently run other loop counts than the interrupted run.
+
+        Raises:
+            ValueError: Naming the field and the value that keeps the schedule.
+        """
+        if saved is None or self._trainer is None or self.trainer.state.fn != "fit":
+            return
+        ranks = self.data_parallel_layout()[1]
+        shards, seed = self.num_shards(), self.seed
+        if saved["num_shards"] != shards:
+            fits = saved["num_shards"] % ranks == 0
+            fix = (
+                f"set model.init_args.virtual_ranks: {saved['num_shards'] // ranks}"
+                if fits
+                else f"use a number of data-parallel ranks that divides {saved['num_shards']}"
+            )
+            raise ValueError(
+                f"cannot resume the loop schedule exactly: the checkpoint was trained with {saved['num_shards']} "
+                f"shards per step, this run has {shards} ({ranks} data-parallel rank(s) x "
+                f"model.init_args.virtual_ranks={self.virtual_ranks}); {fix} (keeping data.batch_size x devices), "
+                "or start a fresh run from the weights with DelayedMixedDepth(init_from=...)"
+            )
+        if saved["seed"] != seed:
+            raise ValueError(
+                f"cannot resume the loop schedule exactly: the checkpoint was trained with loop seed {saved['seed']}, "
+                f"this run has {seed}; set model.init_args.loop_seed: {saved['seed']} (or the same seed_everything)"
+            )
+        planned, total = saved.get("total_steps"), _planned_steps(self.trainer)
+        if planned is not None and total is not None and planned != total:
+            rank_zero_warn(
+                f"the checkpoint's run planned {planned} optimizer steps, this run plans {total}: the LR schedule is "
+                f"restored from the checkpoint, so its cosine still ends at step {planned}"
+                + (" and the LR rises again after it" if total > planned else "")
+                + f"; resume with the checkpoint's trainer.max_steps ({planned} steps) to continue it exactly"
+            )

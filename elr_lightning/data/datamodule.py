@@ -94,7 +94,7 @@ class TextDataModule(pl.LightningDataModule):
         cache_dir: Folder for token shards.
         seed: Seed of the training order.
         max_bytes: Use only the first ``max_bytes`` UTF-8 bytes of the corpus (quick runs, tests).
-        val_batches: Use at most this many validation batches.
+        val_batches: Use at most this many validation batches per device (of ``batch_size`` windows each).
 
     Raises:
         ValueError: A number is out of range or the tokenizer spec is invalid.
@@ -340,15 +340,24 @@ class TextDataModule(pl.LightningDataModule):
         return loader
 
     def val_dataloader(self) -> DataLoader:
-        """Validation windows in stream order, at most ``val_batches`` batches.
+        """Validation windows in stream order, at most ``val_batches`` global batches.
+
+        A global batch is ``batch_size`` windows per device, as in training, so every rank runs at
+        most ``val_batches`` batches, and W devices at ``batch_size`` B / W validate the same windows
+        as one device at B. Under several devices the count is cut to a multiple of W, so that
+        Lightning's distributed sampler splits it without repeating windows.
 
         Returns:
             A plain ``DataLoader`` (Lightning adds a distributed sampler under DDP).
         """
         _, val = self._require_setup()
+        _, world_size = self._rank_and_world_size()
+        count = len(val)
         if self.val_batches is not None:
-            count = min(len(val), self.val_batches * self.batch_size)
-            val = TokenWindows(val.tokens, val.seq_len, val.start, val.start + count)
+            count = min(count, self.val_batches * self.batch_size * world_size)
+        if count >= world_size:
+            count -= count % world_size
+        val = TokenWindows(val.tokens, val.seq_len, val.start, val.start + count)
         return DataLoader(val, batch_size=self.batch_size, shuffle=False, drop_last=False)
 
     def test_dataloader(self) -> DataLoader:

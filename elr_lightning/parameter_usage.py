@@ -1,0 +1,75 @@
+"""Which parameters a forward pass of a :class:`~elr_lightning.model.LoopedLM` leaves out, per k.
+
+DDP's reducer and FSDP2's reduce-scatter need to know (DESIGN §6); the ELR strategies and the
+module's check of Lightning's plain DDP share this probe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from elr_lightning.model import LoopedLM
+
+
+@contextmanager
+def _conditioning(model: LoopedLM, active: bool) -> Iterator[None]:
+    conditioner = model.conditioner
+    if conditioner is None:
+        yield
+        return
+    saved = conditioner.active
+    conditioner.set_active(active)
+    try:
+        yield
+    finally:
+        conditioner.set_active(saved)
+
+
+def _reached_parameters(output: torch.Tensor) -> set[int]:
+    """``id`` of every leaf tensor the autograd graph of ``output`` accumulates a gradient into."""
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(fn for fn, _ in node.next_functions)
+    return reached
+
+
+def unused_parameters(model: LoopedLM, loops: Iterable[int]) -> dict[tuple[bool, int], list[str]]:
+    """The trainable parameters a forward pass leaves out, per conditioning state and loop count.
+
+    Runs ``model`` on a two-token input at each k, with the conditioner (if any) as it is and,
+    when it is off, switched on as well (the state after a delayed switch, DESIGN §5), and walks
+    the autograd graph; no gradient is computed and the model is left as it was. Data-dependent
+    use (for example MoE experts that receive no token) is not covered.
+
+    Args:
+        model: The model, unsharded.
+        loops: Loop counts to probe.
+
+    Returns:
+        ``{(conditioner_active, k): names}`` with ``names`` sorted.
+    """
+    conditioner = model.conditioner
+    states = [True] if conditioner is None else sorted({conditioner.active, True})
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=model.embed.weight.device)
+    result: dict[tuple[bool, int], list[str]] = {}
+    with torch.enable_grad():
+        for active in states:
+            with _conditioning(model, active):
+                for k in loops:
+                    reached = _reached_parameters(model(tokens, k))
+                    result[(active, k)] = [name for name, p in named if id(p) not in reached]
+    return result
