@@ -40,6 +40,12 @@ class ELRCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Check data paths before the model is built, so a typo fails in seconds, not after allocating."""
         config = self.config[self.subcommand] if self.subcommand else self.config
+        strategy = (config.get("trainer") or {}).get("strategy")
+        if isinstance(strategy, str) and "." in strategy:
+            raise ValueError(
+                f"--trainer.strategy {strategy!r} is a class path, not a Lightning strategy name; give it as "
+                f"--trainer.strategy.class_path {strategy} (in YAML: strategy: {{class_path: {strategy}}})"
+            )
         init_args = config.get("data", {}).get("init_args", {}) or {}
         if "sources" in init_args:
             resolve_sources(init_args["sources"])

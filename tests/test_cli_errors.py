@@ -97,6 +97,10 @@ CASES: dict[str, Case] = {
         [*FIT, "--model.init_args.arch.token_pattern", "[gdp]", "--model.init_args.arch.mixers.gdp.init_args.num_heads", "2"],
         "give the entry whole: --model.init_args.arch.mixers.gdp '{class_path",
     ),
+    "strategy_class_path_as_a_name": Case(
+        [*FIT, "--trainer.strategy", "elr_lightning.strategies.OneLoopOverrideDDPStrategy"],
+        "--trainer.strategy.class_path elr_lightning.strategies.OneLoopOverrideDDPStrategy",
+    ),
     "validate_ckpt_last_without_one": Case(
         ["validate", "--config", "tiny.yaml", "--ckpt_path", "last"], "--ckpt_path last: no last.ckpt in"
     ),
