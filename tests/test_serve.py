@@ -166,6 +166,12 @@ def spec() -> CompletionsSpec:
         (b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
         (b'{"prompt": "x", "n": 2}', "n"),
         (b'{"prompt": "x", "frequency_penalty": 1}', "frequency_penalty"),
+        (b'{"prompt": "x", "seed": 18446744073709551616}', "seed"),  # 2**64: torch.Generator refuses it
+        (b'{"prompt": "x", "seed": -9223372036854775809}', "seed"),
+        (b'{"prompt": "x", "max_tokens": "5"}', "max_tokens"),  # wrong JSON types are refused, not coerced
+        (b'{"prompt": "x", "loops": true}', "loops"),
+        (b'{"prompt": "x", "stream": "yes"}', "stream"),
+        (b'{"prompt": "x", "seed": 1.0}', "seed"),
     ],
 )
 def test_bad_requests_name_the_field(spec: CompletionsSpec, body: bytes, param: str) -> None:
@@ -178,7 +184,18 @@ def test_bad_requests_name_the_field(spec: CompletionsSpec, body: bytes, param: 
 def test_good_request_parses_with_defaults(spec: CompletionsSpec) -> None:
     _, job = spec.parse(b'{"prompt": "hi", "stop": "\\n", "top_p": 1.0}')
     assert job == CompletionRequest((104, 105), 1, 16, 1.0, None, None, ("\n",))
+    _, job = spec.parse(b'{"prompt": "hi", "temperature": 0, "top_p": 1, "seed": null, "loops": null}')  # ints as floats
+    assert (job.temperature, job.top_p, job.seed, job.loops) == (0.0, None, None, 1)
     assert relative_costs(SERVE_ARCH, 3) == {"1": 1.0, "2": 6 / 4, "3": 8 / 4}
+
+
+def test_seeds_at_both_ends_of_the_accepted_range_run_in_the_engine(spec: CompletionsSpec, model) -> None:
+    """A seed the HTTP side accepts never fails the engine step (which would fail every request in flight)."""
+    requests = {}
+    for seed in (-(2**63), 2**64 - 1):
+        _, requests[str(seed)] = spec.parse(json.dumps({"prompt": "ab", "max_tokens": 2, "seed": seed}).encode())
+    texts, finish = run_engine(DecodeEngine(model, TOK, "last_loop"), requests)
+    assert finish == {uid: "length" for uid in requests}
 
 
 # ---- the real server, over HTTP --------------------------------------------------------------------

@@ -40,7 +40,8 @@ from elr_lightning.tokenizers import Tokenizer
 class CompletionBody(BaseModel):
     """The JSON body of ``POST /v1/completions``: OpenAI's completion fields plus ``loops``."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: a wrong JSON type (``"max_tokens": "5"``, ``"loops": true``) is refused, not coerced.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(min_length=1)
     model: Optional[str] = None
@@ -49,7 +50,7 @@ class CompletionBody(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     loops: Optional[int] = None
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None
