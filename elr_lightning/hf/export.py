@@ -159,7 +159,8 @@ def byte_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+def _write_tokenizer(tokenizer: Tokenizer, out: Path, max_seq_len: int) -> None:
+    """Write the tokenizer files; ``model_max_length`` is the model's context, so ``truncation=True`` fits it."""
     transformers, _ = _hf()
     from tokenizers import Tokenizer as HFTok
 
@@ -170,7 +171,7 @@ def _write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     else:
         raise ValueError(f"tokenizer: a {type(tokenizer).__name__} cannot be exported; use a HF tokenizer.json")
     eos = tokenizer.eos_id
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTok.from_str(raw))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTok.from_str(raw), model_max_length=max_seq_len)
     if eos is not None:
         fast.eos_token = fast.convert_ids_to_tokens(eos)
     fast.save_pretrained(str(out))
@@ -222,7 +223,7 @@ def export_hf(model: LoopedLM, tokenizer: Tokenizer, out: str | os.PathLike) -> 
     here = Path(__file__).parent
     for name in REMOTE_CODE:
         shutil.copyfile(here / name, out / name)
-    _write_tokenizer(tokenizer, out)
+    _write_tokenizer(tokenizer, out, model.config.max_seq_len)
     return out
 
 
