@@ -68,8 +68,8 @@ def in_process(model: LoopedLM) -> ELRForCausalLM:
 def test_export_writes_every_file_with_every_arch_field(exported: tuple[Path, Path]) -> None:
     ckpt, out = exported
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "configuration_elr.py", "model.safetensors", "modeling_elr.py", "tokenizer.json",
-        "tokenizer_config.json",
+        "config.json", "configuration_elr.py", "generation_config.json", "model.safetensors", "modeling_elr.py",
+        "tokenizer.json", "tokenizer_config.json",
     ]
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "elr" and config["architectures"] == ["ELRForCausalLM"]
@@ -269,3 +269,20 @@ def test_left_padded_batch_and_cache_free_generate_match_the_native_model() -> N
             assert torch.equal(runs[0], runs[1]), k
             ours = generate(model, torch.tensor([short]), loops=k, max_new_tokens=6, greedy=True, kv_cache="per_loop")
             assert runs[0][0, -6:].tolist() == ours.sequences[0, -6:].tolist(), k
+
+
+def test_generate_of_the_export_stops_at_the_tokenizer_eos_like_ours(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = HFTokenizer(str(train_bpe(tmp_path / "bpe.json")))
+    eos = tokenizer.eos_id
+    model = perturbed_model(dataclasses.replace(SERVE_ARCH, vocab_size=512))
+    with torch.no_grad():
+        model.embed.weight[eos] *= 50  # the tied head now favours EOS after a few tokens at most
+    hf = AutoModelForCausalLM.from_pretrained(str(export_hf(model, tokenizer, tmp_path / "x")), trust_remote_code=True)
+    ids = torch.tensor([tokenizer.encode("def f(x):")])
+    ours = generate(model, ids, loops=2, max_new_tokens=8, greedy=True, eos_id=eos, kv_cache="per_loop").sequences
+    assert eos in ours[0, ids.shape[1] :].tolist()
+    stop = ours[0].tolist().index(eos, ids.shape[1]) + 1
+    theirs = hf.eval().generate(ids, loops=2, max_new_tokens=8, do_sample=False)
+    assert theirs[0].tolist() == ours[0, :stop].tolist()

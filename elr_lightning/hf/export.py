@@ -218,7 +218,9 @@ def export_hf(model: LoopedLM, tokenizer: Tokenizer, out: str | os.PathLike) -> 
     }
     config.architectures = ["ELRForCausalLM"]
     config.dtype = str(model.embed.weight.dtype).removeprefix("torch.")
+    config.eos_token_id = tokenizer.eos_id  # generate() stops at EOS, as `elr generate` does
     config.save_pretrained(str(out))
+    transformers.GenerationConfig(eos_token_id=tokenizer.eos_id).save_pretrained(str(out))
     st.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     here = Path(__file__).parent
     for name in REMOTE_CODE:
