@@ -160,3 +160,25 @@ def test_bad_model_arguments_are_refused(model: LoopedLM, tmp_path: Path) -> Non
         ELRLM.create_from_arg_string(f"ckpt_path={tmp_path / 'x.ckpt'},loop=4")
     with pytest.raises(ValueError, match="ckpt_path is required"):
         ELRLM.create_from_arg_string("loops=2")
+
+
+#: Contexts beyond max_seq_len = 64 (cut from the left), a 64-token continuation beside 64-token contexts, and
+#: a context whose trailing newline the harness moves to the continuation.
+LONG = [("abcdefghij" * 12, "klm"), ("x = 1\n" * 20, " and more"), ("q", "r" * 64), ("short", "s" * 10),
+        ("y" * 63, "t"), ("z" * 64, "uv"), ("w" * 70, "w" * 30)]  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["per_loop", "last_loop"])
+@pytest.mark.parametrize("batch_size", [3, 16])
+def test_long_requests_are_truncated_like_the_harness_in_any_batch(
+    model: LoopedLM, policy: str, batch_size: int
+) -> None:
+    """Each score is the request's own, truncated to the last max_seq_len + 1 tokens, whatever shares its batch."""
+    lm = ELRLM.from_model(model, ByteTokenizer(), loops=3, kv_cache=policy, batch_size=batch_size)
+    got = lm.loglikelihood(_requests("loglikelihood", LONG), disable_tqdm=True)
+    for (context, continuation), (log_prob, greedy) in zip(LONG, got):
+        ctx, cont = lm._encode_pair(context, continuation)
+        whole = (ctx + cont)[-(CONFIG.max_seq_len + 1) :]
+        expected, expected_greedy = _direct(model, whole[: len(whole) - len(cont)], cont, 3, policy)
+        assert log_prob == pytest.approx(expected, abs=2e-4)
+        assert greedy == expected_greedy
