@@ -182,3 +182,17 @@ def test_long_requests_are_truncated_like_the_harness_in_any_batch(
         expected, expected_greedy = _direct(model, whole[: len(whole) - len(cont)], cont, 3, policy)
         assert log_prob == pytest.approx(expected, abs=2e-4)
         assert greedy == expected_greedy
+
+
+def test_generate_until_cuts_long_contexts_from_the_left_to_fit_the_budget(model: LoopedLM) -> None:
+    """Contexts beyond max_seq_len keep their last tokens; a 400-id model under the byte tokenizer never fails."""
+    lm = ELRLM.from_model(model, ByteTokenizer(), loops=2, batch_size=3)
+    never = ["\x00never"]
+    args = [("a" * 200, {"until": never, "max_gen_toks": 5}), ("b" * 10, {"until": never}),
+            ("c" * 200, {"until": never, "max_gen_toks": 500}), ("d" * 30, {"until": never, "max_gen_toks": 5})]  # fmt: skip
+    got = lm.generate_until(_requests("generate_until", args), disable_tqdm=True)
+    for (context, kwargs), text in zip(args, got):
+        budget = min(kwargs.get("max_gen_toks", lm.max_gen_toks), CONFIG.max_seq_len - 1)
+        prompt = list(context.encode())[-(CONFIG.max_seq_len - budget + 1) :]
+        ours = generate(model, [prompt], loops=2, max_new_tokens=budget, greedy=True, kv_cache="per_loop")
+        assert text == ByteTokenizer().decode(ours.new_tokens[0].tolist())
