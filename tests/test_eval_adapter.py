@@ -189,7 +189,8 @@ def test_generate_until_cuts_long_contexts_from_the_left_to_fit_the_budget(model
     lm = ELRLM.from_model(model, ByteTokenizer(), loops=2, batch_size=3)
     never = ["\x00never"]
     args = [("a" * 200, {"until": never, "max_gen_toks": 5}), ("b" * 10, {"until": never}),
-            ("c" * 200, {"until": never, "max_gen_toks": 500}), ("d" * 30, {"until": never, "max_gen_toks": 5})]  # fmt: skip
+            ("c" * 200, {"until": never, "max_gen_toks": 500}),
+            ("d" * 30, {"until": never, "max_gen_toks": 5})]  # fmt: skip
     got = lm.generate_until(_requests("generate_until", args), disable_tqdm=True)
     for (context, kwargs), text in zip(args, got):
         budget = min(kwargs.get("max_gen_toks", lm.max_gen_toks), CONFIG.max_seq_len - 1)
