@@ -313,3 +313,51 @@ def test_engine_reset_drops_every_request(model) -> None:
     engine.step()
     engine.submit("b", REQUESTS["b"])
     assert sorted(engine.reset()) == ["a", "b"] and engine.active == 0 and engine.step() == []
+
+
+def test_finished_and_abandoned_requests_leave_the_response_buffer(spec: CompletionsSpec) -> None:
+    """Each request's buffer entry goes when it is answered, streamed out, or its client disconnects mid-stream."""
+    import asyncio
+    import queue
+
+    from litserve import LitServer
+    from litserve.utils import LitAPIStatus
+
+    spec.response_buffer, spec.request_queue, spec.response_queue_id = {}, queue.Queue(), 0
+    spec.data_streamer = LitServer.data_streamer
+
+    class Body:
+        def __init__(self, stream: bool) -> None:
+            self.raw = json.dumps({"prompt": "ab", "max_tokens": 3, "stream": stream}).encode()
+
+        async def body(self) -> bytes:
+            return self.raw
+
+    def feed(finish: bool) -> None:
+        """What the inference worker sends: two pieces, then (unless still running) the end of the stream."""
+        _, uid, _, _ = spec.request_queue.get_nowait()
+        item = spec.response_buffer[uid]
+        for text, reason in (("x", None), ("y", "length" if finish else None)):
+            item.response_queue.append((json.dumps({"text": text, "finish_reason": reason, "completion_tokens": 1}),
+                                        LitAPIStatus.OK))  # fmt: skip
+        if finish:
+            item.response_queue.append(("", LitAPIStatus.FINISH_STREAMING))
+        item.event.set()
+
+    async def scenario() -> list:
+        answer = asyncio.ensure_future(spec.completions(Body(False)))
+        await asyncio.sleep(0)
+        feed(finish=True)
+        plain = (await answer)["choices"][0]["text"]
+        streamed = await spec.completions(Body(True))
+        feed(finish=True)
+        chunks = [chunk async for chunk in streamed.body_iterator]
+        abandoned = await spec.completions(Body(True))
+        feed(finish=False)
+        first = await abandoned.body_iterator.__anext__()
+        await abandoned.body_iterator.aclose()  # the client went away mid-stream
+        return [plain, chunks[-1], first, dict(spec.response_buffer)]
+
+    plain, last, first, left = asyncio.run(scenario())
+    assert plain == "xy" and last == "data: [DONE]\n\n" and '"text": "x"' in first
+    assert left == {}
