@@ -2,7 +2,8 @@
 
 An export holds ``model.safetensors`` (the LM head left out when tied to the embedding, as Hugging
 Face expects), ``config.json`` (``model_type: elr``, ``auto_map``, every architecture field, and the
-``ModelConfig`` verbatim under ``elr_arch``), the tokenizer files, and the self-contained
+``ModelConfig`` verbatim under ``elr_arch``), ``generation_config.json`` (the tokenizer's EOS), the
+tokenizer files, and the self-contained
 ``configuration_elr.py`` / ``modeling_elr.py``, so ``AutoModelForCausalLM.from_pretrained(DIR,
 trust_remote_code=True)`` loads it with only ``transformers`` installed. An import rebuilds the
 :class:`~elr_lightning.module.ELRModule` and writes a Lightning checkpoint whose weights equal the
