@@ -11,6 +11,7 @@ Two implementations ship with the library:
 """
 
 import hashlib
+import itertools
 import json
 import os
 import warnings
@@ -113,13 +114,19 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         """Decode ids as UTF-8 bytes, replacing invalid sequences with U+FFFD.
 
+        A model whose ``vocab_size`` exceeds 256 can sample an id that is no byte; each such id
+        decodes to one U+FFFD, like an invalid byte, instead of failing the whole generation.
+
         Args:
-            ids: Byte values in ``[0, 256)``.
+            ids: Token ids; byte values in ``[0, 256)``.
 
         Returns:
             The decoded text.
         """
-        return bytes(ids).decode("utf-8", errors="replace")
+        pieces = []
+        for is_byte, run in itertools.groupby(ids, key=lambda i: 0 <= i < 256):
+            pieces.append(bytes(run).decode("utf-8", errors="replace") if is_byte else "\ufffd" * len(list(run)))
+        return "".join(pieces)
 
     def token_bytes(self) -> torch.Tensor:
         """Every id stands for exactly one byte.

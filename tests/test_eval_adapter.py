@@ -160,3 +160,40 @@ def test_bad_model_arguments_are_refused(model: LoopedLM, tmp_path: Path) -> Non
         ELRLM.create_from_arg_string(f"ckpt_path={tmp_path / 'x.ckpt'},loop=4")
     with pytest.raises(ValueError, match="ckpt_path is required"):
         ELRLM.create_from_arg_string("loops=2")
+
+
+#: Contexts beyond max_seq_len = 64 (cut from the left), a 64-token continuation beside 64-token contexts, and
+#: a context whose trailing newline the harness moves to the continuation.
+LONG = [("abcdefghij" * 12, "klm"), ("x = 1\n" * 20, " and more"), ("q", "r" * 64), ("short", "s" * 10),
+        ("y" * 63, "t"), ("z" * 64, "uv"), ("w" * 70, "w" * 30)]  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["per_loop", "last_loop"])
+@pytest.mark.parametrize("batch_size", [3, 16])
+def test_long_requests_are_truncated_like_the_harness_in_any_batch(
+    model: LoopedLM, policy: str, batch_size: int
+) -> None:
+    """Each score is the request's own, truncated to the last max_seq_len + 1 tokens, whatever shares its batch."""
+    lm = ELRLM.from_model(model, ByteTokenizer(), loops=3, kv_cache=policy, batch_size=batch_size)
+    got = lm.loglikelihood(_requests("loglikelihood", LONG), disable_tqdm=True)
+    for (context, continuation), (log_prob, greedy) in zip(LONG, got):
+        ctx, cont = lm._encode_pair(context, continuation)
+        whole = (ctx + cont)[-(CONFIG.max_seq_len + 1) :]
+        expected, expected_greedy = _direct(model, whole[: len(whole) - len(cont)], cont, 3, policy)
+        assert log_prob == pytest.approx(expected, abs=2e-4)
+        assert greedy == expected_greedy
+
+
+def test_generate_until_cuts_long_contexts_from_the_left_to_fit_the_budget(model: LoopedLM) -> None:
+    """Contexts beyond max_seq_len keep their last tokens; a 400-id model under the byte tokenizer never fails."""
+    lm = ELRLM.from_model(model, ByteTokenizer(), loops=2, batch_size=3)
+    never = ["\x00never"]
+    args = [("a" * 200, {"until": never, "max_gen_toks": 5}), ("b" * 10, {"until": never}),
+            ("c" * 200, {"until": never, "max_gen_toks": 500}),
+            ("d" * 30, {"until": never, "max_gen_toks": 5})]  # fmt: skip
+    got = lm.generate_until(_requests("generate_until", args), disable_tqdm=True)
+    for (context, kwargs), text in zip(args, got):
+        budget = min(kwargs.get("max_gen_toks", lm.max_gen_toks), CONFIG.max_seq_len - 1)
+        prompt = list(context.encode())[-(CONFIG.max_seq_len - budget + 1) :]
+        ours = generate(model, [prompt], loops=2, max_new_tokens=budget, greedy=True, kv_cache="per_loop")
+        assert text == ByteTokenizer().decode(ours.new_tokens[0].tolist())

@@ -90,6 +90,8 @@ def test_parse_loops() -> None:
     for bad in ("0", "1,x", "-1"):
         with pytest.raises(ValueError, match="--loops"):
             parse_loops(bad)
+    with pytest.raises(ValueError, match="the range '3-1' is empty; write the smaller count first"):
+        parse_loops("3-1")  # was "every loop count must be >= 1"
 
 
 def test_summary_gain_captured_is_the_papers_fraction() -> None:

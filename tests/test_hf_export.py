@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -67,8 +68,8 @@ def in_process(model: LoopedLM) -> ELRForCausalLM:
 def test_export_writes_every_file_with_every_arch_field(exported: tuple[Path, Path]) -> None:
     ckpt, out = exported
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "configuration_elr.py", "model.safetensors", "modeling_elr.py", "tokenizer.json",
-        "tokenizer_config.json",
+        "config.json", "configuration_elr.py", "generation_config.json", "model.safetensors", "modeling_elr.py",
+        "tokenizer.json", "tokenizer_config.json",
     ]
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "elr" and config["architectures"] == ["ELRForCausalLM"]
@@ -238,3 +239,50 @@ def test_import_errors_name_the_problem(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="model_type is 'llama'"):
         run(["import", "--hf", str(tmp_path), "--out", str(tmp_path / "x.ckpt")])
+
+
+def test_exported_tokenizer_truncates_to_the_model_context(exported: tuple[Path, Path], tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    _, out = exported
+    fresh = tmp_path / "copy"  # a copy of the directory loads on its own (no path into the export's origin)
+    shutil.copytree(out, fresh)
+    tok = AutoTokenizer.from_pretrained(str(fresh), trust_remote_code=True)
+    assert tok.model_max_length == SERVE_ARCH.max_seq_len
+    assert len(tok("y" * 100, truncation=True)["input_ids"]) == SERVE_ARCH.max_seq_len
+
+
+def test_left_padded_batch_and_cache_free_generate_match_the_native_model() -> None:
+    """Each left-padded row's logits are its unpadded native logits; use_cache on and off generate alike."""
+    model = perturbed_model(SERVE_ARCH)
+    hf = in_process(model)
+    short, long = [5, 6, 7], [1, 2, 3, 4, 5, 6, 7]
+    batch = torch.tensor([[0] * 4 + short, long])
+    mask = torch.tensor([[0] * 4 + [1] * 3, [1] * 7])
+    with torch.no_grad():
+        for k in (1, 2, SERVE_ARCH.max_loops):
+            logits = hf(batch, attention_mask=mask, loops=k).logits
+            assert (logits[0, 4:] - model(torch.tensor([short]), k)[0]).abs().max().item() <= ATOL, k
+            assert (logits[1] - model(torch.tensor([long]), k)[0]).abs().max().item() <= ATOL, k
+            runs = [hf.generate(batch, attention_mask=mask, loops=k, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                use_cache=cached) for cached in (True, False)]
+            assert torch.equal(runs[0], runs[1]), k
+            ours = generate(model, torch.tensor([short]), loops=k, max_new_tokens=6, greedy=True, kv_cache="per_loop")
+            assert runs[0][0, -6:].tolist() == ours.sequences[0, -6:].tolist(), k
+
+
+def test_generate_of_the_export_stops_at_the_tokenizer_eos_like_ours(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = HFTokenizer(str(train_bpe(tmp_path / "bpe.json")))
+    eos = tokenizer.eos_id
+    model = perturbed_model(dataclasses.replace(SERVE_ARCH, vocab_size=512))
+    with torch.no_grad():
+        model.embed.weight[eos] *= 50  # the tied head now favours EOS after a few tokens at most
+    hf = AutoModelForCausalLM.from_pretrained(str(export_hf(model, tokenizer, tmp_path / "x")), trust_remote_code=True)
+    ids = torch.tensor([tokenizer.encode("def f(x):")])
+    ours = generate(model, ids, loops=2, max_new_tokens=8, greedy=True, eos_id=eos, kv_cache="per_loop").sequences
+    assert eos in ours[0, ids.shape[1] :].tolist()
+    stop = ours[0].tolist().index(eos, ids.shape[1]) + 1
+    theirs = hf.eval().generate(ids, loops=2, max_new_tokens=8, do_sample=False)
+    assert theirs[0].tolist() == ours[0, :stop].tolist()

@@ -166,6 +166,12 @@ def spec() -> CompletionsSpec:
         (b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
         (b'{"prompt": "x", "n": 2}', "n"),
         (b'{"prompt": "x", "frequency_penalty": 1}', "frequency_penalty"),
+        (b'{"prompt": "x", "seed": 18446744073709551616}', "seed"),  # 2**64: torch.Generator refuses it
+        (b'{"prompt": "x", "seed": -9223372036854775809}', "seed"),
+        (b'{"prompt": "x", "max_tokens": "5"}', "max_tokens"),  # wrong JSON types are refused, not coerced
+        (b'{"prompt": "x", "loops": true}', "loops"),
+        (b'{"prompt": "x", "stream": "yes"}', "stream"),
+        (b'{"prompt": "x", "seed": 1.0}', "seed"),
     ],
 )
 def test_bad_requests_name_the_field(spec: CompletionsSpec, body: bytes, param: str) -> None:
@@ -178,7 +184,18 @@ def test_bad_requests_name_the_field(spec: CompletionsSpec, body: bytes, param: 
 def test_good_request_parses_with_defaults(spec: CompletionsSpec) -> None:
     _, job = spec.parse(b'{"prompt": "hi", "stop": "\\n", "top_p": 1.0}')
     assert job == CompletionRequest((104, 105), 1, 16, 1.0, None, None, ("\n",))
+    _, job = spec.parse(b'{"prompt": "hi", "temperature": 0, "top_p": 1, "seed": null, "loops": null}')  # ints as floats
+    assert (job.temperature, job.top_p, job.seed, job.loops) == (0.0, None, None, 1)
     assert relative_costs(SERVE_ARCH, 3) == {"1": 1.0, "2": 6 / 4, "3": 8 / 4}
+
+
+def test_seeds_at_both_ends_of_the_accepted_range_run_in_the_engine(spec: CompletionsSpec, model) -> None:
+    """A seed the HTTP side accepts never fails the engine step (which would fail every request in flight)."""
+    requests = {}
+    for seed in (-(2**63), 2**64 - 1):
+        _, requests[str(seed)] = spec.parse(json.dumps({"prompt": "ab", "max_tokens": 2, "seed": seed}).encode())
+    texts, finish = run_engine(DecodeEngine(model, TOK, "last_loop"), requests)
+    assert finish == {uid: "length" for uid in requests}
 
 
 # ---- the real server, over HTTP --------------------------------------------------------------------
@@ -296,3 +313,51 @@ def test_engine_reset_drops_every_request(model) -> None:
     engine.step()
     engine.submit("b", REQUESTS["b"])
     assert sorted(engine.reset()) == ["a", "b"] and engine.active == 0 and engine.step() == []
+
+
+def test_finished_and_abandoned_requests_leave_the_response_buffer(spec: CompletionsSpec) -> None:
+    """Each request's buffer entry goes when it is answered, streamed out, or its client disconnects mid-stream."""
+    import asyncio
+    import queue
+
+    from litserve import LitServer
+    from litserve.utils import LitAPIStatus
+
+    spec.response_buffer, spec.request_queue, spec.response_queue_id = {}, queue.Queue(), 0
+    spec.data_streamer = LitServer.data_streamer
+
+    class Body:
+        def __init__(self, stream: bool) -> None:
+            self.raw = json.dumps({"prompt": "ab", "max_tokens": 3, "stream": stream}).encode()
+
+        async def body(self) -> bytes:
+            return self.raw
+
+    def feed(finish: bool) -> None:
+        """What the inference worker sends: two pieces, then (unless still running) the end of the stream."""
+        _, uid, _, _ = spec.request_queue.get_nowait()
+        item = spec.response_buffer[uid]
+        for text, reason in (("x", None), ("y", "length" if finish else None)):
+            item.response_queue.append((json.dumps({"text": text, "finish_reason": reason, "completion_tokens": 1}),
+                                        LitAPIStatus.OK))  # fmt: skip
+        if finish:
+            item.response_queue.append(("", LitAPIStatus.FINISH_STREAMING))
+        item.event.set()
+
+    async def scenario() -> list:
+        answer = asyncio.ensure_future(spec.completions(Body(False)))
+        await asyncio.sleep(0)
+        feed(finish=True)
+        plain = (await answer)["choices"][0]["text"]
+        streamed = await spec.completions(Body(True))
+        feed(finish=True)
+        chunks = [chunk async for chunk in streamed.body_iterator]
+        abandoned = await spec.completions(Body(True))
+        feed(finish=False)
+        first = await abandoned.body_iterator.__anext__()
+        await abandoned.body_iterator.aclose()  # the client went away mid-stream
+        return [plain, chunks[-1], first, dict(spec.response_buffer)]
+
+    plain, last, first, left = asyncio.run(scenario())
+    assert plain == "xy" and last == "data: [DONE]\n\n" and '"text": "x"' in first
+    assert left == {}

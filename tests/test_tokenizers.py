@@ -56,6 +56,18 @@ def test_byte_roundtrip_and_token_bytes(text: str) -> None:
     assert int(tok.token_bytes()[torch.tensor(ids, dtype=torch.long)].sum()) == len(text.encode("utf-8"))
 
 
+@given(st.text(), st.lists(st.integers(256, 2**20), min_size=1, max_size=4), st.integers(0, 10**6))
+def test_byte_decode_turns_ids_beyond_the_bytes_into_replacement_characters(
+    text: str, extra: list[int], at: int
+) -> None:
+    """A model with more than 256 ids can sample a non-byte; decoding shows U+FFFD instead of failing."""
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    cut = at % (len(ids) + 1)
+    decoded = tok.decode(ids[:cut] + extra + ids[cut:])
+    assert decoded == tok.decode(ids[:cut]) + "\ufffd" * len(extra) + tok.decode(ids[cut:])
+
+
 def test_byte_tokenizer_contract() -> None:
     tok = load_tokenizer("byte")
     assert isinstance(tok, ByteTokenizer)

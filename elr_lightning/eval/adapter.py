@@ -280,6 +280,23 @@ class ELRLM(TemplateLM):
         return self._score_decoding(pairs)
 
     def _score_decoding(self, pairs: Sequence[Pair]) -> list[tuple[Tensor, Tensor]]:
+        """Score ``pairs`` through the cache, in runs whose left-padded layout fits ``max_length``.
+
+        A batch holds the longest context plus the longest continuation; a row with a long context
+        beside one with a long continuation would overrun the RoPE table, so such rows go to the
+        next run (each pair alone fits: :meth:`_truncate`).
+        """
+        out: list[tuple[Tensor, Tensor]] = []
+        run: list[Pair] = []
+        for pair in pairs:
+            widest = max([len(ctx) for ctx, _ in run] + [len(pair[0])]) + max([len(c) for _, c in run] + [len(pair[1])])
+            if run and widest - 1 > self.max_length:
+                out += self._score_run(run)
+                run = []
+            run.append(pair)
+        return out + self._score_run(run)
+
+    def _score_run(self, pairs: Sequence[Pair]) -> list[tuple[Tensor, Tensor]]:
         """Prefill the contexts, then decode the continuations one token per step through the cache."""
         ids, mask = left_pad([ctx for ctx, _ in pairs], device=self._device)
         longest = max(len(cont) for _, cont in pairs)

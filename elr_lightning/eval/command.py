@@ -33,14 +33,14 @@ def parse_loops(spec: str) -> list[int]:
     loops: set[int] = set()
     for part in str(spec).split(","):
         part = part.strip()
+        bounds = part.split("-", 1) if "-" in part[1:] and not part.startswith("-") else (part, part)
         try:
-            if "-" in part[1:]:
-                lo, hi = part.split("-", 1) if not part.startswith("-") else (part, part)
-                loops.update(range(int(lo), int(hi) + 1))
-            else:
-                loops.add(int(part))
+            lo, hi = int(bounds[0]), int(bounds[1])
         except ValueError:
             raise ValueError(f"--loops {spec!r}: {part!r} is not a loop count; write e.g. --loops 1,2,4 or 1-4") from None
+        if hi < lo:
+            raise ValueError(f"--loops {spec!r}: the range {part!r} is empty; write the smaller count first")
+        loops.update(range(lo, hi + 1))
     if not loops or min(loops) < 1:
         raise ValueError(f"--loops {spec!r}: every loop count must be >= 1")
     return sorted(loops)

@@ -2,7 +2,8 @@
 
 An export holds ``model.safetensors`` (the LM head left out when tied to the embedding, as Hugging
 Face expects), ``config.json`` (``model_type: elr``, ``auto_map``, every architecture field, and the
-``ModelConfig`` verbatim under ``elr_arch``), the tokenizer files, and the self-contained
+``ModelConfig`` verbatim under ``elr_arch``), ``generation_config.json`` (the tokenizer's EOS), the
+tokenizer files, and the self-contained
 ``configuration_elr.py`` / ``modeling_elr.py``, so ``AutoModelForCausalLM.from_pretrained(DIR,
 trust_remote_code=True)`` loads it with only ``transformers`` installed. An import rebuilds the
 :class:`~elr_lightning.module.ELRModule` and writes a Lightning checkpoint whose weights equal the
@@ -159,7 +160,8 @@ def byte_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+def _write_tokenizer(tokenizer: Tokenizer, out: Path, max_seq_len: int) -> None:
+    """Write the tokenizer files; ``model_max_length`` is the model's context, so ``truncation=True`` fits it."""
     transformers, _ = _hf()
     from tokenizers import Tokenizer as HFTok
 
@@ -170,7 +172,7 @@ def _write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     else:
         raise ValueError(f"tokenizer: a {type(tokenizer).__name__} cannot be exported; use a HF tokenizer.json")
     eos = tokenizer.eos_id
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTok.from_str(raw))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTok.from_str(raw), model_max_length=max_seq_len)
     if eos is not None:
         fast.eos_token = fast.convert_ids_to_tokens(eos)
     fast.save_pretrained(str(out))
@@ -217,12 +219,14 @@ def export_hf(model: LoopedLM, tokenizer: Tokenizer, out: str | os.PathLike) -> 
     }
     config.architectures = ["ELRForCausalLM"]
     config.dtype = str(model.embed.weight.dtype).removeprefix("torch.")
+    config.eos_token_id = tokenizer.eos_id  # generate() stops at EOS, as `elr generate` does
     config.save_pretrained(str(out))
+    transformers.GenerationConfig(eos_token_id=tokenizer.eos_id).save_pretrained(str(out))
     st.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     here = Path(__file__).parent
     for name in REMOTE_CODE:
         shutil.copyfile(here / name, out / name)
-    _write_tokenizer(tokenizer, out)
+    _write_tokenizer(tokenizer, out, model.config.max_seq_len)
     return out
 
 

@@ -40,7 +40,8 @@ from elr_lightning.tokenizers import Tokenizer
 class CompletionBody(BaseModel):
     """The JSON body of ``POST /v1/completions``: OpenAI's completion fields plus ``loops``."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: a wrong JSON type (``"max_tokens": "5"``, ``"loops": true``) is refused, not coerced.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(min_length=1)
     model: Optional[str] = None
@@ -49,7 +50,7 @@ class CompletionBody(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     loops: Optional[int] = None
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None
@@ -171,14 +172,17 @@ class CompletionsSpec(LitSpec):
         pieces = self.data_streamer(queue, event, send_status=True)
         head = {"id": f"cmpl-{uid}", "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         if body.stream:
-            return StreamingResponse(self._sse(head, pieces), media_type="text/event-stream")
+            return StreamingResponse(self._sse(uid, head, pieces), media_type="text/event-stream")
         text, finish, used = [], None, 0
-        async for data, status in pieces:
-            if status == LitAPIStatus.ERROR:
-                return JSONResponse({"error": {"message": "inference failed", "type": "server_error"}}, 500)
-            piece = json.loads(data)
-            text.append(piece["text"])
-            finish, used = piece["finish_reason"], piece["completion_tokens"]
+        try:
+            async for data, status in pieces:
+                if status == LitAPIStatus.ERROR:
+                    return JSONResponse({"error": {"message": "inference failed", "type": "server_error"}}, 500)
+                piece = json.loads(data)
+                text.append(piece["text"])
+                finish, used = piece["finish_reason"], piece["completion_tokens"]
+        finally:
+            self.response_buffer.pop(uid, None)  # done or client gone: later pieces are dropped
         return {
             **head,
             "loops": job.loops,
@@ -187,15 +191,19 @@ class CompletionsSpec(LitSpec):
                       "total_tokens": len(job.prompt_ids) + used},
         }
 
-    async def _sse(self, head: dict[str, Any], pieces: AsyncIterator) -> AsyncIterator[str]:
-        async for data, status in pieces:
-            if status == LitAPIStatus.ERROR:
-                yield "data: " + json.dumps({"error": {"message": "inference failed", "type": "server_error"}}) + "\n\n"
-                return
-            piece = json.loads(data)
-            choice = {"text": piece["text"], "index": 0, "logprobs": None, "finish_reason": piece["finish_reason"]}
-            yield "data: " + json.dumps({**head, "choices": [choice]}) + "\n\n"
-        yield "data: [DONE]\n\n"
+    async def _sse(self, uid: str, head: dict[str, Any], pieces: AsyncIterator) -> AsyncIterator[str]:
+        try:
+            async for data, status in pieces:
+                if status == LitAPIStatus.ERROR:
+                    error = {"error": {"message": "inference failed", "type": "server_error"}}
+                    yield "data: " + json.dumps(error) + "\n\n"
+                    return
+                piece = json.loads(data)
+                choice = {"text": piece["text"], "index": 0, "logprobs": None, "finish_reason": piece["finish_reason"]}
+                yield "data: " + json.dumps({**head, "choices": [choice]}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self.response_buffer.pop(uid, None)  # done or client gone: later pieces are dropped
 
 
 class _CohortLoop(ContinuousBatchingLoop):
