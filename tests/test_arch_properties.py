@@ -11,6 +11,7 @@ including k above ``max_loops``. Every parameter is perturbed, so zero-initialis
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -23,6 +24,7 @@ from elr_lightning.cache import LastLoopCache, PerLoopCache
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ROUTE_REPLAY, ModelConfig
 from elr_lightning.fold import fold_conditioning
+from elr_lightning.generation import generate
 from elr_lightning.model import LoopedLM
 from elr_lightning.serving import conditioned_at
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
@@ -87,6 +89,9 @@ def archs(draw: st.DrawFn, moe: bool = True, conditioned: Optional[bool] = None)
                 "conv_size": draw(st.integers(1, 4)),
                 "allow_neg_eigval": draw(st.booleans()),
                 "kernels": "torch",
+                "num_heads": draw(st.sampled_from([None, 1, 3])),
+                "head_dim": draw(st.sampled_from([None, 4, 6])),
+                "expand_v": draw(st.sampled_from([1.0, 0.5, 2.0])),
             },
         }
     channel_names = ["swiglu"]
@@ -99,7 +104,7 @@ def archs(draw: st.DrawFn, moe: bool = True, conditioned: Optional[bool] = None)
                 "shared_expert_dim": draw(st.sampled_from([0, 8])),
                 "replay": draw(st.sampled_from(ROUTE_REPLAY)),
                 "replay_gates": draw(st.sampled_from(["recompute", "replay"])),
-                "dispatch": draw(st.sampled_from(["auto", "loop"])),
+                "dispatch": draw(st.sampled_from(["auto", "loop", "grouped"])),
             },
         }
         mixers["moe"]["init_args"]["top_k"] = draw(st.integers(1, mixers["moe"]["init_args"]["num_experts"]))
@@ -118,7 +123,8 @@ def archs(draw: st.DrawFn, moe: bool = True, conditioned: Optional[bool] = None)
         n_in=counts["in"],
         n_rec=counts["rec"],
         n_out=counts["out"],
-        d_ff=32,
+        d_ff=draw(st.sampled_from([None, 16, 32])),
+        ff_multiple_of=16,
         max_seq_len=64,
         max_loops=draw(st.integers(1, 4)),
         tie_embeddings=draw(st.booleans()),
@@ -144,15 +150,19 @@ PROPS = settings(max_examples=15, deadline=None)
 
 
 @PROPS
-@given(arch=archs(), seed=st.integers(0, 2**16), prefill=st.integers(1, 9), steps=st.integers(1, 6))
+@given(
+    arch=archs(), seed=st.integers(0, 2**16), prefill=st.integers(1, 9), steps=st.integers(1, 6), batch=st.integers(1, 3)
+)
 @torch.no_grad()
-def test_cached_decoding_equals_the_full_forward(arch: Arch, seed: int, prefill: int, steps: int) -> None:
+def test_cached_decoding_equals_the_full_forward(arch: Arch, seed: int, prefill: int, steps: int, batch: int) -> None:
     """Prefill then token by token under the per-loop cache equals the cache-free forward at every
     position and k; so does the last-loop cache at k = 1 (both are documented exact there)."""
     model = arch.build(seed)
-    ids = ids_for(seed, 2, prefill + steps)
+    ids = ids_for(seed, batch, prefill + steps)
     for loops in loop_counts(arch):
         full = model(ids, loops)
+        last_loop = LastLoopCache(max_len=ids.shape[1])  # its prefill is exact at every k
+        torch.testing.assert_close(model(ids[:, :prefill], loops, cache=last_loop), full[:, :prefill], atol=ATOL, rtol=0)
         policies = [PerLoopCache] + ([LastLoopCache] if loops == 1 else [])
         for policy in policies:
             cache = policy(max_len=ids.shape[1])
@@ -209,24 +219,37 @@ def test_a_future_token_does_not_change_earlier_logits(arch: Arch, seed: int, le
 
 
 @PROPS
-@given(arch=archs(conditioned=True), seed=st.integers(0, 2**16), length=st.integers(1, 12))
+@given(
+    arch=archs(conditioned=True),
+    seed=st.integers(0, 2**16),
+    length=st.integers(1, 12),
+    batch=st.integers(1, 2),
+    pad=st.integers(0, 3),
+)
 @torch.no_grad()
-def test_folded_and_serving_models_equal_the_unfolded_model(arch: Arch, seed: int, length: int) -> None:
+def test_folded_and_serving_models_equal_the_unfolded_model(
+    arch: Arch, seed: int, length: int, batch: int, pad: int
+) -> None:
     """``fold_conditioning`` (where every mixer folds) and both forms of ``conditioned_at`` equal the
-    model at each k, in the full forward and under cached decoding."""
+    model at each k, in the full forward and under cached decoding, with left padding in row 0."""
     model = arch.build(seed)
-    ids = ids_for(seed, 2, length + 2)
+    ids = ids_for(seed, batch, pad + length + 2)
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    mask = mask if pad else None
     for loops in loop_counts(arch):
-        expected = model(ids, loops)
+        expected = model(ids, loops, mask)
         runners = [conditioned_at(model, loops, fused_norm=False), conditioned_at(model, loops, fused_norm=True)]
         if not arch.routed:
             runners.append(fold_conditioning(model, loops))
+        cut = pad + length
         for runner in runners:
-            torch.testing.assert_close(runner(ids, loops), expected, atol=ATOL, rtol=0)
+            torch.testing.assert_close(runner(ids, loops, mask), expected, atol=ATOL, rtol=0)
             cache = PerLoopCache(max_len=ids.shape[1])
-            parts = [runner(ids[:, :length], loops, cache=cache)]
-            parts += [runner(ids[:, t : t + 1], loops, cache=cache) for t in range(length, ids.shape[1])]
-            torch.testing.assert_close(torch.cat(parts, dim=1), expected, atol=ATOL, rtol=0)
+            parts = [runner(ids[:, :cut], loops, None if mask is None else mask[:, :cut], cache)]
+            for t in range(cut, ids.shape[1]):
+                parts.append(runner(ids[:, t : t + 1], loops, None if mask is None else mask[:, : t + 1], cache))
+            torch.testing.assert_close(torch.cat(parts, dim=1)[:, pad:], expected[:, pad:], atol=ATOL, rtol=0)
 
 
 def _grads(model: LoopedLM, ids: torch.Tensor, loops: int, checkpointing: str, backprop_loops=None):
@@ -337,3 +360,45 @@ def test_a_bad_float_field_is_refused_by_name(field: str, value: object) -> None
 def test_tie_embeddings_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match=r"arch\.tie_embeddings='no' must be true or false"):
         ModelConfig(tie_embeddings="no")
+
+
+@PROPS
+@given(arch=archs(), seed=st.integers(0, 2**16), lengths=st.lists(st.integers(1, 8), min_size=1, max_size=3))
+@torch.no_grad()
+def test_generate_greedy_logits_equal_the_full_forward_of_each_prompt(arch: Arch, seed: int, lengths: list[int]) -> None:
+    """``generate`` on left-padded token lists (per-loop cache, serving constants) gives each row the
+    logits of the full forward over that row's own prompt and continuation."""
+    model = arch.build(seed)
+    prompts = [ids_for(seed + i, 1, n)[0].tolist() for i, n in enumerate(lengths)]
+    for loops in loop_counts(arch):
+        out = generate(model, prompts, loops=loops, max_new_tokens=3, greedy=True, output_logits=True)
+        for row, prompt in enumerate(prompts):
+            seq = torch.tensor([prompt + out.new_tokens[row].tolist()])
+            full = model(seq[:, :-1], loops)[:, len(prompt) - 1 :]
+            torch.testing.assert_close(out.logits[row : row + 1], full, atol=ATOL, rtol=0)
+
+
+def test_grouped_dispatch_where_it_cannot_run_loops_and_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (found by the causality property): ``dispatch="grouped"`` with expert rows that are
+    not 16-byte aligned (d_ff 32 over top_k 3 gives expert_dim 10) raised inside ``torch._grouped_mm``."""
+    monkeypatch.setattr("elr_lightning.mixers.moe._GROUPED_WARNED", set())
+
+    def config(dispatch: str) -> ModelConfig:
+        moe = {"class_path": "elr_lightning.mixers.MoE", "init_args": {"num_experts": 3, "top_k": 3, "dispatch": dispatch}}
+        return ModelConfig(
+            vocab_size=VOCAB, d_model=16, n_heads=2, n_in=0, n_rec=1, n_out=1, d_ff=32, max_seq_len=64,
+            channel_pattern={"out": ["moe"]}, mixers={"moe": moe},
+        )
+
+    torch.manual_seed(0)
+    grouped = LoopedLM(config("grouped")).eval()
+    looped = LoopedLM(config("loop")).eval()
+    looped.load_state_dict(grouped.state_dict())
+    ids = ids_for(0, 2, 5)
+    with pytest.warns(UserWarning, match=r"dispatch='grouped' but torch\._grouped_mm cannot run .*expert_dim=10"):
+        out = grouped(ids, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = grouped(ids, 2)
+    assert torch.equal(out, again)
+    torch.testing.assert_close(out, looped(ids, 2), atol=1e-6, rtol=0)
