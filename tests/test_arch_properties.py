@@ -20,12 +20,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elr_lightning.cache import LastLoopCache, PerLoopCache
+from elr_lightning.cache import LastLoopCache, PerLoopCache, kv_cache_bytes, layer_caches, recurrent_state_bytes
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ROUTE_REPLAY, ModelConfig
 from elr_lightning.fold import fold_conditioning
 from elr_lightning.generation import generate
 from elr_lightning.model import LoopedLM
+from elr_lightning.parameter_usage import unused_parameters
 from elr_lightning.serving import conditioned_at
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
 
@@ -199,10 +200,11 @@ def test_left_padding_leaves_the_real_tokens_alone(arch: Arch, seed: int, length
     for loops in loop_counts(arch):
         alone = model(ids, loops)
         torch.testing.assert_close(model(padded, loops, mask)[:1, pad:], alone, atol=ATOL, rtol=0)
-        cache = PerLoopCache(max_len=padded.shape[1])
-        head = model(padded[:, :-1], loops, mask[:, :-1], cache)
-        last = model(padded[:, -1:], loops, mask, cache)
-        torch.testing.assert_close(torch.cat((head, last), dim=1)[:1, pad:], alone, atol=ATOL, rtol=0)
+        for policy in [PerLoopCache] + ([LastLoopCache] if loops == 1 else []):
+            cache = policy(max_len=padded.shape[1])
+            head = model(padded[:, :-1], loops, mask[:, :-1], cache)
+            last = model(padded[:, -1:], loops, mask, cache)
+            torch.testing.assert_close(torch.cat((head, last), dim=1)[:1, pad:], alone, atol=ATOL, rtol=0)
 
 
 @PROPS
@@ -283,6 +285,10 @@ def test_checkpointing_and_full_truncation_give_the_same_gradients(arch: Arch, s
         _assert_same_grads(_grads(model, ids, loops, checkpointing), reference)
     _assert_same_grads(_grads(model, ids, loops, "none", backprop_loops=loops), reference)
     _assert_same_grads(_grads(model, ids, loops, "loop", backprop_loops=loops + 1), reference)
+    if loops > 1:  # truncation composes with checkpointing
+        truncated = _grads(model, ids, loops, "none", backprop_loops=1)
+        for checkpointing in ("loop", "layer"):
+            _assert_same_grads(_grads(model, ids, loops, checkpointing, backprop_loops=1), truncated)
 
 
 @PROPS
@@ -402,3 +408,31 @@ def test_grouped_dispatch_where_it_cannot_run_loops_and_warns_once(monkeypatch: 
         again = grouped(ids, 2)
     assert torch.equal(out, again)
     torch.testing.assert_close(out, looped(ids, 2), atol=1e-6, rtol=0)
+
+
+@PROPS
+@given(arch=archs(), seed=st.integers(0, 2**16), batch=st.integers(1, 2), length=st.integers(1, 8))
+@torch.no_grad()
+def test_cache_memory_equals_its_accounting(arch: Arch, seed: int, batch: int, length: int) -> None:
+    """After a prefill and one decode step, each policy's stores hold the bytes that
+    ``kv_cache_bytes`` and ``recurrent_state_bytes`` predict, and ``layer_caches`` of them."""
+    model = arch.build(seed)
+    ids = ids_for(seed, batch, length + 1)
+    for loops in loop_counts(arch):
+        for policy in (PerLoopCache, LastLoopCache):
+            cache = policy(max_len=ids.shape[1])
+            model(ids[:, :length], loops, cache=cache)
+            model(ids[:, length:], loops, cache=cache)
+            config = arch.config
+            assert len(cache._stores) == layer_caches(config, loops, policy)
+            assert cache.nbytes() == kv_cache_bytes(config, loops, policy, ids.shape[1], batch=batch)
+            assert cache.state_nbytes() == recurrent_state_bytes(config, loops, policy, batch=batch)
+
+
+@PROPS
+@given(arch=archs(), seed=st.integers(0, 2**16))
+def test_every_parameter_takes_part_at_every_k(arch: Arch, seed: int) -> None:
+    """DDP and FSDP2 need every parameter in every forward pass whatever k a rank runs (DESIGN §6)."""
+    model = arch.build(seed).train()
+    unused = unused_parameters(model, loop_counts(arch))
+    assert all(not names for names in unused.values()), unused
