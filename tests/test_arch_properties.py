@@ -11,6 +11,7 @@ including k above ``max_loops``. Every parameter is perturbed, so zero-initialis
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -21,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elr_lightning.cache import LastLoopCache, PerLoopCache, kv_cache_bytes, layer_caches, recurrent_state_bytes
-from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.conditioning import FiLMAdapterModulator, LoopConditioner
 from elr_lightning.config import ROUTE_REPLAY, ModelConfig
 from elr_lightning.fold import fold_conditioning
 from elr_lightning.generation import generate
@@ -30,7 +31,11 @@ from elr_lightning.parameter_usage import unused_parameters
 from elr_lightning.serving import conditioned_at
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    # drawn archs ask for grouped dispatch on unaligned widths; the fallback's warning has its own test
+    pytest.mark.filterwarnings("ignore:MoE. dispatch='grouped' but:UserWarning"),
+]
 
 VOCAB = 48
 ATOL = 2e-4
@@ -268,8 +273,9 @@ def _grads(model: LoopedLM, ids: torch.Tensor, loops: int, checkpointing: str, b
 def _assert_same_grads(a, b) -> None:
     assert sorted(a[1]) == sorted(b[1])
     torch.testing.assert_close(a[0], b[0], atol=1e-6, rtol=0)
-    for name in a[1]:
-        torch.testing.assert_close(a[1][name], b[1][name], atol=1e-5, rtol=1e-4, msg=name)
+    for name in a[1]:  # fp32 round-off relative to the tensor's largest gradient
+        error, scale = (a[1][name] - b[1][name]).abs().max().item(), b[1][name].abs().max().item()
+        assert error <= 5e-4 * scale + 1e-6, (name, error, scale)
 
 
 @pytest.mark.slow
@@ -436,3 +442,51 @@ def test_every_parameter_takes_part_at_every_k(arch: Arch, seed: int) -> None:
     model = arch.build(seed).train()
     unused = unused_parameters(model, loop_counts(arch))
     assert all(not names for names in unused.values()), unused
+
+
+@PROPS
+@given(arch=archs(), seed=st.integers(0, 2**16))
+def test_a_meta_built_model_materialises_to_a_full_init(arch: Arch, seed: int) -> None:
+    """Built on the meta device, moved with ``to_empty`` and filled with NaN, ``init_weights`` decides
+    every parameter and buffer: all finite, zero-init heads zero, derived buffers as a regular build's."""
+    torch.manual_seed(seed)
+    conditioner = LoopConditioner(d_cond=8, rank=2, n_freqs=2) if arch.conditioned else None
+    with torch.device("meta"):
+        model = LoopedLM(arch.config, update=UPDATES[arch.update](), conditioner=conditioner)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            t.fill_(math.nan) if t.is_floating_point() else t.fill_(True)
+    model.init_weights()
+    fresh = arch.build(seed, perturb=False)
+    assert (model.head.weight is model.embed.weight) is arch.config.tie_embeddings
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        assert torch.isfinite(t.float()).all(), name
+        if model.roles.get(name, ("",))[0] == "zeros":
+            assert torch.count_nonzero(t) == 0, name
+    reference = dict(fresh.named_buffers())
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, reference[name]), name
+    ids = ids_for(seed, 1, 4)
+    assert torch.isfinite(model(ids, arch.config.max_loops)).all()
+
+
+@pytest.mark.slow
+@settings(max_examples=10, deadline=None)
+@given(arch=archs(conditioned=True), seed=st.integers(0, 2**16), shape=st.sampled_from([(1, 5), (2, 33), (3, 40)]), loops=st.integers(1, 5))
+def test_conditioning_folded_in_training_equals_the_activation_form(
+    arch: Arch, seed: int, shape: tuple[int, int], loops: int
+) -> None:
+    """Eq. (4) folded into the sublayer weights (``Mixer.modulated``, chosen by shape) gives the loss
+    and gradients of ``Modulator.pre`` / ``post`` applied to the activations, for every mixer."""
+    model = arch.build(seed).train()
+    ids = ids_for(seed, *shape)
+    folded = _grads(model, ids, loops, "none")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FiLMAdapterModulator, "modulation", _unfoldable)
+        reference = _grads(model, ids, loops, "none")
+    _assert_same_grads(folded, reference)
+
+
+def _unfoldable(self: FiLMAdapterModulator, c: torch.Tensor) -> None:
+    raise NotImplementedError
