@@ -490,3 +490,21 @@ def test_conditioning_folded_in_training_equals_the_activation_form(
 
 def _unfoldable(self: FiLMAdapterModulator, c: torch.Tensor) -> None:
     raise NotImplementedError
+
+
+@pytest.mark.parametrize("loops", [2.5, 2.0, True, "2", 0])
+def test_a_loop_count_that_is_not_a_positive_integer_is_refused(loops: object) -> None:
+    """Regression: ``loops=2.0`` or ``2.5`` passed the ``loops < 1`` check and failed inside
+    ``range`` with a TypeError (forward, ``fold_conditioning``, ``conditioned_at``, ``generate``);
+    ``True`` ran one loop."""
+    model = Arch(ModelConfig(vocab_size=VOCAB, d_model=16, n_heads=2, n_in=0, n_out=0), "adaptive", True).build(0)
+    ids = ids_for(0, 1, 3)
+    message = rf"loops={loops!r} must be an integer >= 1"
+    for call in (
+        lambda: model(ids, loops),
+        lambda: fold_conditioning(model, loops),
+        lambda: conditioned_at(model, loops),
+        lambda: generate(model, ids, loops=loops, max_new_tokens=1),
+    ):
+        with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+            call()
