@@ -508,3 +508,11 @@ def test_a_loop_count_that_is_not_a_positive_integer_is_refused(loops: object) -
     ):
         with pytest.raises(ValueError, match=message.replace(".", r"\.")):
             call()
+
+
+@pytest.mark.parametrize("value", [True, 1.0, 0])
+def test_backprop_loops_must_be_a_positive_integer(value: object) -> None:
+    """Regression: ``backprop_loops=True`` passed as one loop (a bool is an int to Python)."""
+    model = Arch(ModelConfig(vocab_size=VOCAB, d_model=16, n_heads=2, n_in=0, n_out=0), "adaptive", False).build(0)
+    with pytest.raises(ValueError, match=rf"backprop_loops={value!r} must be an integer >= 1"):
+        model.set_backprop("none", value)
