@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Union
 
@@ -85,22 +86,29 @@ class ModelConfig:
     route_replay: Optional[str] = None
 
     def __post_init__(self) -> None:
-        def positive(name: str) -> None:
+        def integer(name: str, minimum: int, why: str = "") -> None:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"arch.{name}={value!r} must be an integer >= 1")
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"arch.{name}={value!r} must be an integer >= {minimum}{why}")
 
         for name in ("vocab_size", "d_model", "n_heads", "max_seq_len", "ff_multiple_of"):
-            positive(name)
-        if self.n_rec < 1:
-            raise ValueError(
-                f"arch.n_rec={self.n_rec} must be >= 1: a looped model needs at least one shared recurrent layer"
-            )
-        if self.max_loops < 1:
-            raise ValueError(f"arch.max_loops={self.max_loops} must be >= 1 (it is the loop budget K)")
+            integer(name, 1)
+        integer("n_rec", 1, ": a looped model needs at least one shared recurrent layer")
+        integer("max_loops", 1, " (it is the loop budget K)")
         for name in ("n_in", "n_out"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"arch.{name}={getattr(self, name)} must be >= 0")
+            integer(name, 0)
+        if self.n_kv_heads is not None:
+            integer("n_kv_heads", 1, " dividing arch.n_heads, or null for arch.n_heads")
+        if self.d_ff is not None:
+            integer("d_ff", 1, " (or null for the 8/3 d default)")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"arch.tie_embeddings={self.tie_embeddings!r} must be true or false")
+        for name in ("init_std", "norm_eps", "rope_base"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"arch.{name}={value!r} must be a finite number")
+            if value <= (1 if name == "rope_base" else 0):
+                raise ValueError(f"arch.{name}={value!r} must be > {1 if name == 'rope_base' else 0}")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"arch.d_model={self.d_model} is not divisible by arch.n_heads={self.n_heads}; "
@@ -114,10 +122,6 @@ class ModelConfig:
         kv = self.kv_heads
         if kv < 1 or self.n_heads % kv:
             raise ValueError(f"arch.n_kv_heads={kv} must be >= 1 and divide arch.n_heads={self.n_heads}")
-        if self.d_ff is not None and self.d_ff < 1:
-            raise ValueError(f"arch.d_ff={self.d_ff} must be >= 1 (or null for the 8/3 d default)")
-        if self.init_std <= 0 or self.norm_eps <= 0 or self.rope_base <= 1:
-            raise ValueError("arch.init_std and arch.norm_eps must be > 0 and arch.rope_base > 1")
         self._check_patterns()
         self._check_route_replay()
 

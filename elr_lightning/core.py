@@ -8,6 +8,7 @@ function with the same cache numbering.
 
 from __future__ import annotations
 
+import numbers
 from contextlib import nullcontext
 from typing import MutableMapping, Optional
 
@@ -90,6 +91,16 @@ def run_layer(layer: nn.Module, x: Tensor, ctx: LoopContext, recompute: bool) ->
     if recompute and torch.is_grad_enabled():
         return checkpoint(layer, x, ctx, use_reentrant=False, preserve_rng_state=False)
     return layer(x, ctx)
+
+
+def check_loops(loops: object) -> None:
+    """Refuse a loop count k that is not an integer >= 1 (a bool, a float such as ``2.0``, a string).
+
+    Raises:
+        ValueError: naming ``loops`` and what it must be.
+    """
+    if isinstance(loops, bool) or not isinstance(loops, numbers.Integral) or loops < 1:
+        raise ValueError(f"loops={loops!r} must be an integer >= 1")
 
 
 #: The ``activation_checkpointing`` settings of :meth:`LoopedLM.set_backprop`.
@@ -181,8 +192,7 @@ class LoopedForward(nn.Module):
             aux_losses: A mapping that receives the auxiliary losses the mixers added (by name). Under
                 FSDP2 pass a ``collections.UserDict``: the sharded root copies a plain dict argument.
         """
-        if loops < 1:
-            raise ValueError(f"loops={loops} must be >= 1")
+        check_loops(loops)
         ctx = self.loop_context(input_ids, loops, attention_mask, cache)
         x = self.embed(input_ids)
         per_layer = self.core.checkpointing == "layer"

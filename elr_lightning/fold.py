@@ -32,7 +32,7 @@ from typing_extensions import override
 from elr_lightning.cache import KVCache
 from elr_lightning.config import ModelConfig
 from elr_lightning.layers import Block
-from elr_lightning.core import LoopedForward, RecurrentCore
+from elr_lightning.core import LoopedForward, RecurrentCore, check_loops
 
 if TYPE_CHECKING:  # the model serves cached decoding through this module
     from elr_lightning.model import LoopedLM
@@ -147,11 +147,10 @@ def fold_conditioning(model: LoopedLM, loops: int) -> FoldedLM:
         An inference-only :class:`FoldedLM` that accepts ``loops == k`` only.
 
     Raises:
-        ValueError: ``loops < 1``.
+        ValueError: ``loops`` is not an integer >= 1.
         NotImplementedError: A modulator does not implement ``affine``.
     """
-    if loops < 1:
-        raise ValueError(f"loops={loops} must be >= 1")
+    check_loops(loops)
     config, conditioner = model.config, model.conditioner
     like = model.embed.weight
 

@@ -42,6 +42,7 @@ from elr_lightning.cache import (
     resolve_policy,
 )
 from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
+from elr_lightning.core import check_loops
 from elr_lightning.fold import FoldedLM
 from elr_lightning.serving import serving_model
 from elr_lightning.model import LoopedLM
@@ -249,8 +250,7 @@ def _prepare(
     fold: Optional[bool],
 ) -> _Job:
     lm = _unwrap(model)
-    if loops < 1:
-        raise ValueError(f"loops={loops} must be >= 1")
+    check_loops(loops)
     _check_sampling(temperature, top_k, top_p, max_new_tokens)
     device = lm.embed.weight.device
     ids, mask = _prepare_prompt(prompt, attention_mask, pad_id, device)

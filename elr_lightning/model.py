@@ -77,7 +77,9 @@ class LoopedLM(LoopedForward):
             raise ValueError(
                 f"activation_checkpointing={activation_checkpointing!r} must be one of {CHECKPOINTING}"
             )
-        if backprop_loops is not None and (not isinstance(backprop_loops, int) or backprop_loops < 1):
+        if backprop_loops is not None and (
+            isinstance(backprop_loops, bool) or not isinstance(backprop_loops, int) or backprop_loops < 1
+        ):
             raise ValueError(f"backprop_loops={backprop_loops!r} must be an integer >= 1, or null for all loops")
         self.core.checkpointing, self.core.backprop_loops = activation_checkpointing, backprop_loops
 

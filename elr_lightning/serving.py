@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from elr_lightning.context import LoopContext
+from elr_lightning.core import check_loops
 from elr_lightning.fold import FoldedLM, fold_conditioning
 from elr_lightning.layers import Block, Modulator
 
@@ -195,11 +196,10 @@ def conditioned_at(model: LoopedLM, loops: int, fused_norm: Optional[bool] = Non
         A :class:`~elr_lightning.fold.FoldedLM` that accepts ``loops == k`` only.
 
     Raises:
-        ValueError: ``loops < 1``.
+        ValueError: ``loops`` is not an integer >= 1.
         NotImplementedError: A modulator does not implement ``modulation``.
     """
-    if loops < 1:
-        raise ValueError(f"loops={loops} must be >= 1")
+    check_loops(loops)
     conditioner, like = model.conditioner, model.embed.weight
 
     def at(blocks: nn.ModuleList, c: Optional[Tensor]) -> list[nn.Module]:

@@ -22,6 +22,7 @@ well, so loops 2..k skip the router entirely.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -36,6 +37,7 @@ from elr_lightning.mixers.dispatch import (
     DISPATCH,
     DispatchPlan,
     combine,
+    compute_dtype,
     expert_swiglu,
     grouped_mm_supported,
     plan_dispatch,
@@ -44,6 +46,9 @@ from elr_lightning.roles import set_role
 
 #: What replay reuses at loops 2..k besides the expert indices.
 REPLAY_GATES = ("recompute", "replay")
+
+#: The reasons ``dispatch="grouped"`` has already warned about (each once per process).
+_GROUPED_WARNED: set[str] = set()
 
 #: The name of the load-balancing loss in ``LoopContext.add_aux_loss`` (logged as ``train/moe_aux_loss``).
 AUX_LOSS = "moe_aux_loss"
@@ -72,7 +77,7 @@ class MoE(ChannelMixer):
             takes ``arch.route_replay``, else ``dynamic``.
         replay_gates: ``recompute`` (default) or ``replay`` (see the module docstring).
         dispatch: ``auto`` (``torch._grouped_mm`` where supported, else a loop over experts),
-            ``grouped`` or ``loop``.
+            ``grouped`` (asks for it; warns once per reason and loops where it cannot run) or ``loop``.
     """
 
     routed = True
@@ -137,9 +142,26 @@ class MoE(ChannelMixer):
         return self.replay == "replay" or not self.training
 
     def _grouped(self, x: Tensor) -> bool:
-        if self.dispatch == "auto":
-            return grouped_mm_supported(x, self.w_up) and grouped_mm_supported(x, self.w_down)
-        return self.dispatch == "grouped"
+        """Whether this call runs ``torch._grouped_mm``: where asked for (``auto``, ``grouped``) and supported.
+
+        ``grouped`` where it cannot run (rows not 16-byte aligned in the compute dtype, a device or
+        dtype it does not take) uses the loop path and warns once per reason and process, as
+        ``GatedDeltaProduct(kernels="fla")`` does, instead of failing inside ``torch._grouped_mm``.
+        """
+        if self.dispatch == "loop":
+            return False
+        if grouped_mm_supported(x, self.w_up) and grouped_mm_supported(x, self.w_down):
+            return True
+        if self.dispatch == "grouped":
+            why = (
+                f"torch._grouped_mm cannot run widths d_model={self.w_up.shape[1]}, expert_dim={self.expert_dim} "
+                f"in {compute_dtype(x)} on {x.device.type} (rows must be multiples of 16 bytes; on CUDA bf16 on "
+                "compute capability 9.0+)"
+            )
+            if why not in _GROUPED_WARNED:
+                _GROUPED_WARNED.add(why)
+                warnings.warn(f"MoE: dispatch='grouped' but {why}; using the loop over experts instead", stacklevel=3)
+        return False
 
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Top-k routing of router ``logits`` ``[N, E]``: ``(probs, experts, weights)``.
