@@ -23,7 +23,7 @@ from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
 from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
 from elr_lightning.optim import check_lr_scale, param_groups, warmup_cosine
-from elr_lightning.parameter_usage import unused_parameters
+from elr_lightning.parameter_usage import first_unused
 from elr_lightning.roles import copy_with_roles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, tokenizer_state
@@ -300,14 +300,11 @@ class ELRModule(LightningModule):
         # Lightning keeps DistributedDataParallel's arguments here and has no public accessor for them.
         if getattr(strategy, "_ddp_kwargs", {}).get("find_unused_parameters", False):
             return
-        usage = unused_parameters(self.model, range(1, self.arch.max_loops + 1))
-        unused = {key: names for key, names in usage.items() if names}
-        if unused:
-            (active, k), names = next(iter(unused.items()))
+        unused = first_unused(self.model)
+        if unused is not None:
             raise ValueError(
                 f"trainer.strategy: Lightning's {type(strategy).__name__} (what trainer.devices > 1 picks by default) "
-                f"needs every parameter in the loss, but {len(names)} take no part at k={k} with the conditioner "
-                f"{'on' if active else 'off'} (e.g. {names[:3]}); set trainer.strategy.class_path "
+                f"needs every parameter in the loss, but {unused}; set trainer.strategy.class_path "
                 "elr_lightning.strategies.OneLoopOverrideDDPStrategy"
             )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -73,3 +73,16 @@ def unused_parameters(model: LoopedLM, loops: Iterable[int]) -> dict[tuple[bool,
                     reached = _reached_parameters(model(tokens, k))
                     result[(active, k)] = [name for name, p in named if id(p) not in reached]
     return result
+
+
+def first_unused(model: LoopedLM) -> Optional[str]:
+    """Where :func:`unused_parameters` first finds parameters left out at k = 1..K, in words, or ``None``.
+
+    For an error message: ``"N take no part at k=K with the conditioner on|off (e.g. [...])"``.
+    """
+    usage = unused_parameters(model, range(1, model.config.max_loops + 1))
+    for (active, k), names in usage.items():
+        if names:
+            state = "on" if active else "off"
+            return f"{len(names)} take no part at k={k} with the conditioner {state} (e.g. {names[:3]})"
+    return None

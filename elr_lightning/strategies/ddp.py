@@ -9,7 +9,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from elr_lightning.strategies.common import find_looped_lm, unused_parameters, verify_loop_schedule
+from elr_lightning.parameter_usage import first_unused
+from elr_lightning.strategies.common import find_looped_lm, verify_loop_schedule
 
 
 class OneLoopOverrideDDPStrategy(DDPStrategy):
@@ -64,14 +65,11 @@ class OneLoopOverrideDDPStrategy(DDPStrategy):
 
     def _require_every_parameter_used(self) -> None:
         model = find_looped_lm(self.lightning_module)
-        usage = unused_parameters(model, range(1, model.config.max_loops + 1))
-        unused = {key: names for key, names in usage.items() if names}
-        if unused:
-            (active, k), names = next(iter(unused.items()))
+        unused = first_unused(model)
+        if unused is not None:
             raise ValueError(
                 f"{type(self).__name__}(find_unused_parameters=False) needs every parameter in the loss at every k, "
-                f"but {len(names)} take no part at k={k} with the conditioner {'on' if active else 'off'} "
-                f"(e.g. {names[:3]}); set find_unused_parameters: true"
+                f"but {unused}; set find_unused_parameters: true"
             )
 
     @override
