@@ -12,8 +12,6 @@ from typing import Any, MutableMapping, Optional
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, XLAStrategy
-from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -23,7 +21,8 @@ from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
 from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
 from elr_lightning.optim import check_lr_scale, param_groups, warmup_cosine
-from elr_lightning.parameter_usage import first_unused
+from elr_lightning.parameter_usage import check_plain_ddp
+from elr_lightning.resume import check_resumed_schedule, planned_steps
 from elr_lightning.roles import copy_with_roles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, tokenizer_state
@@ -45,14 +44,6 @@ def _checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:
             "raise arch.max_loops (the loop budget K) or lower the sampler's"
         )
     return sampler
-
-
-def _planned_steps(trainer: Any) -> Optional[int]:
-    """The fitting run's planned optimizer steps (the LR schedule's length); ``None`` when unbounded or not fitting."""
-    if trainer.state.fn != "fit":
-        return None
-    total = trainer.estimated_stepping_batches
-    return int(total) if math.isfinite(total) else None
 
 
 def loop_gains(losses: dict[int, float], max_loops: int) -> dict[str, float]:
@@ -251,7 +242,7 @@ class ELRModule(LightningModule):
                 "Set trainer.strategy to it or meta_init: false"
             )
         if stage == "fit":
-            self._check_plain_ddp()
+            check_plain_ddp(self.trainer.strategy, self.model)
         datamodule = getattr(self.trainer, "datamodule", None)
         tokenizer = getattr(datamodule, "tokenizer", None)
         if tokenizer is not None and tokenizer.vocab_size > self.arch.vocab_size:
@@ -278,35 +269,6 @@ class ELRModule(LightningModule):
             padded = torch.zeros(self.arch.vocab_size)
             padded[: len(token_bytes)] = torch.as_tensor(token_bytes, dtype=torch.float32)
             self.token_bytes = padded.to(self.token_bytes.device)
-
-    def _check_plain_ddp(self) -> None:
-        """Refuse Lightning's own DDP without ``find_unused_parameters`` when some parameter sits out.
-
-        ``trainer.devices > 1`` without ``trainer.strategy`` gives Lightning's ``DDPStrategy``, whose
-        reducer fails at the second step (or hangs) when a parameter takes no part in the loss: the
-        conditioning heads before the delayed switch (DESIGN §5) or a parameter unused at some k.
-        The model is probed (two tokens, every k) before DDP wraps it, so the run stops at once
-        with the fix. :class:`~elr_lightning.strategies.OneLoopOverrideDDPStrategy` makes its own check.
-
-        Raises:
-            ValueError: Naming the unused parameters and the strategy to use.
-        """
-        strategy = self.trainer.strategy
-        # DeepSpeed and XLA subclass DDPStrategy but wrap the model in their own engines, not torch's DDP.
-        torch_ddp = isinstance(strategy, DDPStrategy) and not isinstance(strategy, (DeepSpeedStrategy, XLAStrategy))
-        elr_strategy = hasattr(strategy, "data_parallel_rank")  # the DataParallelLayout protocol, as in data_parallel_layout
-        if not torch_ddp or elr_strategy:
-            return
-        # Lightning keeps DistributedDataParallel's arguments here and has no public accessor for them.
-        if getattr(strategy, "_ddp_kwargs", {}).get("find_unused_parameters", False):
-            return
-        unused = first_unused(self.model)
-        if unused is not None:
-            raise ValueError(
-                f"trainer.strategy: Lightning's {type(strategy).__name__} (what trainer.devices > 1 picks by default) "
-                f"needs every parameter in the loss, but {unused}; set trainer.strategy.class_path "
-                "elr_lightning.strategies.OneLoopOverrideDDPStrategy"
-            )
 
     @override
     def configure_model(self) -> None:
@@ -499,7 +461,7 @@ class ELRModule(LightningModule):
             checkpoint["elr"]["schedule"] = {
                 "num_shards": self.num_shards(),
                 "seed": self.seed,
-                "total_steps": _planned_steps(self.trainer),
+                "total_steps": planned_steps(self.trainer),
             }
         if self.tokenizer is not None:
             checkpoint["elr"]["tokenizer"] = tokenizer_state(self.tokenizer)
@@ -534,47 +496,13 @@ class ELRModule(LightningModule):
                 "with the checkpoint's model.init_args (its hyper_parameters), or start a new run from it with "
                 "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
             )
-        self._check_resumed_schedule(checkpoint.get("elr", {}).get("schedule"))
+        if self._trainer is not None and self.trainer.state.fn == "fit":
+            check_resumed_schedule(
+                checkpoint.get("elr", {}).get("schedule"),
+                self.trainer,
+                ranks=self.data_parallel_layout()[1],
+                virtual_ranks=self.virtual_ranks,
+                seed=self.seed,
+            )
         if self.tokenizer is None:
             self.tokenizer = checkpoint_tokenizer(checkpoint)
-
-    def _check_resumed_schedule(self, saved: Optional[dict[str, int]]) -> None:
-        """Refuse to resume training with another loop schedule than the checkpoint's run had.
-
-        The schedule is a pure function of ``(seed, step, shard, num_shards)`` (DESIGN §4): a resumed
-        run with another number of shards per step (data-parallel ranks x ``virtual_ranks``) or
-        another loop seed would silently run other loop counts than the interrupted run.
-
-        Raises:
-            ValueError: Naming the field and the value that keeps the schedule.
-        """
-        if saved is None or self._trainer is None or self.trainer.state.fn != "fit":
-            return
-        ranks = self.data_parallel_layout()[1]
-        shards, seed = self.num_shards(), self.seed
-        if saved["num_shards"] != shards:
-            fits = saved["num_shards"] % ranks == 0
-            fix = (
-                f"set model.init_args.virtual_ranks: {saved['num_shards'] // ranks}"
-                if fits
-                else f"use a number of data-parallel ranks that divides {saved['num_shards']}"
-            )
-            raise ValueError(
-                f"cannot resume the loop schedule exactly: the checkpoint was trained with {saved['num_shards']} "
-                f"shards per step, this run has {shards} ({ranks} data-parallel rank(s) x "
-                f"model.init_args.virtual_ranks={self.virtual_ranks}); {fix} (keeping data.batch_size x devices), "
-                "or start a fresh run from the weights with DelayedMixedDepth(init_from=...)"
-            )
-        if saved["seed"] != seed:
-            raise ValueError(
-                f"cannot resume the loop schedule exactly: the checkpoint was trained with loop seed {saved['seed']}, "
-                f"this run has {seed}; set model.init_args.loop_seed: {saved['seed']} (or the same seed_everything)"
-            )
-        planned, total = saved.get("total_steps"), _planned_steps(self.trainer)
-        if planned is not None and total is not None and planned != total:
-            rank_zero_warn(
-                f"the checkpoint's run planned {planned} optimizer steps, this run plans {total}: the LR schedule is "
-                f"restored from the checkpoint, so its cosine still ends at step {planned}"
-                + (" and the LR rises again after it" if total > planned else "")
-                + f"; resume with the checkpoint's trainer.max_steps ({planned} steps) to continue it exactly"
-            )

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, XLAStrategy
 
 from elr_lightning.model import LoopedLM
 
@@ -86,3 +87,32 @@ def first_unused(model: LoopedLM) -> Optional[str]:
             state = "on" if active else "off"
             return f"{len(names)} take no part at k={k} with the conditioner {state} (e.g. {names[:3]})"
     return None
+
+
+def check_plain_ddp(strategy: Any, model: LoopedLM) -> None:
+    """Refuse Lightning's own DDP without ``find_unused_parameters`` when some parameter of ``model`` sits out.
+
+    ``trainer.devices > 1`` without ``trainer.strategy`` gives Lightning's ``DDPStrategy``, whose
+    reducer fails at the second step (or hangs) when a parameter takes no part in the loss: the
+    conditioning heads before the delayed switch (DESIGN §5) or a parameter unused at some k.
+    The model is probed (two tokens, every k) before DDP wraps it, so the run stops at once
+    with the fix. :class:`~elr_lightning.strategies.OneLoopOverrideDDPStrategy` makes its own check.
+
+    Raises:
+        ValueError: Naming the unused parameters and the strategy to use.
+    """
+    # DeepSpeed and XLA subclass DDPStrategy but wrap the model in their own engines, not torch's DDP.
+    torch_ddp = isinstance(strategy, DDPStrategy) and not isinstance(strategy, (DeepSpeedStrategy, XLAStrategy))
+    elr_strategy = hasattr(strategy, "data_parallel_rank")  # the DataParallelLayout protocol of the ELR strategies
+    if not torch_ddp or elr_strategy:
+        return
+    # Lightning keeps DistributedDataParallel's arguments here and has no public accessor for them.
+    if getattr(strategy, "_ddp_kwargs", {}).get("find_unused_parameters", False):
+        return
+    unused = first_unused(model)
+    if unused is not None:
+        raise ValueError(
+            f"trainer.strategy: Lightning's {type(strategy).__name__} (what trainer.devices > 1 picks by default) "
+            f"needs every parameter in the loss, but {unused}; set trainer.strategy.class_path "
+            "elr_lightning.strategies.OneLoopOverrideDDPStrategy"
+        )
