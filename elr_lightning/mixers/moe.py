@@ -137,9 +137,26 @@ class MoE(ChannelMixer):
 
         Loops 2..k do under ``replay``, and under ``replay_inference`` in eval mode.
         """
-        if ctx.loop < 2 or self.replay == "dynamic":
+        return ctx.loop >= 2 and self.replaying()
+
+    def replaying(self) -> bool:
+        """Whether loops 2..k replay in the current mode (training or eval)."""
+        return self.replay == "replay" or (self.replay == "replay_inference" and not self.training)
+
+    def _replays_here(self, ctx: LoopContext, first: dict[str, Any]) -> bool:
+        """Whether this call reuses the routes stored in ``first`` (the scratch of ``(layer, 1)``).
+
+        Under truncated backpropagation (``backprop_loops < k``) loop 1 routes without a graph, so
+        its routes would give the router no gradient at all (replayed gates) or only the LM loss's
+        (recomputed gates), and its balance loss would be a constant. The first loop that carries
+        gradient routes again instead, and later loops replay its routes. The loop that routed is
+        recorded, so activation checkpointing's recomputation of that loop routes again too.
+        """
+        if not self.replays(ctx) or "plan" not in first:
             return False
-        return self.replay == "replay" or not self.training
+        if first["routed_at"] == ctx.loop:
+            return False
+        return first["tracked"] or not torch.is_grad_enabled()
 
     def _grouped(self, x: Tensor) -> bool:
         """Whether this call runs ``torch._grouped_mm``: where asked for (``auto``, ``grouped``) and supported.
@@ -180,7 +197,7 @@ class MoE(ChannelMixer):
         x = x.reshape(-1, shape[-1])
         first = ctx.scratch(layer, 1)
         aux = None
-        if self.replays(ctx) and "plan" in first:
+        if self._replays_here(ctx, first):
             plan: DispatchPlan = first["plan"]
             if self.replay_gates == "replay":
                 weights = first["weights"]
@@ -189,10 +206,13 @@ class MoE(ChannelMixer):
         else:
             probs, experts, weights = self.route(self.router(x))
             plan = plan_dispatch(experts, self.num_experts)
-            if ctx.loop == 1 and self.replay != "dynamic":
-                first.update(plan=plan, weights=weights)
+            tracked = torch.is_grad_enabled()
+            if self.replay != "dynamic" and (ctx.loop == 1 or self.replays(ctx)):
+                first.update(plan=plan, weights=weights, routed_at=ctx.loop, tracked=tracked)
             if self.training:
                 aux = self._account(probs, plan, ctx, ctx.scratch(layer))
+                if self.replaying() and not tracked:
+                    aux = None  # no graph to carry it: the first loop with gradient routes again and adds it
         y = combine(expert_swiglu(x, self.w_up, self.w_down, plan, self._grouped(x)), weights, plan, x.shape[0])
         if self.shared_up is not None and self.shared_down is not None:
             gate, up = self.shared_up(x).chunk(2, dim=-1)
