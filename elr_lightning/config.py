@@ -16,8 +16,9 @@ BUILTIN_MIXERS: dict[str, str] = {
 }
 
 #: Route replay modes of routed channel mixers (table 4.3): (A) route at every loop, (B) replay loop 1's
-#: routes at inference only, (C) replay them in training and inference.
-ROUTE_REPLAY = ("dynamic", "replay_inference", "replay")
+#: expert assignments at inference only, (C) replay them in training and inference; and this library's
+#: variant of C that replays loop 1's experts but recomputes the gate weights at every loop.
+ROUTE_REPLAY = ("dynamic", "replay_inference", "replay", "replay_experts")
 
 #: The three blocks of a looped LM, in stack order.
 BLOCKS = ("in", "rec", "out")
@@ -60,7 +61,7 @@ class ModelConfig:
             ``{name: {class_path: ..., init_args: {...}}}``. A pattern entry may also be a class
             path itself. Each mixer is built as ``cls(config, **init_args)``.
         route_replay: Route replay mode of every routed channel mixer (``moe``) that does not set
-            its own ``replay``: ``dynamic``, ``replay_inference`` or ``replay`` (see
+            its own ``replay``: ``dynamic``, ``replay_inference``, ``replay`` or ``replay_experts`` (see
             :mod:`elr_lightning.mixers.moe`); ``None`` leaves each mixer's own (default ``dynamic``).
             Refused on a model without a routed channel mixer.
     """

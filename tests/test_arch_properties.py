@@ -108,7 +108,6 @@ def archs(draw: st.DrawFn, moe: bool = True, conditioned: Optional[bool] = None)
                 "top_k": 1,
                 "shared_expert_dim": draw(st.sampled_from([0, 8])),
                 "replay": draw(st.sampled_from(ROUTE_REPLAY)),
-                "replay_gates": draw(st.sampled_from(["recompute", "replay"])),
                 "dispatch": draw(st.sampled_from(["auto", "loop", "grouped"])),
             },
         }

@@ -128,9 +128,11 @@ def _two_loops(moe: MoE, x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tens
 @pytest.mark.parametrize(
     "replay, training, replays",
     [("dynamic", True, False), ("dynamic", False, False), ("replay_inference", True, False),
-     ("replay_inference", False, True), ("replay", True, True), ("replay", False, True)],
+     ("replay_inference", False, True), ("replay", True, True), ("replay", False, True),
+     ("replay_experts", True, True), ("replay_experts", False, True)],
 )
 def test_loop_two_reuses_loop_one_experts_per_mode(replay, training, replays):
+    """(C) reuses loop 1's experts and gate weights; ``replay_experts`` recomputes the gates at loop 1's experts."""
     torch.manual_seed(1)
     moe = MoE(tiny_config(), num_experts=6, top_k=2, expert_dim=8, replay=replay).train(training)
     torch.nn.init.normal_(moe.router.weight, std=1.0)
@@ -138,26 +140,35 @@ def test_loop_two_reuses_loop_one_experts_per_mode(replay, training, replays):
         torch.nn.init.normal_(p, std=0.3)
     x1, x2 = torch.randn(1, 12, 32), torch.randn(1, 12, 32)
     out, ctx = _two_loops(moe, x1, x2)
-    first = moe.route(moe.router(x1[0]))[1]
-    probs, own, _ = moe.route(moe.router(x2[0]))
+    _, first, first_weights = moe.route(moe.router(x1[0]))
+    probs, own, own_weights = moe.route(moe.router(x2[0]))
     assert not torch.equal(first.sort(-1).values, own.sort(-1).values), "the inputs must route differently"
-    experts = first if replays else own
-    weights = probs.gather(-1, experts)  # gate weights recomputed at the (replayed) experts
-    want = dense_reference(x2[0], moe.w_up, moe.w_down, experts, weights / weights.sum(-1, keepdim=True))
+    if not replays:
+        experts, weights = own, own_weights
+    elif replay == "replay_experts":
+        experts, weights = first, probs.gather(-1, first) / probs.gather(-1, first).sum(-1, keepdim=True)
+    else:
+        experts, weights = first, first_weights
+    want = dense_reference(x2[0], moe.w_up, moe.w_down, experts, weights)
     torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-6)
     assert ("plan" in ctx.scratch(3, 1)) == (replay != "dynamic")
 
 
-def test_replayed_gate_weights_are_loop_one_weights():
-    torch.manual_seed(2)
-    moe = MoE(tiny_config(), num_experts=6, top_k=2, expert_dim=8, replay="replay", replay_gates="replay")
-    torch.nn.init.normal_(moe.router.weight, std=1.0)
-    for p in (moe.w_up, moe.w_down):
-        torch.nn.init.normal_(p, std=0.3)
-    x1, x2 = torch.randn(1, 9, 32), torch.randn(1, 9, 32)
-    out, _ = _two_loops(moe, x1, x2)
-    _, experts, weights = moe.route(moe.router(x1[0]))
-    torch.testing.assert_close(out[0], dense_reference(x2[0], moe.w_up, moe.w_down, experts, weights))
+def test_paper_replay_runs_the_router_on_loop_one_only():
+    """(C): the expert assignments are computed once; loops 2..k never call the router."""
+    moe = MoE(tiny_config(), num_experts=6, top_k=2, expert_dim=8, replay="replay")
+    calls: list[int] = []
+    moe.router.register_forward_hook(lambda *_: calls.append(1))
+    ctx = context(1, 4)
+    for i in range(1, 5):
+        moe(torch.randn(1, 9, 32), ctx.at(i, None), 0)
+    assert len(calls) == 1
+    moe.replay = "replay_experts"
+    calls.clear()
+    ctx = context(1, 4)
+    for i in range(1, 5):
+        moe(torch.randn(1, 9, 32), ctx.at(i, None), 0)
+    assert len(calls) == 4
 
 
 @pytest.mark.parametrize("replay", ["dynamic", "replay"])
@@ -317,7 +328,6 @@ def test_30b_a3b_is_30b_total_3b_active_on_meta():
         ({"num_experts": 0, "top_k": 1}, r"num_experts=0 must be an integer >= 1"),
         ({"aux_loss_coef": -0.1}, r"aux_loss_coef=-0.1 must be >= 0"),
         ({"replay": "sometimes"}, r"replay='sometimes' is not a route replay mode; use one of"),
-        ({"replay_gates": "both"}, r"replay_gates='both' must be one of"),
         ({"balance_rate": -1.0}, r"balance_rate=-1.0 must be >= 0"),
     ],
 )
@@ -354,10 +364,10 @@ def test_recomputed_loops_count_their_expert_load_once(checkpointing: str) -> No
 # ---- replay under truncated backpropagation --------------------------------------------------------
 
 
-def _recurrent_router_grads(replay: str, gates: str, source: str) -> list[float]:
+def _recurrent_router_grads(replay: str, source: str, checkpointing: str = "none") -> list[float]:
     """Gradient norms that reach the recurrent block's routers at k = 3 with ``backprop_loops=1``, from ``source``."""
-    model = perturbed_model(moe_config(GQA_CONFIG, replay=replay, replay_gates=gates, aux_loss_coef=0.1), seed=4)
-    model.train().set_backprop(backprop_loops=1)
+    model = perturbed_model(moe_config(GQA_CONFIG, replay=replay, aux_loss_coef=0.1), seed=4)
+    model.train().set_backprop(checkpointing, backprop_loops=1)
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
     aux: dict[str, torch.Tensor] = {}
     logits = model(ids[:, :-1], 3, aux_losses=aux)
@@ -366,12 +376,21 @@ def _recurrent_router_grads(replay: str, gates: str, source: str) -> list[float]
     return [0.0 if layer.mlp.router.weight.grad is None else layer.mlp.router.weight.grad.norm().item() for layer in model.core.layers]
 
 
-@pytest.mark.parametrize("gates", ["recompute", "replay"])
+@pytest.mark.parametrize("replay", ["replay", "replay_experts"])
 @pytest.mark.parametrize("source", ["aux", "lm"])
-def test_replay_routes_again_at_the_first_loop_that_carries_gradient(gates: str, source: str) -> None:
+def test_replay_routes_again_at_the_first_loop_that_carries_gradient(replay: str, source: str) -> None:
     """Loop 1 runs without a graph under truncated backprop; the routers still learn as under dynamic routing."""
-    dynamic = _recurrent_router_grads("dynamic", "recompute", source)
-    replayed = _recurrent_router_grads("replay", gates, source)
+    dynamic = _recurrent_router_grads("dynamic", source)
+    replayed = _recurrent_router_grads(replay, source)
     assert min(dynamic) > 0
     for own, reference in zip(replayed, dynamic):
         assert own > 0.1 * reference, f"{source} loss: router gradient {own:.2e} against {reference:.2e} under dynamic routing"
+
+
+@pytest.mark.parametrize("checkpointing", ["loop", "layer"])
+def test_recomputing_the_loop_that_routed_again_gives_the_same_gradients(checkpointing: str) -> None:
+    """Activation checkpointing recomputes the re-routing loop as it ran (same ops, same gradients)."""
+    for source in ("aux", "lm"):
+        torch.testing.assert_close(
+            _recurrent_router_grads("replay", source, checkpointing), _recurrent_router_grads("replay", source)
+        )

@@ -8,16 +8,20 @@ softmax weights; an optional shared expert runs on every token.
 routes (router top-k and the dispatch sort) and stores the plan in the per-forward scratch of
 ``(layer, loop 1)``; loops 2..k reuse it and skip the top-k and the sort. Under incremental decoding
 each forward pass covers the new tokens only, so the scratch holds the routes of exactly those
-(layer, token) pairs: loop 1 of a decode step routes the new token and loops 2..k replay. Modes:
-``dynamic`` (route at every loop; the paper's A), ``replay_inference`` (route at every loop while
-training, replay in eval mode; B), ``replay`` (always; C).
+(layer, token) pairs: loop 1 of a decode step routes the new token and loops 2..k replay. Modes
+(the paper's table 4.3):
 
-**Gate weights under replay** (``replay_gates``): the paper replays "expert assignments". By default
-(``recompute``) only the expert indices are replayed and the gate weights are recomputed from the
-current loop's router logits at those indices: the router is a d x E matmul, cheap next to the
-experts, so the saving (top-k and sort) stays, while the mixture still follows the loop's state and
-the router learns from every loop, as under dynamic routing. ``replay`` reuses loop 1's weights as
-well, so loops 2..k skip the router entirely.
+* ``dynamic`` (A): route at every loop.
+* ``replay_inference`` (B): route at every loop while training; in eval mode as ``replay``.
+* ``replay`` (C, as the paper defines it): the expert assignments, the experts and their gate
+  weights, are computed once on loop 1 and reused at loops 2..k, which skip the router entirely.
+* ``replay_experts`` (this library's variant of C): loops 2..k reuse loop 1's experts and dispatch
+  plan, but recompute the gate weights from their own router logits at those experts. The router
+  is a d x E matmul, cheap next to the experts, so the saving (top-k and sort) mostly stays, while
+  the mixture follows each loop's state and the router learns from every loop.
+
+Under truncated backpropagation (``backprop_loops < k``) loop 1 runs without a graph; the first
+loop that carries gradient routes again and the later loops replay its routes (:meth:`MoE._replays_here`).
 """
 
 from __future__ import annotations
@@ -43,9 +47,6 @@ from elr_lightning.mixers.dispatch import (
     plan_dispatch,
 )
 from elr_lightning.roles import set_role
-
-#: What replay reuses at loops 2..k besides the expert indices.
-REPLAY_GATES = ("recompute", "replay")
 
 #: The reasons ``dispatch="grouped"`` has already warned about (each once per process).
 _GROUPED_WARNED: set[str] = set()
@@ -73,9 +74,8 @@ class MoE(ChannelMixer):
         shared_expert_dim: Hidden width of a shared expert every token runs; 0 for none.
         aux_loss_coef: Coefficient of the balance loss (>= 0; 0 turns it off).
         balance_rate: Step of the auxiliary-loss-free bias update (>= 0; 0 turns it off).
-        replay: ``dynamic``, ``replay_inference`` or ``replay`` (see the module docstring); ``None``
-            takes ``arch.route_replay``, else ``dynamic``.
-        replay_gates: ``recompute`` (default) or ``replay`` (see the module docstring).
+        replay: ``dynamic``, ``replay_inference``, ``replay`` or ``replay_experts`` (see the module
+            docstring); ``None`` takes ``arch.route_replay``, else ``dynamic``.
         dispatch: ``auto`` (``torch._grouped_mm`` where supported, else a loop over experts),
             ``grouped`` (asks for it; warns once per reason and loops where it cannot run) or ``loop``.
     """
@@ -92,7 +92,6 @@ class MoE(ChannelMixer):
         aux_loss_coef: float = 0.01,
         balance_rate: float = 0.0,
         replay: Optional[str] = None,
-        replay_gates: str = "recompute",
         dispatch: str = "auto",
     ) -> None:
         super().__init__(config)
@@ -110,14 +109,12 @@ class MoE(ChannelMixer):
         replay = replay if replay is not None else config.route_replay or "dynamic"
         if replay not in ROUTE_REPLAY:
             raise ValueError(f"replay={replay!r} is not a route replay mode; use one of {ROUTE_REPLAY}")
-        if replay_gates not in REPLAY_GATES:
-            raise ValueError(f"replay_gates={replay_gates!r} must be one of {REPLAY_GATES}")
         if dispatch not in DISPATCH:
             raise ValueError(f"dispatch={dispatch!r} must be one of {DISPATCH}")
         d = config.d_model
         self.num_experts, self.top_k, self.expert_dim = num_experts, top_k, expert_dim
         self.aux_loss_coef, self.balance_rate = aux_loss_coef, balance_rate
-        self.replay, self.replay_gates, self.dispatch = replay, replay_gates, dispatch
+        self.replay, self.dispatch = replay, dispatch
         self.router = nn.Linear(d, num_experts, bias=False)
         self.w_up = set_role(nn.Parameter(torch.empty(num_experts, d, 2 * expert_dim)), init="normal")
         self.w_down = set_role(nn.Parameter(torch.empty(num_experts, expert_dim, d)), init="scaled_normal")
@@ -135,13 +132,13 @@ class MoE(ChannelMixer):
     def replays(self, ctx: LoopContext) -> bool:
         """Whether this call reuses loop 1's routes.
 
-        Loops 2..k do under ``replay``, and under ``replay_inference`` in eval mode.
+        Loops 2..k do under ``replay`` and ``replay_experts``, and under ``replay_inference`` in eval mode.
         """
         return ctx.loop >= 2 and self.replaying()
 
     def replaying(self) -> bool:
         """Whether loops 2..k replay in the current mode (training or eval)."""
-        return self.replay == "replay" or (self.replay == "replay_inference" and not self.training)
+        return self.replay in ("replay", "replay_experts") or (self.replay == "replay_inference" and not self.training)
 
     def _replays_here(self, ctx: LoopContext, first: dict[str, Any]) -> bool:
         """Whether this call reuses the routes stored in ``first`` (the scratch of ``(layer, 1)``).
@@ -199,10 +196,10 @@ class MoE(ChannelMixer):
         aux = None
         if self._replays_here(ctx, first):
             plan: DispatchPlan = first["plan"]
-            if self.replay_gates == "replay":
-                weights = first["weights"]
-            else:
+            if self.replay == "replay_experts":
                 weights = _normalised(self.router(x).float().softmax(dim=-1).gather(-1, plan.experts))
+            else:
+                weights = first["weights"]
         else:
             probs, experts, weights = self.route(self.router(x))
             plan = plan_dispatch(experts, self.num_experts)
@@ -234,7 +231,7 @@ class MoE(ChannelMixer):
             self._load = counts if self._load is None else self._load + counts
         if self.aux_loss_coef == 0:
             return None
-        routing_calls = ctx.loops if ctx.loop >= 1 and self.replay != "replay" else 1
+        routing_calls = ctx.loops if ctx.loop >= 1 and not self.replaying() else 1
         f = counts / counts.sum()
         return self.aux_loss_coef * self.num_experts * (f * probs.mean(dim=0)).sum() / routing_calls
 
