@@ -18,6 +18,7 @@ from elr_lightning.generation import (
 )
 from conftest import GQA_CONFIG, perturbed_model
 from elr_lightning.model import LoopedLM
+from test_hybrid import HYBRID
 
 CONFIG = GQA_CONFIG
 
@@ -139,6 +140,40 @@ def test_last_loop_store_holds_the_last_loop() -> None:
         assert torch.allclose(shared.k[:, :, :7], final.k[:, :, :7], atol=1e-6)
         assert torch.allclose(shared.v[:, :, :7], final.v[:, :, :7], atol=1e-6)
         assert not torch.allclose(shared.k[:, :, :7], earlier.k[:, :, :7], atol=1e-3)
+
+
+def _overwrite_earlier_loops(cache: PerLoopCache, config: ModelConfig, loops: int) -> None:
+    """Give every recurrent layer's loops 1..k-1 loop k's cached keys, values and recurrent state."""
+    for layer in range(config.n_in, config.n_in + config.n_rec):
+        last = cache.slot(layer, loops)
+        for loop in range(1, loops):
+            store = cache.slot(layer, loop)
+            if last.k is not None:
+                store.k.copy_(last.k)
+                store.v.copy_(last.v)
+            for name, value in last._state.items():
+                store.set_state(name, value.clone())
+            store.commit()
+
+
+@pytest.mark.parametrize("config", [CONFIG, HYBRID], ids=["attention", "hybrid"])
+@pytest.mark.parametrize("loops", [2, 4])
+def test_last_loop_is_a_per_loop_cache_whose_past_is_overwritten_by_loop_k(config: ModelConfig, loops: int) -> None:
+    """The last-loop semantics, bit for bit: a new token's loop i reads every past token's loop-k keys,
+    values and recurrent state (and its own loop-i ones); nothing else differs from a per-loop cache."""
+    model = tiny_model(config, seed=3)
+    tokens = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(loops))
+    last, per, plain = LastLoopCache(12), PerLoopCache(12), PerLoopCache(12)
+    steps = [(0, 5), *((t, t + 1) for t in range(5, 12))]  # prefill 5 tokens, then decode one at a time
+    moved = False
+    with torch.no_grad():
+        for start, end in steps:
+            want = model(tokens[:, start:end], loops, cache=last)
+            got = model(tokens[:, start:end], loops, cache=per)
+            assert torch.equal(got, want), f"step {start}: logits differ from the overwritten per-loop cache"
+            _overwrite_earlier_loops(per, config, loops)
+            moved |= not torch.allclose(model(tokens[:, start:end], loops, cache=plain), want, atol=1e-4)
+    assert moved, "the plain per-loop cache gave the same logits: the comparison proves nothing"
 
 
 def test_user_policy_runs_through_generate() -> None:

@@ -64,7 +64,8 @@ def test_chunked_equals_token_by_token_forward_and_gradients(n: int, length: int
 @pytest.mark.parametrize("n", [1, 3])
 def test_chunked_equals_fla_reference(n: int) -> None:
     """fla's own token-by-token reference (fla imports on CPU with the ``fla`` extra installed)."""
-    from fla.ops.gated_delta_product.naive import naive_recurrent_gated_delta_product
+    naive = pytest.importorskip("fla.ops.gated_delta_product.naive", reason="needs the fla extra")
+    naive_recurrent_gated_delta_product = naive.naive_recurrent_gated_delta_product
 
     q, k, v, g, beta, state = (x.detach() for x in inputs(2, 11, 2, 8, 8, n, seed=n))
     want_o, want_s = naive_recurrent_gated_delta_product(

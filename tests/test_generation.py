@@ -67,16 +67,6 @@ def test_last_loop_equals_per_loop_at_one_loop(model: LoopedLM) -> None:
     torch.testing.assert_close(per.logits, last.logits, atol=1e-6, rtol=0)
 
 
-def test_last_loop_differs_after_prefill_at_four_loops(model: LoopedLM) -> None:
-    """Prefill is the same forward pass; decode steps then read last-loop K/V, so logits move."""
-    prompt = torch.randint(0, CONFIG.vocab_size, (2, 6))
-    kwargs = dict(loops=4, max_new_tokens=4, greedy=True, output_logits=True)
-    per = generate(model, prompt, kv_cache="per_loop", **kwargs)
-    last = generate(model, prompt, kv_cache="last_loop", **kwargs)
-    torch.testing.assert_close(per.logits[:, 0], last.logits[:, 0], atol=1e-5, rtol=0)
-    assert not torch.allclose(per.logits[:, 1], last.logits[:, 1], atol=1e-4)
-
-
 # ---- left padding ---------------------------------------------------------------------------------
 
 
