@@ -13,6 +13,7 @@ import faulthandler
 import json
 import os
 import sys
+from collections import defaultdict
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -25,6 +26,7 @@ from elr_lightning.callbacks import DelayedMixedDepth, ZeroInitConditioning
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import TextDataModule
+from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 from elr_lightning.sampling import OneLoopOverride
 from elr_lightning.strategies import OneLoopOverrideDDPStrategy, OneLoopOverrideFSDPStrategy
@@ -35,9 +37,11 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=30)
 
 class RecordLoops(Callback):
     """Keeps ``[optimizer step, loop counts]`` and the loss of every micro-batch this rank runs, and
-    the model's state (gathered) and the optimizer's groups at the start of training."""
+    the model's state (gathered) and the optimizer's groups at the start of training, and the dtypes
+    the forward saw in training (:func:`probe_forward_dtypes`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtypes: dict[str, set[str]]) -> None:
+        self.dtypes = dtypes  # filled by probe_forward_dtypes' hooks
         self.loops: list[list[Any]] = []
         self.expert_loads: list[list[list[float]]] = []
         self.losses: list[float] = []
@@ -45,6 +49,7 @@ class RecordLoops(Callback):
         self.groups: dict[str, dict[str, Any]] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.dtypes.clear()  # what the strategies' setup probes ran (unsharded, without autocast) is not training
         self.initial = full_state(pl_module)
         names = {id(p): name for name, p in pl_module.model.named_parameters()}
         self.groups = {
@@ -64,6 +69,32 @@ class RecordLoops(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.losses.append(float(outputs["loss"]))
+
+
+def probe_forward_dtypes(model: LoopedLM) -> dict[str, set[str]]:
+    """Record, from inside the forward, the dtypes that reach the recurrent block and the output block.
+
+    ``h_in`` (the injected input), ``state`` (what each recurrent and output layer receives: s~_i
+    and s_k), ``cond`` (the context c_i) and ``rope`` (the cos/sin tables the layers get). Hooks on
+    the recurrent core run after a sharding unit's own pre-forward hook (FSDP2 prepends it), and
+    those on the layers see what the layers compute with.
+    """
+    seen: dict[str, set[str]] = defaultdict(set)
+
+    def core_input(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        seen["h_in"].add(str(args[0].dtype))
+
+    def layer_input(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        x, ctx = args
+        seen["state"].add(str(x.dtype))
+        seen["rope"].update({str(ctx.positions.cos.dtype), str(ctx.positions.sin.dtype)})
+        if ctx.cond is not None:
+            seen["cond"].add(str(ctx.cond.dtype))
+
+    model.core.register_forward_pre_hook(core_input)
+    for layer in [*model.core.layers, *model.output_layers]:
+        layer.register_forward_pre_hook(layer_input)
+    return seen
 
 
 #: The hybrid cases' token mixers: Gated DeltaProduct in the input and recurrent layers.
@@ -137,13 +168,13 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
 
     A case names ``virtual_ranks``, the per-rank ``batch_size``, and optionally ``accumulate``
     (micro-batches per step), ``conditioner_active``, ``meta_init``, ``hybrid``, ``moe``, ``activation_checkpointing``,
-    ``backprop_loops``, ``save_checkpoint`` (write
+    ``backprop_loops``, ``precision`` (Lightning's, default ``32-true``), ``save_checkpoint`` (write
     ``<out>/<case>.ckpt`` after training), ``init_from`` (a weights file
     that ``DelayedMixedDepth`` starts the mixed phase from), and ``nan_rank``/``nan_step``
     (that rank's loss is NaN at that step; the result is then ``{"rank", "error", "step"}``). The result also holds the
     per-micro-batch ``losses`` and, from the start of training, the ``initial`` state and the
     optimizer ``groups`` (``{name: {"weight_decay", "params"}}``) and this rank's ``expert_loads``
-    per step and MoE layer.
+    per step and MoE layer, and ``dtypes``: what :func:`probe_forward_dtypes` saw (sorted lists).
     """
     backprop = {key: case[key] for key in ("activation_checkpointing", "backprop_loops") if key in case}
     module = tiny_module(
@@ -157,7 +188,7 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     data = TextDataModule(
         sources=[spec["corpus"]], seq_len=16, batch_size=case["batch_size"], cache_dir=spec["cache_dir"], seed=3
     )
-    record = RecordLoops()
+    record = RecordLoops(probe_forward_dtypes(module.model))
     callbacks: list[Callback] = [record]
     if "init_from" in case:  # start the mixed phase from these weights, at step 0
         callbacks += [DelayedMixedDepth(init_from=case["init_from"]), ZeroInitConditioning()]
@@ -167,6 +198,7 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         strategy=make_strategy(spec.get("strategy")),
         max_steps=spec["steps"],
         accumulate_grad_batches=case.get("accumulate", 1),
+        precision=case.get("precision", "32-true"),
         log_every_n_steps=1 if "nan_rank" in case else 50,  # the loss is checked on logging steps
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -203,6 +235,7 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         "expert_loads": record.expert_loads,
         "rank": trainer.global_rank,
         "fsdp_units": units,
+        "dtypes": {key: sorted(value) for key, value in record.dtypes.items()},
     }
 
 

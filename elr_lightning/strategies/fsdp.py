@@ -44,9 +44,18 @@ def mixed_precision_policy(precision: str) -> Optional[MixedPrecisionPolicy]:
     all-gather the fp32 shards (twice the bytes) and autocast would cast them after. The policy
     gathers in bf16 and reduce-scatters gradients in fp32; the sharded parameters and the optimizer
     stay fp32. ``None`` for full precision.
+
+    The precision regime is DDP's with autocast: the activations between units (the injected input
+    h_in, the recurrent state s_i, the context c_i) and the RoPE tables keep the dtype the forward
+    gives them, and autocast decides per op. FSDP2's default would cast every floating-point input of
+    every unit to the gather dtype (``cast_forward_inputs``), so the k-loop's state would run in bf16
+    under FSDP and in fp32 under DDP: two different models. The policy is for the layer units;
+    :func:`shard_looped_lm` gathers the root (embedding, final norm, head) in fp32.
     """
     dtype = _HALF_PRECISIONS.get(precision)
-    return None if dtype is None else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if dtype is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
 def shard_looped_lm(
@@ -74,8 +83,12 @@ def shard_looped_lm(
             (gather again for backward); ``False`` keeps them, trading memory for communication.
         reduce_scatter_unused_params: Reduce-scatter zero gradients for parameters that took no
             part in a rank's backward (needed when ranks use different parameters, e.g. MoE).
-        mp_policy: FSDP2 mixed precision of every unit (:func:`mixed_precision_policy`); ``None``
-            gathers and reduces in the parameters' dtype.
+        mp_policy: FSDP2 mixed precision of the layer units and the core (:func:`mixed_precision_policy`);
+            ``None`` gathers and reduces in the parameters' dtype. The root gathers in the parameters'
+            dtype always: an embedding gathered in bf16 would start the residual stream, and so h_in
+            and the recurrent state, in bf16, where DDP under autocast keeps them fp32 (the head's
+            matmul still runs in bf16 under autocast). It costs one fp32 gather of the root per step
+            (FSDP2 keeps the root gathered between forward and backward).
     """
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in model.input_layers:
@@ -83,7 +96,8 @@ def shard_looped_lm(
     fully_shard(model.core, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
     for layer in model.output_layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
-    root = fully_shard(model, mesh=mesh, **policy)
+    root_policy = {} if mp_policy is None else {"mp_policy": MixedPrecisionPolicy(reduce_dtype=mp_policy.reduce_dtype)}
+    root = fully_shard(model, mesh=mesh, **root_policy)
     if reduce_scatter_unused_params:
         if not hasattr(root, "set_reduce_scatter_unused_params"):
             raise ValueError(
