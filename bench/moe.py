@@ -12,6 +12,12 @@ Dispatch: one MoE layer's forward and forward + backward at E = 16, top-2: the s
 (``torch._grouped_mm``, and the per-expert loop over contiguous slices) against running every expert
 on every token and mixing with a dense one-hot gate matrix (target: at least 3x).
 
+Decode with conditioning (why ``fold_conditioning`` refuses MoE): a conditioned MoE model decodes
+with each loop's eq. 4 constants and its own weights shared (``serving_model``, what ``elr generate
+--fold`` runs), against the same model with the conditioning switched off, whose op sequence is what
+folding the constants into copies of the weights would run (at the cost of every expert copied per
+loop). Greedy decoding, batch 1, per-loop cache, tokens/s as a ratio.
+
     python bench/moe.py                 # prints a table, writes bench/results/moe.json
     python bench/moe.py --rounds 5 --threads 2
 """
@@ -32,6 +38,7 @@ import torch.nn.functional as F
 
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
+from elr_lightning.generation import generate
 from elr_lightning.mixers.dispatch import combine, expert_swiglu, plan_dispatch
 from elr_lightning.model import LoopedLM
 from elr_lightning.optim import param_groups
@@ -114,6 +121,41 @@ def replay_bench(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def decode_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Decode tokens/s of a conditioned MoE model served with constants, against it unconditioned, at k = 1 and 4."""
+    n_in, n_rec, n_out = args.layers
+    moe = {"num_experts": args.experts, "top_k": args.top_k, "expert_dim": args.expert_dim}
+    config = ModelConfig(
+        vocab_size=256, d_model=args.d_model, n_heads=args.n_heads, n_in=n_in, n_rec=n_rec, n_out=n_out,
+        max_seq_len=args.seq_len, max_loops=4, channel_pattern=["moe"], route_replay="replay",
+        mixers={"moe": {"class_path": "elr_lightning.mixers.MoE", "init_args": moe}},
+    )
+    torch.manual_seed(0)
+    model = LoopedLM(config, conditioner=LoopConditioner(d_cond=32, rank=8)).eval()
+    with torch.no_grad():  # every head acts, so the constants are not an identity
+        for p in model.conditioner.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(2))
+    new_tokens = args.decode_tokens
+
+    def decode(loops: int, active: bool) -> Callable[[int], float]:
+        def run(i: int) -> float:
+            model.conditioner.set_active(active)
+            start = time.perf_counter()
+            generate(model, prompt, loops=loops, max_new_tokens=new_tokens, greedy=True, fold=active or None)
+            return time.perf_counter() - start
+
+        return run
+
+    results: dict[str, Any] = {"new_tokens": new_tokens}
+    for loops in (1, 4):
+        t = interleaved({"served": decode(loops, True), "unconditioned": decode(loops, False)}, args.rounds, args.warmup)
+        t["served_over_unconditioned_rate"] = t["unconditioned"] / t["served"]
+        results[f"k{loops}"] = t
+    model.conditioner.set_active(True)
+    return results
+
+
 def dispatch_bench(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     n, d, f, e, k = args.dispatch_tokens, args.d_model, args.expert_dim, 16, 2
@@ -179,6 +221,8 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=4, help="shards per step, each with its own k (mixed depth)")
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--dispatch_tokens", type=int, default=2048)
+    parser.add_argument("--decode_tokens", type=int, default=32, help="tokens per timed greedy decode")
+    parser.add_argument("--only", choices=["dispatch", "replay", "decode"], default=None, help="run one section")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -187,24 +231,34 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
 
-    results = {"args": vars(args), "paper_delta_percent": PAPER}
-    results["dispatch"] = dispatch_bench(args)
-    for label in ("forward", "forward_backward"):
-        t = results["dispatch"][label]
-        print(
-            f"dispatch E=16 top-2, {label:<16}: grouped_mm {t['grouped_mm'] * 1e3:7.2f} ms, expert loop "
-            f"{t['expert_loop'] * 1e3:7.2f} ms, dense one-hot {t['dense_one_hot'] * 1e3:7.2f} ms: "
-            f"{t['speedup_grouped_mm']:.2f}x / {t['speedup_expert_loop']:.2f}x faster than dense"
-        )
-    results["replay"] = replay_bench(args)
-    print("against (A) dynamic, median s:   (A) dynamic  (C) replay   delta  replay_experts   delta  paper (C)")
-    for name, paper in PAPER.items():
-        t = results["replay"][name]
-        delta = t["delta_percent"]
-        print(
-            f"  {name:<28} {t['dynamic']:11.4f} {t['replay']:11.4f} {delta['replay']:+6.1f}% "
-            f"{t['replay_experts']:15.4f} {delta['replay_experts']:+6.1f}% {paper:+9.1f}%"
-        )
+    results: dict[str, Any] = {"args": vars(args), "paper_delta_percent": PAPER}
+    if args.only in (None, "dispatch"):
+        results["dispatch"] = dispatch_bench(args)
+        for label in ("forward", "forward_backward"):
+            t = results["dispatch"][label]
+            print(
+                f"dispatch E=16 top-2, {label:<16}: grouped_mm {t['grouped_mm'] * 1e3:7.2f} ms, expert loop "
+                f"{t['expert_loop'] * 1e3:7.2f} ms, dense one-hot {t['dense_one_hot'] * 1e3:7.2f} ms: "
+                f"{t['speedup_grouped_mm']:.2f}x / {t['speedup_expert_loop']:.2f}x faster than dense"
+            )
+    if args.only in (None, "replay"):
+        results["replay"] = replay_bench(args)
+        print("against (A) dynamic, median s:   (A) dynamic  (C) replay   delta  replay_experts   delta  paper (C)")
+        for name, paper in PAPER.items():
+            t = results["replay"][name]
+            delta = t["delta_percent"]
+            print(
+                f"  {name:<28} {t['dynamic']:11.4f} {t['replay']:11.4f} {delta['replay']:+6.1f}% "
+                f"{t['replay_experts']:15.4f} {delta['replay_experts']:+6.1f}% {paper:+9.1f}%"
+            )
+    if args.only in (None, "decode"):
+        results["decode"] = decode_bench(args)
+        for loops in (1, 4):
+            t = results["decode"][f"k{loops}"]
+            print(
+                f"decode k={loops}: served with constants {t['served']:.3f} s, unconditioned {t['unconditioned']:.3f} s: "
+                f"{t['served_over_unconditioned_rate']:.3f}x the unconditioned rate"
+            )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
-from elr_lightning.layers import Modulation, Modulator
+from elr_lightning.layers import Modulator
+from elr_lightning.mixers import Modulation
 from elr_lightning.roles import set_module_role
 
 

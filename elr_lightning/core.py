@@ -2,7 +2,7 @@
 
 :class:`RecurrentCore` runs the k loops of the shared block (DESIGN §2); :class:`LoopedForward`
 runs embedding, input block, core, output block and head over whatever layers a model holds, so
-:class:`~elr_lightning.model.LoopedLM` and :class:`~elr_lightning.fold.FoldedLM` compute the same
+:class:`~elr_lightning.model.LoopedLM` and :class:`~elr_lightning.serving.FoldedLM` compute the same
 function with the same cache numbering.
 """
 
@@ -20,7 +20,8 @@ from elr_lightning.cache import KVCache
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext, Positions
-from elr_lightning.layers import Block, Modulator, Rotary
+from elr_lightning.layers import Block, Modulator
+from elr_lightning.mixers import Rotary
 from elr_lightning.updates import StateUpdate
 
 

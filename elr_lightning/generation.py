@@ -43,8 +43,7 @@ from elr_lightning.cache import (
 )
 from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
 from elr_lightning.core import check_loops
-from elr_lightning.fold import FoldedLM
-from elr_lightning.serving import serving_model
+from elr_lightning.serving import FoldedLM, serving_model
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 
@@ -354,7 +353,7 @@ def stream_generate(
 
     Args:
         model: The model (an :class:`ELRModule` is unwrapped to its ``LoopedLM``), or one already
-            folded for ``loops`` by :func:`~elr_lightning.fold.fold_conditioning`.
+            folded for ``loops`` by :func:`~elr_lightning.serving.fold_conditioning`.
         prompt: ``[B, T]`` (or ``[T]``) token ids, left-padded when ``attention_mask`` marks padding,
             or a list of token-id lists, left-padded here.
         loops: The loop count k (any k >= 1; above ``arch.max_loops`` extrapolates).
@@ -380,7 +379,7 @@ def stream_generate(
             ``model.serve_folded`` (on), and a model whose conditioning has no constant form decodes
             as it is, with one warning; ``True`` asks for it (``NotImplementedError`` if impossible);
             ``False`` decodes with the model as it is. A model already folded
-            (:func:`~elr_lightning.fold.fold_conditioning`) is used as it is.
+            (:func:`~elr_lightning.serving.fold_conditioning`) is used as it is.
 
     Returns:
         An iterator over ``[B]`` int64 tokens, one tensor per step. The arguments are checked

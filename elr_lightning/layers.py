@@ -9,10 +9,10 @@ from torch import Tensor, nn
 
 from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext
-from elr_lightning.mixers import Attention, ChannelMixer, Modulation, Rotary, SwiGLU, TokenMixer, apply_rope
+from elr_lightning.mixers import ChannelMixer, Modulation, TokenMixer
 from elr_lightning.mixers.base import _Mixer
 
-__all__ = ["Attention", "Block", "Modulation", "Modulator", "Rotary", "SwiGLU", "apply_rope"]
+__all__ = ["Block", "Modulator"]
 
 
 class Modulator(nn.Module):
@@ -51,7 +51,7 @@ class Modulator(nn.Module):
         """The modulation under a fixed context as ``(M, m, gate)``, computed in ``c``'s dtype.
 
         ``pre(h, c) = h @ M.T + m`` and ``post(y, c) = gate * y``. Optional: a modulator that is
-        affine in ``h`` implements it so :func:`elr_lightning.fold.fold_conditioning` can fold it
+        affine in ``h`` implements it so :func:`elr_lightning.serving.fold_conditioning` can fold it
         into the sublayer's linear maps for serving at a fixed k.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement affine(); it cannot be folded")

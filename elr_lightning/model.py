@@ -12,7 +12,7 @@ from typing_extensions import override
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.core import CHECKPOINTING, LoopedForward, RecurrentCore, blocks
-from elr_lightning.layers import Rotary
+from elr_lightning.mixers import Rotary
 from elr_lightning.roles import Role, role_table
 from elr_lightning.updates import AdaptiveDelta, NonRecurrent, StateUpdate
 
@@ -48,7 +48,7 @@ class LoopedLM(LoopedForward):
             self.head.weight = self.embed.weight
         self.rotary = Rotary(config)
         self.roles: dict[str, Role] = role_table(self)
-        #: Whether generation decodes through weights folded per k (:func:`~elr_lightning.fold.serving_model`)
+        #: Whether generation decodes through weights folded per k (:func:`~elr_lightning.serving.serving_model`)
         #: when conditioning is active; False decodes unfolded (less memory, slower). ``forward`` never reads it.
         self.serve_folded = True
         self.init_weights()

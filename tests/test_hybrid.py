@@ -10,7 +10,7 @@ import torch
 
 from conftest import GQA_CONFIG, perturbed_model
 from elr_lightning.cache import PerLoopCache, kv_cache_bytes, layer_caches, recurrent_state_bytes
-from elr_lightning.fold import fold_conditioning
+from elr_lightning.serving import fold_conditioning
 from elr_lightning.generation import generate
 from elr_lightning.model import LoopedLM
 

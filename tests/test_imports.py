@@ -103,3 +103,33 @@ def test_every_module_imports_in_a_fresh_interpreter() -> None:
     proc = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == str(len(names))
+
+
+#: Modules that still give names of other modules a second import path, each to be dropped (issue 26,
+#: item 4: the generation module's re-exports of the cache names go with its split). The test below fails
+#: once one of them stops re-exporting, so the entry does not outlive its reason.
+STILL_REEXPORTING = {"elr_lightning.generation"}
+
+
+def reexported_names() -> dict[str, list[str]]:
+    """Per module (packages' ``__init__`` aside), the names in its ``__all__`` that it imports instead of defining."""
+    found = {}
+    for name, path in package_modules().items():
+        if path.name == "__init__.py":  # a package's public face may gather its modules' names
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        defined = {node.name for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+        defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+        defined |= {node.target.id for node in tree.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                names = [n for n in ast.literal_eval(node.value) if n not in defined]
+                if names:
+                    found[name] = names
+    return found
+
+
+def test_a_module_exports_only_what_it_defines():
+    """Every name has one import path: a module's ``__all__`` lists its own definitions."""
+    found = reexported_names()
+    assert set(found) == STILL_REEXPORTING, f"re-exported under a second import path: {found}"

@@ -20,6 +20,7 @@ from elr_lightning.context import LoopContext
 from elr_lightning.cost import cost_report
 from elr_lightning.flops import train_flops_per_token
 from elr_lightning.generation import generate
+from elr_lightning.serving import fold_conditioning, serving_model
 from elr_lightning.mixers import MoE
 from elr_lightning.mixers.dispatch import combine, expert_swiglu, grouped_mm_supported, plan_dispatch
 from elr_lightning.model import LoopedLM
@@ -394,3 +395,20 @@ def test_recomputing_the_loop_that_routed_again_gives_the_same_gradients(checkpo
         torch.testing.assert_close(
             _recurrent_router_grads("replay", source, checkpointing), _recurrent_router_grads("replay", source)
         )
+
+
+# ---- serving at a fixed k --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loops", [1, 3])
+def test_fold_serves_moe_with_constants_and_refuses_weight_copies(loops: int) -> None:
+    """``--fold`` (the constants, weights shared) decodes as trained; the weight fold says why it refuses."""
+    model = perturbed_model(moe_config(GQA_CONFIG, replay="replay"), seed=1)
+    prompt = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(loops))
+    kwargs = dict(loops=loops, max_new_tokens=6, greedy=True, output_logits=True)
+    folded, plain = generate(model, prompt, fold=True, **kwargs), generate(model, prompt, fold=False, **kwargs)
+    assert serving_model(model, loops, fold=True) is not model  # the constant form is what ran
+    assert torch.equal(folded.new_tokens, plain.new_tokens)
+    torch.testing.assert_close(folded.logits, plain.logits, atol=1e-5, rtol=0)
+    with pytest.raises(NotImplementedError, match=r"MoE cannot be folded into copies .* serving_model\(model, k\)"):
+        fold_conditioning(model, loops)

@@ -138,7 +138,7 @@ def test_bad_init_args_name_the_field() -> None:
 
 
 def test_folded_user_mixer_refuses_clearly() -> None:
-    from elr_lightning.fold import fold_conditioning
+    from elr_lightning.serving import fold_conditioning
 
     cfg = tiny_config(mixers={"shift": f"{__name__}.ShiftMixer"}, token_pattern=["shift"])
     model = LoopedLM(cfg, conditioner=LoopConditioner(d_cond=8, rank=2))

@@ -251,6 +251,26 @@ class MoE(ChannelMixer):
         self._load = None
 
     @override
+    def folded(self, pre: Tensor, shift: Tensor, gate: Tensor) -> "MoE":
+        """Refused: a mixture of experts is served with eq. (4)'s constants and its weights shared.
+
+        Folding the pre-map into the router and every expert's up-projection, and the gate into
+        every expert's down-projection, would copy all E experts once per loop (k times the layer's
+        largest weights) and give each expert a bias its dispatch does not take, to save what
+        :func:`~elr_lightning.serving.serving_model` already keeps small: decoding with the
+        constants and shared weights ran at 0.97x (k = 1) and 1.03x (k = 4) of the same model's
+        decode rate without conditioning, the op sequence a weight fold would run
+        (``bench/moe.py --only decode``, CPU, d = 256, 16 experts, top-2).
+
+        Raises:
+            NotImplementedError: always, saying to serve with ``serving_model`` (``elr generate --fold``).
+        """
+        raise NotImplementedError(
+            "MoE cannot be folded into copies of its weights (every expert would be copied per loop); serve it "
+            "with its conditioning constants instead: serving_model(model, k) or elr generate --fold"
+        )
+
+    @override
     def flops_per_token(self, context: float) -> float:
         """Active forward FLOPs: the router, ``top_k`` routed experts and the shared expert."""
         d = self.config.d_model

@@ -26,8 +26,7 @@ import torch
 from torch import Tensor
 
 from elr_lightning.cache import KVCache
-from elr_lightning.fold import FoldedLM
-from elr_lightning.serving import serving_model
+from elr_lightning.serving import FoldedLM, serving_model
 from elr_lightning.generation import PolicyLike, left_pad, resolve_policy, sample_next
 from elr_lightning.tokenizers import IncrementalDecoder
 from elr_lightning.model import LoopedLM
