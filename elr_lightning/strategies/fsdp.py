@@ -163,19 +163,24 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         self.reduce_scatter_unused_params = reduce_scatter_unused_params
         self.check_schedule_every_n_steps = check_schedule_every_n_steps
 
+    def _data_parallel_mesh(self) -> Optional["DeviceMesh"]:
+        """The data-parallel mesh, or ``None`` before the processes have joined (Lightning's ``device_mesh`` raises then)."""
+        try:
+            return self.device_mesh["data_parallel"]
+        except RuntimeError:
+            return None
+
     @property
     def data_parallel_rank(self) -> int:
         """This process' rank in the data-parallel mesh (its global rank before the mesh exists)."""
-        if self._device_mesh is None:
-            return self.global_rank
-        return self._device_mesh["data_parallel"].get_local_rank()
+        mesh = self._data_parallel_mesh()
+        return self.global_rank if mesh is None else mesh.get_local_rank()
 
     @property
     def data_parallel_size(self) -> int:
         """Size of the data-parallel mesh (the world size before the mesh exists)."""
-        if self._device_mesh is None:
-            return self.world_size
-        return self._device_mesh["data_parallel"].size()
+        mesh = self._data_parallel_mesh()
+        return self.world_size if mesh is None else mesh.size()
 
     @override
     def setup_environment(self) -> None:
