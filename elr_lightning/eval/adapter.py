@@ -34,8 +34,9 @@ from torch import Tensor
 from tqdm import tqdm
 from typing_extensions import override
 
-from elr_lightning.cache import KVCache, PerLoopCache
-from elr_lightning.generation import CACHE_POLICIES, left_pad, load_model, resolve_policy, stream_generate
+from elr_lightning.cache import CACHE_POLICIES, KVCache, PerLoopCache, resolve_policy
+from elr_lightning.generation import load_model, stream_generate
+from elr_lightning.prompts import left_pad
 from elr_lightning.model import LoopedLM
 from elr_lightning.serving import serving_model
 from elr_lightning.tokenizers import Tokenizer, choose_tokenizer
