@@ -197,7 +197,7 @@ class Decoder:
         m = depth.max_loops
         runner = self.runner(m)
         core, conditioner = runner.core, runner.core.conditioner
-        state = core.update.init(h_in)
+        state = core.update.init(h_in).clone()  # written row by row below; init may return h_in itself
         used = torch.full((h_in.shape[0],), m, dtype=torch.long)
         active = torch.arange(h_in.shape[0], device=h_in.device)
         view = rows
