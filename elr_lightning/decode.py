@@ -38,7 +38,7 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from elr_lightning.cache import KVCache, PolicyLike, resolve_policy
 from elr_lightning.context import LoopContext, Positions
@@ -122,6 +122,8 @@ class Decoder:
         self.lengths = [0] * slots
         self.device = model.embed.weight.device
         self.autocast_dtype = autocast_dtype
+        self._runners: dict[int, Union[LoopedLM, FoldedLM]] = {}
+        self._contexts: dict[tuple[int, int], Tensor] = {}
         config = model.config
         self.rec_layers = [config.layer_index("rec", j) for j in range(config.n_rec)]
 
@@ -132,8 +134,14 @@ class Decoder:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def runner(self, loops: int) -> Union[LoopedLM, FoldedLM]:
-        """The module that decodes at ``loops`` (chosen per group and step, kept per k by ``serving_model``)."""
-        return serving_model(self.model, loops, self.fold)
+        """The module that decodes at ``loops``: :func:`~elr_lightning.serving.serving_model`, asked once per k.
+
+        Kept for the decoder's life, which must not outlast a change of the weights (a decoder
+        serves one generation, or a server's inference worker).
+        """
+        if loops not in self._runners:
+            self._runners[loops] = serving_model(self.model, loops, self.fold)
+        return self._runners[loops]
 
     @torch.inference_mode()
     def prefill(self, slot: int, ids: Tensor, depth: Depth) -> Tensor:
@@ -151,34 +159,32 @@ class Decoder:
 
     @torch.inference_mode()
     def step(self, slots: list[int], tokens: Tensor, depths: list[Depth]) -> tuple[Tensor, Tensor]:
-        """Feed ``tokens`` ``[n]`` to ``slots`` at their own depths; return logits ``[n, V]`` and loops used ``[n]``."""
+        """Feed ``tokens`` ``[n]`` to ``slots`` at their own depths; return logits ``[n, V]`` and loops used ``[n]``.
+
+        Rows all at one fixed k run the model at k with its conditioning constants (exactly what
+        :meth:`prefill` runs); otherwise loop i runs once on the rows still needing it (see
+        :meth:`_looped`).
+        """
         device, lm = self.device, self.model
         rows = torch.tensor(slots, device=device)
         pos = torch.tensor([self.lengths[s] for s in slots], device=device)
         end = max(self.lengths[s] for s in slots) + 1
         if end > self.cache.max_len:
             raise ValueError(f"KV cache overflow: {end} tokens exceed max_len={self.cache.max_len}")
-        full = _Rows(lm, self.cache, rows, pos, end)
-        used = torch.zeros(len(slots), dtype=torch.long)
+        every = _Rows(lm, self.cache, rows, pos, end)
         with self.amp():
             x = lm.embed(tokens.to(device)[:, None])
-            ctx = full.context(0, 1)
+            ctx = every.context(0, 1)
             for layer in lm.input_layers:
                 x = layer(x, ctx)
-            out = torch.empty_like(x)
-            groups: dict[tuple, list[int]] = {}
-            for i, depth in enumerate(depths):
-                groups.setdefault(_group_key(depth), []).append(i)
-            for members in groups.values():
-                idx = torch.tensor(members, device=device)
-                depth = depths[members[0]]
-                sub = full.subset(idx)
-                if isinstance(depth, AdaptiveDepth):
-                    thresholds = torch.tensor([depths[m].threshold for m in members], device=device)
-                    out[idx], used[idx] = self._adaptive(sub, x[idx], depth, thresholds)
-                else:
-                    out[idx] = self._fixed(sub, x[idx], depth)
-                    used[idx] = depth
+            if all(isinstance(d, int) and d == depths[0] for d in depths):
+                runner = self.runner(depths[0])
+                ctx = every.context(0, depths[0])
+                s, c = runner.core(x, ctx)
+                out = _output(runner, s, ctx.at(0, c))
+                used = torch.full((len(slots),), depths[0], dtype=torch.long)
+            else:
+                out, used = self._looped(every, x, depths)
             logits = lm.head(lm.norm(out))[:, -1].float()
         self.cache.commit()
         for s in slots:
@@ -186,51 +192,79 @@ class Decoder:
         self.cache.offset = max(self.lengths)
         return logits, used
 
-    def _fixed(self, rows: "_Rows", h_in: Tensor, loops: int) -> Tensor:
-        runner = self.runner(loops)
-        ctx = rows.context(0, loops)
-        s, c = runner.core(h_in, ctx)
-        return _output(runner, s, ctx.at(0, c))
+    def _cond(self, loop: int, budgets: list[int], like: Tensor) -> Optional[Tensor]:
+        """Per-row context c_i(i, k_row, K) ``[n, 1, d_cond]`` (eq. 4), each (i, k) computed once per decoder."""
+        conditioner = self.model.conditioner
+        if conditioner is None or not conditioner.active:
+            return None
+        for k in set(budgets):
+            if (loop, k) not in self._contexts:
+                self._contexts[(loop, k)] = conditioner(loop, k, self.model.config.max_loops, like)
+        return torch.stack([self._contexts[(loop, k)] for k in budgets])[:, None]
 
-    def _adaptive(self, rows: "_Rows", h_in: Tensor, depth: AdaptiveDepth, thresholds: Tensor) -> tuple[Tensor, Tensor]:
-        """Loop by loop under the budget's contexts; a row leaves once its change is below its threshold."""
-        m = depth.max_loops
-        runner = self.runner(m)
-        core, conditioner = runner.core, runner.core.conditioner
+    def _looped(self, rows: "_Rows", h_in: Tensor, depths: list[Depth]) -> tuple[Tensor, Tensor]:
+        """Loop i once over the rows still needing it, each under its own context; adaptive rows may leave.
+
+        The model's own layers run with a per-row context (the conditioner's heads per row rather
+        than constants per k), so a row's logits equal those of its k alone to fp32 round-off.
+        """
+        core, n = self.model.core, h_in.shape[0]
+        budgets = [budget(d) for d in depths]
+        adaptive = [isinstance(d, AdaptiveDepth) for d in depths]
+        thresholds = torch.tensor([d.threshold if isinstance(d, AdaptiveDepth) else -1.0 for d in depths])
+        kl = torch.tensor([isinstance(d, AdaptiveDepth) and d.criterion == "kl" for d in depths])
         state = core.update.init(h_in).clone()  # written row by row below; init may return h_in itself
-        used = torch.full((h_in.shape[0],), m, dtype=torch.long)
-        active = torch.arange(h_in.shape[0], device=h_in.device)
-        view = rows
-        prev_logp = _log_probs(runner, state, view.context(0, m)) if depth.criterion == "kl" else None
-        c = None
-        for i in range(1, m + 1):
-            if conditioner is not None:
-                c = conditioner(i, m, self.model.config.max_loops, h_in)
-            s_prev = state[active]
-            s = core.loop(s_prev, h_in[active], view.context(i, m, c))
-            state[active] = s
-            if i == m:
+        used = torch.tensor(budgets)
+        left = torch.ones(n, dtype=torch.bool)  # not exited
+        c_out = self._cond_out(budgets, h_in)
+        prev_logp: dict[int, Tensor] = {}
+        if bool(kl.any()):
+            idx = kl.nonzero().squeeze(-1)
+            prev_logp = dict(zip(idx.tolist(), self._log_probs(rows, state, idx, c_out)))
+        for i in range(1, max(budgets) + 1):
+            active = (left & (used >= i)).nonzero().squeeze(-1)
+            if active.numel() == 0:
                 break
-            if depth.criterion == "kl":
-                logp = _log_probs(runner, s, view.context(0, m, c))
-                change = F.kl_div(prev_logp, logp, log_target=True, reduction="none").sum(-1)[:, -1]
-            else:
-                change = (s - s_prev).norm(dim=-1)[:, -1] / s_prev.norm(dim=-1)[:, -1].clamp_min(1e-12)
-            leave = change < thresholds[active]
-            if bool(leave.any()):
-                exited = active[leave]
-                used[exited.cpu()] = i
-                self.cache.fill_skipped(view.rows[leave], view.pos[leave], self.rec_layers, i, m)
-                keep = ~leave
-                active, view = active[keep], view.subset(keep.nonzero().squeeze(-1))
-                if prev_logp is not None:
-                    prev_logp = logp[keep]
-                if active.numel() == 0:
-                    break
-            elif prev_logp is not None:
-                prev_logp = logp
-        c_out = None if conditioner is None else conditioner(m, m, self.model.config.max_loops, h_in)
-        return _output(runner, state, rows.context(0, m, c_out)), used
+            sub = rows.subset(active.to(h_in.device))
+            c = self._cond(i, [budgets[r] for r in active.tolist()], h_in)
+            dev_active = active.to(h_in.device)
+            s_prev = state[dev_active]
+            s = _loop_rows(core, s_prev, h_in[dev_active], sub.context(i, max(budgets)), c)
+            state[dev_active] = s
+            checks = [j for j, r in enumerate(active.tolist()) if adaptive[r] and i < budgets[r]]
+            if not checks:
+                continue
+            check = torch.tensor(checks)
+            change = (s - s_prev).norm(dim=-1)[:, -1] / s_prev.norm(dim=-1)[:, -1].clamp_min(1e-12)
+            change = change.float().cpu()[check]
+            by_kl = [j for j in checks if kl[active[j]]]
+            if by_kl:
+                logp = self._log_probs(rows, state, active[by_kl], c_out)
+                for j, lp in zip(by_kl, logp):
+                    r = int(active[j])
+                    value = F.kl_div(prev_logp[r], lp, log_target=True, reduction="sum").float().cpu()
+                    change[checks.index(j)] = value
+                    prev_logp[r] = lp
+            leave = active[check[change < thresholds[active[check]]]]
+            if leave.numel():
+                used[leave], left[leave] = i, False
+                for e in leave.tolist():
+                    self.cache.fill_skipped(rows.rows[e : e + 1], rows.pos[e : e + 1], self.rec_layers, i, budgets[e])
+        return _output_rows(self.model, state, rows.context(0, max(budgets)), c_out), used
+
+    def _cond_out(self, budgets: list[int], like: Tensor) -> Optional[Tensor]:
+        """Per-row context of the output block: c_k(k, k, K) of each row's budget."""
+        conditioner = self.model.conditioner
+        if conditioner is None or not conditioner.active:
+            return None
+        return torch.cat([self._cond(k, [k], like) for k in budgets])
+
+    def _log_probs(self, rows: "_Rows", state: Tensor, idx: Tensor, c_out: Optional[Tensor]) -> Tensor:
+        """Next-token log-probabilities ``[m, V]`` of rows ``idx`` read out from ``state`` through the output block."""
+        sub = rows.subset(idx.to(state.device))
+        cond = None if c_out is None else c_out[idx]
+        out = _output_rows(self.model, state[idx.to(state.device)], sub.context(0, 1), cond)
+        return self.model.head(self.model.norm(out))[:, -1].float().log_softmax(-1)
 
 
 def _output(runner: Union[LoopedLM, FoldedLM], s: Tensor, ctx: LoopContext) -> Tensor:
@@ -239,9 +273,31 @@ def _output(runner: Union[LoopedLM, FoldedLM], s: Tensor, ctx: LoopContext) -> T
     return s
 
 
-def _log_probs(runner: Union[LoopedLM, FoldedLM], s: Tensor, ctx: LoopContext) -> Tensor:
-    """Next-token log-probabilities read out from state ``s`` through the output block and head."""
-    return runner.head(runner.norm(_output(runner, s, ctx))).float().log_softmax(-1)
+def _block_rows(block: nn.Module, x: Tensor, ctx: LoopContext, c: Optional[Tensor]) -> Tensor:
+    """A :class:`~elr_lightning.layers.Block` with a context per row ``c`` ``[n, 1, d_cond]`` (eq. 4 through
+    the modulator's ``pre`` and ``post``, which broadcast over rows)."""
+    for norm, mixer, mod in ((block.attn_norm, block.attn, block.attn_mod), (block.mlp_norm, block.mlp, block.mlp_mod)):
+        h = norm(x)
+        if c is None or mod is None:
+            x = x + mixer(h, ctx, block.index)
+        else:
+            x = x + mod.post(mixer(mod.pre(h, c), ctx, block.index), c)
+    return x
+
+
+def _loop_rows(core: nn.Module, s: Tensor, h_in: Tensor, ctx: LoopContext, c: Optional[Tensor]) -> Tensor:
+    """:meth:`~elr_lightning.core.RecurrentCore.loop` with a context per row."""
+    s_tilde = core.update.inject(s, h_in)
+    r = s_tilde
+    for block in core.layers_at(ctx.loop):
+        r = _block_rows(block, r, ctx, c)
+    return core.update(s, r, s_tilde)
+
+
+def _output_rows(model: LoopedLM, s: Tensor, ctx: LoopContext, c: Optional[Tensor]) -> Tensor:
+    for block in model.output_layers:
+        s = _block_rows(block, s, ctx, c)
+    return s
 
 
 class _Rows:
