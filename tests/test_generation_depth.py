@@ -94,3 +94,28 @@ def test_depth_arguments_are_checked_naming_the_field() -> None:
         generate(model, [[1]], loops="auto", exit_criterion="entropy")
     with pytest.raises(ValueError, match="loops=0 must be an integer >= 1"):
         generate(model, [[1]], loops="auto", max_loops=0)
+
+
+def test_eval_adapter_scores_and_generates_with_auto_depth() -> None:
+    """``loops=auto`` in the lm-eval adapter: with a threshold of 0 it scores as k = K; higher, it exits early."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from elr_lightning.eval import ELRLM
+    from elr_lightning.tokenizers import ByteTokenizer
+
+    model = perturbed_model(replace(GQA_CONFIG, vocab_size=256))
+    pairs = [("def f(x", "):\n    return x"), ("import", " os")]
+    requests = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]
+    tok = ByteTokenizer()
+    fixed = ELRLM.from_model(model, tok, loops=K).loglikelihood(requests, disable_tqdm=True)
+    never = ELRLM.from_model(model, tok, loops="auto", threshold=0.0).loglikelihood(requests, disable_tqdm=True)
+    early = ELRLM.from_model(model, tok, loops="auto", threshold=1e9).loglikelihood(requests, disable_tqdm=True)
+    assert [lp for lp, _ in never] == pytest.approx([lp for lp, _ in fixed], abs=1e-4)
+    assert [lp for lp, _ in early] != pytest.approx([lp for lp, _ in fixed], abs=1e-3)
+    lm = ELRLM.from_model(model, tok, loops="auto", threshold=1e9)
+    texts = lm.generate_texts(["def "], ["\n"], max_gen_toks=5)
+    expected = generate(model, [tok.encode("def ")], loops=lm.depth, max_new_tokens=5, greedy=True)
+    assert texts[0] == tok.decode(expected.new_tokens[0].tolist()).split("\n")[0]
+    with pytest.raises(ValueError, match="loops='fast' must be an integer >= 1 or 'auto'"):
+        ELRLM.from_model(model, tok, loops="fast")
