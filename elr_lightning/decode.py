@@ -124,6 +124,7 @@ class Decoder:
         self.autocast_dtype = autocast_dtype
         self._runners: dict[int, Union[LoopedLM, FoldedLM]] = {}
         self._contexts: dict[tuple[int, int], Tensor] = {}
+        self._constants = _RowConstants()
         config = model.config
         self.rec_layers = [config.layer_index("rec", j) for j in range(config.n_rec)]
 
@@ -192,15 +193,16 @@ class Decoder:
         self.cache.offset = max(self.lengths)
         return logits, used
 
-    def _cond(self, loop: int, budgets: list[int], like: Tensor) -> Optional[Tensor]:
-        """Per-row context c_i(i, k_row, K) ``[n, 1, d_cond]`` (eq. 4), each (i, k) computed once per decoder."""
+    def _cond(self, loop: int, budgets: list[int], like: Tensor) -> _RowContext:
+        """Per-row context c_i(i, k_row, K) (eq. 4), each (i, k) computed once per decoder."""
         conditioner = self.model.conditioner
         if conditioner is None or not conditioner.active:
-            return None
+            return _RowContext(None)
         for k in set(budgets):
             if (loop, k) not in self._contexts:
                 self._contexts[(loop, k)] = conditioner(loop, k, self.model.config.max_loops, like)
-        return torch.stack([self._contexts[(loop, k)] for k in budgets])[:, None]
+        cond = torch.stack([self._contexts[(loop, k)] for k in budgets])[:, None]
+        return _RowContext(cond, loop, tuple(budgets), self._contexts, self._constants)
 
     def _looped(self, rows: "_Rows", h_in: Tensor, depths: list[Depth]) -> tuple[Tensor, Tensor]:
         """Loop i once over the rows still needing it, each under its own context; adaptive rows may leave.
@@ -252,17 +254,23 @@ class Decoder:
                     self.cache.fill_skipped(rows.rows[e : e + 1], rows.pos[e : e + 1], self.rec_layers, i, budgets[e])
         return _output_rows(self.model, state, rows.context(0, max(budgets)), c_out), used
 
-    def _cond_out(self, budgets: list[int], like: Tensor) -> Optional[Tensor]:
-        """Per-row context of the output block: c_k(k, k, K) of each row's budget."""
+    def _cond_out(self, budgets: list[int], like: Tensor) -> _RowContext:
+        """Per-row context of the output block: c_k(k, k, K) of each row's budget (stored as loop 0)."""
         conditioner = self.model.conditioner
         if conditioner is None or not conditioner.active:
-            return None
-        return torch.cat([self._cond(k, [k], like) for k in budgets])
+            return _RowContext(None)
+        for k in set(budgets):
+            if (0, k) not in self._contexts:
+                self._contexts[(0, k)] = conditioner(k, k, self.model.config.max_loops, like)
+        cond = torch.stack([self._contexts[(0, k)] for k in budgets])[:, None]
+        return _RowContext(cond, 0, tuple(budgets), self._contexts, self._constants)
 
-    def _log_probs(self, rows: "_Rows", state: Tensor, idx: Tensor, c_out: Optional[Tensor]) -> Tensor:
+    def _log_probs(self, rows: "_Rows", state: Tensor, idx: Tensor, c_out: _RowContext) -> Tensor:
         """Next-token log-probabilities ``[m, V]`` of rows ``idx`` read out from ``state`` through the output block."""
         sub = rows.subset(idx.to(state.device))
-        cond = None if c_out is None else c_out[idx]
+        cond = c_out if c_out.cond is None else _RowContext(
+            c_out.cond[idx], 0, tuple(c_out.ks[j] for j in idx.tolist()), c_out.contexts, c_out.cache
+        )
         out = _output_rows(self.model, state[idx.to(state.device)], sub.context(0, 1), cond)
         return self.model.head(self.model.norm(out))[:, -1].float().log_softmax(-1)
 
@@ -273,30 +281,90 @@ def _output(runner: Union[LoopedLM, FoldedLM], s: Tensor, ctx: LoopContext) -> T
     return s
 
 
-def _block_rows(block: nn.Module, x: Tensor, ctx: LoopContext, c: Optional[Tensor]) -> Tensor:
-    """A :class:`~elr_lightning.layers.Block` with a context per row ``c`` ``[n, 1, d_cond]`` (eq. 4 through
-    the modulator's ``pre`` and ``post``, which broadcast over rows)."""
+class _RowConstants:
+    """Eq. (4)'s operands per sublayer, stacked per row of a step: ``(weight, shift, up, down, gate)``.
+
+    Each (sublayer, i, k) is computed once from the modulator's ``modulation`` (the conditioner's
+    heads do not run per token); the stack for a step's row pattern is kept while the pattern
+    recurs. Modulators without ``modulation`` get ``None`` and run through ``pre`` and ``post``.
+    """
+
+    def __init__(self) -> None:
+        self.single: dict[tuple[int, int, int], Optional[tuple]] = {}
+        self.stacked: dict[tuple[int, int, tuple[int, ...]], Optional[tuple]] = {}
+
+    def get(self, norm: nn.RMSNorm, mod: nn.Module, loop: int, ks: tuple[int, ...], contexts: dict) -> Optional[tuple]:
+        key = (id(mod), loop, ks)
+        if key not in self.stacked:
+            if len(self.stacked) > 512:
+                self.stacked.clear()
+            parts = [self._one(norm, mod, loop, k, contexts[(loop, k)]) for k in ks]
+            if any(p is None for p in parts):
+                self.stacked[key] = None
+            else:
+                weight, shift, up, down, gate = zip(*parts)
+                self.stacked[key] = (
+                    torch.stack(weight)[:, None], torch.stack(shift)[:, None],
+                    None if up[0] is None else torch.stack(up), down[0], torch.stack(gate)[:, None],
+                )  # fmt: skip
+        return self.stacked[key]
+
+    def _one(self, norm: nn.RMSNorm, mod: nn.Module, loop: int, k: int, c: Tensor) -> Optional[tuple]:
+        key = (id(mod), loop, k)
+        if key not in self.single:
+            try:
+                scale, shift, terms = mod.modulation(c)
+            except NotImplementedError:
+                self.single[key] = None
+            else:
+                weight = scale if norm.weight is None else norm.weight * scale
+                self.single[key] = (weight, shift, terms.up, terms.down, terms.gate)
+        return self.single[key]
+
+
+def _block_rows(block: nn.Module, x: Tensor, ctx: LoopContext, rows: "_RowContext") -> Tensor:
+    """A :class:`~elr_lightning.layers.Block` with its own context per row (eq. 4)."""
     for norm, mixer, mod in ((block.attn_norm, block.attn, block.attn_mod), (block.mlp_norm, block.mlp, block.mlp_mod)):
-        h = norm(x)
-        if c is None or mod is None:
-            x = x + mixer(h, ctx, block.index)
+        consts = None if rows.cond is None or mod is None else rows.constants(norm, mod)
+        if rows.cond is None or mod is None:
+            x = x + mixer(norm(x), ctx, block.index)
+        elif consts is None:  # a modulator without a constant form: its heads per row
+            x = x + mod.post(mixer(mod.pre(norm(x), rows.cond), ctx, block.index), rows.cond)
         else:
-            x = x + mod.post(mixer(mod.pre(h, c), ctx, block.index), c)
+            weight, shift, up, down, gate = consts
+            h = torch.addcmul(shift, F.rms_norm(x, norm.normalized_shape, None, norm.eps), weight)
+            if up is not None:
+                h = h + torch.matmul(h @ down.T, up.transpose(1, 2))
+            x = torch.addcmul(x, mixer(h, ctx, block.index), gate)
     return x
 
 
-def _loop_rows(core: nn.Module, s: Tensor, h_in: Tensor, ctx: LoopContext, c: Optional[Tensor]) -> Tensor:
+@dataclass
+class _RowContext:
+    """Per-row conditioning of one loop: the contexts ``cond`` ``[n, 1, d_cond]`` and how to get constants."""
+
+    cond: Optional[Tensor]
+    loop: int = 0
+    ks: tuple[int, ...] = ()
+    contexts: Optional[dict] = None
+    cache: Optional[_RowConstants] = None
+
+    def constants(self, norm: nn.RMSNorm, mod: nn.Module) -> Optional[tuple]:
+        return self.cache.get(norm, mod, self.loop, self.ks, self.contexts)
+
+
+def _loop_rows(core: nn.Module, s: Tensor, h_in: Tensor, ctx: LoopContext, rows: _RowContext) -> Tensor:
     """:meth:`~elr_lightning.core.RecurrentCore.loop` with a context per row."""
     s_tilde = core.update.inject(s, h_in)
     r = s_tilde
     for block in core.layers_at(ctx.loop):
-        r = _block_rows(block, r, ctx, c)
+        r = _block_rows(block, r, ctx, rows)
     return core.update(s, r, s_tilde)
 
 
-def _output_rows(model: LoopedLM, s: Tensor, ctx: LoopContext, c: Optional[Tensor]) -> Tensor:
+def _output_rows(model: LoopedLM, s: Tensor, ctx: LoopContext, rows: _RowContext) -> Tensor:
     for block in model.output_layers:
-        s = _block_rows(block, s, ctx, c)
+        s = _block_rows(block, s, ctx, rows)
     return s
 
 
