@@ -7,15 +7,15 @@ slot (exactly the forward pass :func:`~elr_lightning.generation.generate` runs f
 loop counts:
 
 * the embedding, the input block, the final norm and the head run once over all rows;
-* the recurrent block runs per *depth group* on the rows gathered for it, and the result is
-  scattered back: rows at k loops cost k passes, so a step costs sum(k) row-loops, not
-  max(k) x rows (DESIGN §7). A group is a fixed k, or an :class:`AdaptiveDepth` budget; each
-  group decodes with its k's conditioning constants computed once
-  (:func:`~elr_lightning.serving.serving_model`), so a row's logits are those of the model at its
-  k, up to the fp32 round-off of batching (masked attention over the longest row's length);
-* rows of an :class:`AdaptiveDepth` group run loop by loop under the budget's contexts
-  c_i(i, K_max, K) (eq. 4), and a row leaves after loop i once its exit criterion holds
-  (:data:`EXIT_CRITERIA`). Fewer rows run each later loop.
+* rows all at one k run the recurrent and output blocks at k with its conditioning constants
+  computed once (:func:`~elr_lightning.serving.serving_model`), exactly as :meth:`Decoder.prefill`
+  and :func:`~elr_lightning.generation.generate` do;
+* otherwise loop i runs once, on the rows whose k reaches it, gathered and scattered back, each
+  row under its own context c_i(i, k, K) (eq. 4's operands computed once per (sublayer, i, k) and
+  stacked per row): a step costs sum(k) row-loops, not max(k) x rows (DESIGN §7), and a row's
+  logits equal those of its k alone to fp32 round-off;
+* an :class:`AdaptiveDepth` row runs under the contexts of its budget K_max and leaves after loop
+  i once its exit criterion holds (:data:`EXIT_CRITERIA`); fewer rows run each later loop.
 
 **Skipped loops' cache entries** (adaptive depth). Under a per-loop cache a row that exits at
 loop e leaves loops e+1..K_max without an entry for its token; :meth:`KVCache.fill_skipped`
@@ -89,10 +89,6 @@ Depth = Union[int, AdaptiveDepth]
 def budget(depth: Depth) -> int:
     """The most loops ``depth`` may run."""
     return depth.max_loops if isinstance(depth, AdaptiveDepth) else depth
-
-
-def _group_key(depth: Depth) -> tuple:
-    return ("auto", depth.max_loops, depth.criterion) if isinstance(depth, AdaptiveDepth) else ("k", depth)
 
 
 class Decoder:

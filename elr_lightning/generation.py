@@ -144,10 +144,8 @@ def _prepare(
 ) -> _Job:
     lm = unwrap(model)
     depth = resolve_depth(loops, max_loops, threshold, exit_criterion, lm.config.max_loops)
-    if isinstance(lm, FoldedLM) and budget(depth) != lm.loops:
-        raise ValueError(
-            f"this model is folded for loops={lm.loops}, called with loops={budget(depth)}; fold again"
-        )
+    if isinstance(lm, FoldedLM) and (budget(depth) != lm.loops or isinstance(depth, AdaptiveDepth)):
+        raise ValueError(f"this model is folded for loops={lm.loops}, called with loops={loops!r}; pass the model")
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     device = lm.embed.weight.device
     ids, mask = prepare_prompt(prompt, attention_mask, pad_id, device)
@@ -340,30 +338,11 @@ def generate(
     output_logits: bool = False,
     fold: Optional[bool] = None,
 ) -> GenerationOutput:
-    """Generate continuations of a batch of prompts; see :func:`stream_generate` for the arguments.
+    """Generate continuations of a batch of prompts; :func:`stream_generate` describes the other arguments.
 
     Args:
-        model: The model.
-        prompt: Token ids ``[B, T]`` or a list of token-id lists.
-        loops: The loop count k, ``"auto"`` or an :class:`~elr_lightning.decode.AdaptiveDepth`.
-        max_loops: Budget of ``"auto"``.
-        threshold: Exit threshold of ``"auto"``.
-        exit_criterion: Exit criterion of ``"auto"``.
-        attention_mask: ``[B, T]`` left-padding mask for a tensor prompt.
-        max_new_tokens: Most tokens to generate per sequence.
-        kv_cache: Policy name, :class:`KVCache` subclass, or fresh instance.
-        temperature: Softmax temperature; 0 is greedy.
-        top_k: Top-k filter.
-        top_p: Nucleus filter.
-        greedy: Always take the most likely token.
-        eos_id: End-of-sequence id.
-        pad_id: Id for padding and for positions after EOS.
-        seed: Seed of a fresh generator on the model's device.
-        generator: Random source for sampling, on the model's device (``ValueError`` otherwise).
-        autocast_dtype: Autocast dtype, or ``None``.
         callback: Called with each step's ``[B]`` tokens, in order, as they are produced.
         output_logits: Keep every step's next-token logits in :attr:`GenerationOutput.logits`.
-        fold: Decode with the conditioning constants of ``loops`` (``None``: ``model.serve_folded`` decides).
 
     Returns:
         The prompt with its continuations, the new tokens, optionally the logits, and the cache.

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from _bpe import train_bpe
 from _elr_ckpt import SERVE_ARCH, write_checkpoint
+from elr_lightning.decode import AdaptiveDepth
 from elr_lightning.generation import generate, load_model
 from elr_lightning.serve.api import Cancel, CompletionsSpec, RequestError, relative_costs
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine, _StopText
@@ -282,6 +283,12 @@ def test_server_answers_concurrent_k_like_generate_and_shuts_down_cleanly(checkp
             client.completions.create(model="tiny", prompt="x", extra_body={"loops": 0})
         status, answer = post(f"{base}/v1/completions", b'{"prompt": "def", "max_tokens": 3, "loops": 2}')
         assert status == 200 and answer["usage"]["completion_tokens"] == 3, "the server stopped serving"
+        assert answer["usage"]["loops_per_token"] == [2, 2, 2]
+        body = b'{"prompt": "def", "max_tokens": 6, "loops": "auto", "threshold": 0.1, "temperature": 0}'
+        status, answer = post(f"{base}/v1/completions", body)
+        request = CompletionRequest(tuple(TOK.encode("def")), AdaptiveDepth(3, 0.1, "kl"), 6, 0.0)
+        assert status == 200 and answer["choices"][0]["text"] == reference(model, request, "last_loop")
+        assert len(answer["usage"]["loops_per_token"]) == 6 and answer["usage"]["loops_per_token"][0] == 3
     finally:
         server.send_signal(signal.SIGTERM)
         try:
