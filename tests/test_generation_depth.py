@@ -119,3 +119,17 @@ def test_eval_adapter_scores_and_generates_with_auto_depth() -> None:
     assert texts[0] == tok.decode(expected.new_tokens[0].tolist()).split("\n")[0]
     with pytest.raises(ValueError, match="loops='fast' must be an integer >= 1 or 'auto'"):
         ELRLM.from_model(model, tok, loops="fast")
+
+
+def test_elr_generate_loops_auto_prints_the_loops_per_token(tmp_path, capsys) -> None:
+    from _elr_ckpt import write_checkpoint
+    from elr_lightning.cli import run
+
+    ckpt = tmp_path / "tiny.ckpt"
+    write_checkpoint(ckpt)
+    run(["generate", "--ckpt_path", str(ckpt), "--prompt", "def", "--loops", "auto", "--threshold", "0.1",
+         "--max_new_tokens", "5", "--temperature", "0", "--stats"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert "loops per decoded token: mean" in err
+    with pytest.raises(ValueError, match="--max_loops is only read with --loops auto"):
+        run(["generate", "--ckpt_path", str(ckpt), "--prompt", "def", "--loops", "2", "--max_loops", "3"])
