@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
-from pathlib import Path
 
 import pytest
 import torch
