@@ -40,7 +40,8 @@ from elr_lightning.cache import KVCache
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.serving import FoldedLM, fold_conditioning
-from elr_lightning.generation import CACHE_POLICIES, kv_cache_bytes, layer_caches, stream_generate
+from elr_lightning.cache import CACHE_POLICIES, kv_cache_bytes, layer_caches
+from elr_lightning.generation import stream_generate
 from elr_lightning.model import LoopedLM
 
 CONFIG = ModelConfig(

@@ -1,39 +1,42 @@
-"""Serving benchmark: ``elr serve`` under a fixed concurrent load, per loop count and mixed.
+"""Serving benchmark: continuous batching with mixed k in one step, against the cohort engine it replaced.
 
-Starts the real server (a subprocess on a free loopback port) over a checkpoint, then sends the
-same bounded traffic in each scenario: ``--clients`` threads, each posting non-streamed
-completions back to back until ``--requests`` are done (or ``--time_budget`` seconds pass).
-Scenarios: all requests at k = 1, at k = 2, ..., and mixed traffic (k cycling over 1..K). Per
-scenario it reports completion tokens/s and p50/p95 request latency, per k; ratios are against
-k = 1 measured in the same run, beside D_eff(1) / D_eff(k) (eq. 1), the slowdown the recurrent
-depth alone predicts. The mixed scenario's tokens/s is compared with the single-k runs' rate for
-the same request mix (the harmonic mean: each request costs what it costs alone at its k).
+Two tables, one run, one process (the engines are driven directly, as the server's worker drives
+them, so the numbers are the engine's and not the HTTP stack's):
 
-KV memory: the same batch of requests is run through the serving engine in-process under the
-last-loop and per-loop policies; the peak attention KV bytes held at each k are reported with
-their ratio to k = 1 (the paper: per-loop grows as D_eff(k), last-loop stays at 1x).
+1. **Continuous vs cohort.** A closed loop of ``--clients`` clients, each sending its next request
+   as soon as its last one finished, over ``--requests`` requests with k cycling over 1 / 2 / 3,
+   prompt lengths drawn from ``--prompt_len`` and completion lengths from ``--max_tokens``
+   (seeded). Admission follows LitServe's rule for both engines: a request enters once fewer than
+   ``--max_batch_size`` are active. The baseline is the cohort engine of the commit before
+   continuous batching (``git show BASELINE:elr_lightning/serve/engine.py``, loaded as it was):
+   requests of one k that arrive together form a cohort that keeps its rows until all end, one
+   forward pass per cohort. Reported: completion tokens/s and p50/p99 request latency, and the
+   ratios (target: >= 1.5x tokens/s).
+2. **Mixed k vs single k.** A batch of ``--mixed_rows`` rows decoding ``--steps`` steps, all at
+   k = 1, all at 2, all at 3, and mixed (a third each), each timed ``--repeats`` times interleaved
+   (the fastest kept). A line ``t = a + b * sum(k)`` fitted
+   to the single-k step times predicts the mixed step's time from its sum(k); the ratio
+   predicted / measured is the share of the sum(k) throughput the mixed step reaches (target >= 0.9).
 
-Without ``--ckpt_path`` it serves an untrained quickstart-sized model (speed does not depend on the
-weights), written to a temporary checkpoint.
+Without ``--ckpt_path`` it serves an untrained model of ``--d_model`` (speed does not depend on
+the weights). Writes ``bench/results/serve.json``.
 
-    python bench/serve.py [--ckpt_path X] [--clients 4] [--requests 24] [--max_tokens 32]
+    python bench/serve.py [--ckpt_path X] [--d_model 256] [--clients 12] [--requests 96] [--kv_cache last_loop]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
-import signal
-import socket
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -41,196 +44,180 @@ import torch
 
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
-from elr_lightning.generation import load_model
-from elr_lightning.module import ELRModule
+from elr_lightning.decode import Decoder
+from elr_lightning.model import LoopedLM
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine
+from elr_lightning.generation import load_model
 from elr_lightning.tokenizers import ByteTokenizer
 
-QUICKSTART = ModelConfig(
-    vocab_size=256, d_model=128, n_heads=4, n_in=1, n_rec=2, n_out=1, max_seq_len=256, max_loops=3
-)
-PROMPTS = ["def main(argv):\n", "import os\nimport sys\n", "class Parser(object):\n", "    return self._"]
+#: The last commit with the cohort engine.
+BASELINE = "fe91c56"
+#: Imports of the old engine that moved since (the names are the same objects).
+MOVED = {
+    "from elr_lightning.generation import PolicyLike, left_pad, resolve_policy, sample_next":
+        "from elr_lightning.cache import PolicyLike, resolve_policy\n"
+        "from elr_lightning.prompts import left_pad\nfrom elr_lightning.generation import sample_next",
+    "from elr_lightning.fold import FoldedLM\n": "from elr_lightning.serving import FoldedLM\n",
+}
 
 
-def write_untrained(path: Path) -> None:
-    """An untrained quickstart-sized checkpoint, written the way Lightning writes one."""
-    import lightning
-
-    torch.manual_seed(0)
-    module = ELRModule(arch=QUICKSTART, conditioner=LoopConditioner(d_cond=32, rank=4))
-    checkpoint = {
-        "state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
-        "pytorch-lightning_version": lightning.__version__, "epoch": 0, "global_step": 0,
-    }
-    module.on_save_checkpoint(checkpoint)
-    torch.save(checkpoint, path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def cohort_engine_class(root: Path) -> type:
+    """The baseline's ``DecodeEngine``, loaded from git as it was at :data:`BASELINE`."""
+    source = subprocess.run(
+        ["git", "show", f"{BASELINE}:elr_lightning/serve/engine.py"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout
+    for old, new in MOVED.items():
+        source = source.replace(old, new)
+    with tempfile.NamedTemporaryFile("w", suffix="_cohort_engine.py", delete=False) as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location("cohort_engine", f.name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cohort_engine"] = module
+    spec.loader.exec_module(module)
+    os.unlink(f.name)
+    return module.DecodeEngine
 
 
-def start_server(ckpt: str, port: int, max_batch_size: int, kv_cache: str) -> subprocess.Popen:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "elr_lightning.cli", "serve", "--ckpt_path", ckpt, "--port", str(port),
-         "--max_batch_size", str(max_batch_size), "--kv_cache", kv_cache, "--accelerator", "cpu"],
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"elr serve exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return server
-        except OSError:
-            time.sleep(0.5)
-    stop_server(server)
-    raise RuntimeError("elr serve did not become healthy in 120 s")
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    server.send_signal(signal.SIGTERM)
-    try:
-        server.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(timeout=10)
-
-
-def run_traffic(port: int, loops_cycle: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    """Send ``args.requests`` completions from ``args.clients`` threads; per-request ``(k, latency, tokens)``."""
-    lock, done, records = threading.Lock(), [0], []
-    deadline = time.monotonic() + args.time_budget
-
-    def client(cid: int) -> None:
-        while time.monotonic() < deadline:
-            with lock:
-                n = done[0]
-                if n >= args.requests:
-                    return
-                done[0] += 1
-            k = loops_cycle[n % len(loops_cycle)]
-            body = {"prompt": PROMPTS[n % len(PROMPTS)], "max_tokens": args.max_tokens, "loops": k,
-                    "temperature": 0.8, "seed": n}
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-            )
-            start = time.perf_counter()
-            with urllib.request.urlopen(request, timeout=args.time_budget + 60) as r:
-                answer = json.loads(r.read())
-            with lock:
-                records.append((k, time.perf_counter() - start, answer["usage"]["completion_tokens"]))
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    per_k = {}
-    for k in sorted(set(loops_cycle)):
-        lat = sorted(r[1] for r in records if r[0] == k)
-        if not lat:
-            continue
-        per_k[k] = {
-            "requests": len(lat),
-            "p50_s": statistics.median(lat),
-            "p95_s": lat[min(len(lat) - 1, round(0.95 * (len(lat) - 1)))],
-            "tokens": sum(r[2] for r in records if r[0] == k),
-        }
-    tokens = sum(r[2] for r in records)
-    return {"wall_s": wall, "requests": len(records), "tokens": tokens, "tokens_per_s": tokens / wall, "per_k": per_k}
-
-
-def cache_memory(ckpt: str, loops: list[int], batch: int, max_tokens: int) -> dict[str, dict[int, int]]:
-    """Peak attention KV bytes the engine holds for ``batch`` requests at each k, per policy."""
-    model, _ = load_model(ckpt)
-    tok = ByteTokenizer()
-    out: dict[str, dict[int, int]] = {}
-    for policy in ("last_loop", "per_loop"):
-        out[policy] = {}
-        for k in loops:
-            engine = DecodeEngine(model, tok, policy)
-            for i in range(batch):
-                engine.submit(str(i), CompletionRequest(tuple(tok.encode(PROMPTS[i % len(PROMPTS)])), k, max_tokens, 0.0))
-            peak = 0
-            while engine.active:
-                engine.step()
-                peak = max(peak, engine.kv_cache_bytes())
-            out[policy][k] = peak
+def workload(args: argparse.Namespace, loops: list[int]) -> list[tuple[tuple[int, ...], int, int]]:
+    """``(prompt_ids, k, max_tokens)`` per request, seeded; prompts cut from this file's own text."""
+    rng = random.Random(args.seed)
+    text = Path(__file__).read_bytes()
+    lo_p, hi_p = args.prompt_len
+    lo_t, hi_t = args.max_tokens
+    out = []
+    for i in range(args.requests):
+        n = rng.randint(lo_p, hi_p)
+        start = rng.randint(0, len(text) - n)
+        out.append((tuple(text[start : start + n]), loops[i % len(loops)], rng.randint(lo_t, hi_t)))
     return out
+
+
+def closed_loop(engine: Any, jobs: list, clients: int, max_batch: int) -> dict[str, Any]:
+    """Drive ``engine`` as the server's loop does, ``clients`` requests outstanding; tokens/s and latencies."""
+    waiting = list(range(len(jobs)))[::-1]
+    outstanding: list[int] = []
+    started: dict[str, float] = {}
+    latency: dict[int, float] = {}
+    tokens = 0
+    begin = time.perf_counter()
+    while waiting or outstanding:
+        while waiting and len(outstanding) < clients:
+            outstanding.append(waiting.pop())
+        for i in list(outstanding):
+            uid = str(i)
+            if uid not in started and engine.active < max_batch:
+                prompt, k, max_tokens = jobs[i]
+                started[uid] = time.perf_counter()
+                engine.submit(uid, CompletionRequest(prompt, k, max_tokens, 0.0))
+        for event in engine.step():
+            if event.finish_reason is not None:
+                i = int(event.uid)
+                latency[i] = time.perf_counter() - started[event.uid]
+                tokens += event.completion_tokens
+                outstanding.remove(i)
+    wall = time.perf_counter() - begin
+    lat = sorted(latency.values())
+    return {
+        "wall_s": wall,
+        "completion_tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "p50_s": statistics.median(lat),
+        "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+    }
+
+
+def step_time(model: LoopedLM, depths: list[int], steps: int, kv_cache: str) -> float:
+    """Mean seconds of one decode step of a full batch of rows at ``depths``."""
+    rows = len(depths)
+    decoder = Decoder(model, rows, 8 + steps + 1, kv_cache)
+    for slot, k in enumerate(depths):
+        decoder.prefill(slot, torch.arange(1, 9), k)
+    tokens = torch.full((rows,), 7)
+    decoder.step(list(range(rows)), tokens, depths)  # warm-up
+    begin = time.perf_counter()
+    for _ in range(steps - 1):
+        decoder.step(list(range(rows)), tokens, depths)
+    return (time.perf_counter() - begin) / (steps - 1)
+
+
+def untrained(d_model: int) -> LoopedLM:
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=256, d_model=d_model, n_heads=4, n_in=1, n_rec=2, n_out=1, max_seq_len=256, max_loops=3
+    )
+    return LoopedLM(config, conditioner=LoopConditioner(d_cond=32, rank=4)).eval()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--ckpt_path", default=None, help="Checkpoint to serve; default an untrained quickstart model.")
-    parser.add_argument("--clients", type=int, default=4, help="Concurrent client threads.")
-    parser.add_argument("--requests", type=int, default=24, help="Requests per scenario.")
-    parser.add_argument("--max_tokens", type=int, default=32, help="Completion tokens per request.")
-    parser.add_argument("--max_batch_size", type=int, default=8, help="Server --max_batch_size.")
-    parser.add_argument("--kv_cache", default="last_loop", help="Server --kv_cache.")
-    parser.add_argument("--time_budget", type=float, default=120.0, help="Seconds per scenario at most.")
+    parser.add_argument("--ckpt_path", default=None, help="Checkpoint; default an untrained model of --d_model.")
+    parser.add_argument("--d_model", type=int, default=256, help="Width of the untrained model.")
+    parser.add_argument("--clients", type=int, default=12, help="Requests outstanding at once (closed loop).")
+    parser.add_argument("--requests", type=int, default=96, help="Requests in the closed-loop run.")
+    parser.add_argument("--max_batch_size", type=int, default=8, help="Slots / most requests active at once.")
+    parser.add_argument("--prompt_len", type=int, nargs=2, default=(4, 64), help="Prompt lengths, min max.")
+    parser.add_argument("--max_tokens", type=int, nargs=2, default=(8, 96), help="Completion lengths, min max.")
+    parser.add_argument("--steps", type=int, default=8, help="Decode steps per mixed/single-k timing.")
+    parser.add_argument("--mixed_rows", type=int, default=96, help="Rows of the mixed/single-k timing.")
+    parser.add_argument("--repeats", type=int, default=3, help="Timings per depth mix (the fastest kept).")
+    parser.add_argument("--kv_cache", default="last_loop", choices=["last_loop", "per_loop"])
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/serve.json", help="JSON output path.")
     args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = args.ckpt_path
-        if ckpt is None:
-            ckpt = str(Path(tmp) / "untrained.ckpt")
-            write_untrained(Path(ckpt))
-        model, _ = load_model(ckpt)
-        config = model.config
-        loops = list(range(1, config.max_loops + 1))
-        port = free_port()
-        server = start_server(ckpt, port, args.max_batch_size, args.kv_cache)
-        try:
-            run_traffic(port, [1], argparse.Namespace(**{**vars(args), "requests": args.clients}))  # warm-up
-            scenarios = {f"k{k}": run_traffic(port, [k], args) for k in loops}
-            scenarios["mixed"] = run_traffic(port, loops, args)
-        finally:
-            stop_server(server)
-        memory = cache_memory(ckpt, loops, args.clients, args.max_tokens)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_flush_denormal(True)
+    model = untrained(args.d_model) if args.ckpt_path is None else load_model(args.ckpt_path)[0]
+    loops = list(range(1, min(3, model.config.max_loops) + 1))
+    tok = ByteTokenizer()
+    jobs = workload(args, loops)
 
-    base = scenarios["k1"]["tokens_per_s"]
-    mixed_expected = len(loops) / sum(1 / scenarios[f"k{k}"]["tokens_per_s"] for k in loops)
-    print(f"{args.clients} clients, {args.requests} requests per scenario, {args.max_tokens} tokens each, "
-          f"--kv_cache {args.kv_cache}, --max_batch_size {args.max_batch_size}")
-    print(f"{'scenario':8s} {'tok/s':>8s} {'vs k=1':>7s} {'D(1)/D(k)':>9s} {'p50 s':>7s} {'p95 s':>7s}")
-    for k in loops:
-        s = scenarios[f"k{k}"]
-        pk = s["per_k"][k]
-        print(f"k={k:<6d} {s['tokens_per_s']:8.1f} {s['tokens_per_s'] / base:7.3f} "
-              f"{config.effective_depth(1) / config.effective_depth(k):9.3f} {pk['p50_s']:7.3f} {pk['p95_s']:7.3f}")
-    m = scenarios["mixed"]
-    print(f"mixed    {m['tokens_per_s']:8.1f} {m['tokens_per_s'] / base:7.3f}   (single-k rate for this mix: "
-          f"{mixed_expected:.1f} tok/s; mixed / that = {m['tokens_per_s'] / mixed_expected:.3f})")
-    for k, pk in m["per_k"].items():
-        single = scenarios[f"k{k}"]["per_k"][k]
-        print(f"  k={k} in mixed traffic: p50 {pk['p50_s']:.3f} s, p95 {pk['p95_s']:.3f} s "
-              f"(p50 {pk['p50_s'] / single['p50_s']:.2f}x its single-k p50)")
-    print(f"KV cache peak bytes for {args.clients} requests (ratio to k = 1):")
-    for policy, by_k in memory.items():
-        print(f"  {policy:9s}: " + ", ".join(f"k={k} {b} B ({b / by_k[1]:.2f}x)" for k, b in by_k.items()))
+    cohort_cls = cohort_engine_class(Path(__file__).resolve().parents[1])
+    closed_loop(DecodeEngine(model, tok, args.kv_cache, max_batch_size=args.max_batch_size), jobs[:4], 4, 4)
+    runs = {
+        "cohort": closed_loop(cohort_cls(model, tok, args.kv_cache), jobs, args.clients, args.max_batch_size),
+        "continuous": closed_loop(
+            DecodeEngine(model, tok, args.kv_cache, max_batch_size=args.max_batch_size), jobs, args.clients,
+            args.max_batch_size,
+        ),
+    }
+    cont, coh = runs["continuous"], runs["cohort"]
+    throughput_ratio = cont["tokens_per_s"] / coh["tokens_per_s"]
+    print(f"closed loop: {args.requests} requests, k cycling {loops}, prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
+          f"tokens, completions {args.max_tokens[0]}-{args.max_tokens[1]}, {args.clients} clients, "
+          f"max_batch_size {args.max_batch_size}, kv_cache {args.kv_cache}, d_model {model.config.d_model}")
+    print(f"{'engine':11s} {'tok/s':>8s} {'p50 s':>7s} {'p99 s':>7s}")
+    for name, r in runs.items():
+        print(f"{name:11s} {r['tokens_per_s']:8.1f} {r['p50_s']:7.3f} {r['p99_s']:7.3f}")
+    print(f"continuous / cohort: tokens/s {throughput_ratio:.2f}x (target >= 1.5x), "
+          f"p50 {cont['p50_s'] / coh['p50_s']:.2f}x, p99 {cont['p99_s'] / coh['p99_s']:.2f}x")
+
+    rows = args.mixed_rows - args.mixed_rows % len(loops) or len(loops)
+    mixed_depths = [loops[i % len(loops)] for i in range(rows)]
+    mixes = {**{k: [k] * rows for k in loops}, "mixed": mixed_depths}
+    times: dict = {name: [] for name in mixes}
+    for _ in range(args.repeats):
+        for name, depths in mixes.items():
+            times[name].append(step_time(model, depths, args.steps, args.kv_cache))
+    single = {k: min(times[k]) for k in loops}
+    mixed = min(times["mixed"])
+    xs = [rows * k for k in loops]
+    slope, intercept = statistics.linear_regression(xs, [single[k] for k in loops])
+    predicted = intercept + slope * sum(mixed_depths)
+    print(f"\none step of {rows} rows (s): " + ", ".join(f"k={k} {t * 1e3:.2f} ms" for k, t in single.items())
+          + f", mixed {mixed * 1e3:.2f} ms")
+    print(f"sum(k) line: {intercept * 1e3:.2f} ms + {slope * 1e3:.3f} ms per row-loop; predicted mixed "
+          f"{predicted * 1e3:.2f} ms; mixed reaches {predicted / mixed:.2f} of the sum(k) throughput (target >= 0.9)")
 
     report = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "threads": os.environ.get("OMP_NUM_THREADS")},
+                    "threads": torch.get_num_threads()},
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "config": {"d_model": config.d_model, "n_in": config.n_in, "n_rec": config.n_rec, "n_out": config.n_out,
-                   "max_loops": config.max_loops},
-        "scenarios": scenarios,
-        "ratios": {
-            "tokens_per_s_vs_k1": {k: scenarios[f"k{k}"]["tokens_per_s"] / base for k in loops},
-            "d_eff_1_over_k": {k: config.effective_depth(1) / config.effective_depth(k) for k in loops},
-            "mixed_over_single_k_mix": m["tokens_per_s"] / mixed_expected,
-        },
-        "kv_cache_peak_bytes": memory,
+        "baseline": BASELINE,
+        "closed_loop": runs,
+        "continuous_over_cohort": {"tokens_per_s": throughput_ratio, "p50": cont["p50_s"] / coh["p50_s"],
+                                   "p99": cont["p99_s"] / coh["p99_s"]},
+        "step_s": {"single": single, "mixed": mixed, "mixed_depths": mixed_depths, "predicted_mixed": predicted},
+        "mixed_over_sum_k_prediction": predicted / mixed,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:

@@ -11,7 +11,6 @@ from typing_extensions import override
 from elr_lightning.config import ModelConfig
 
 
-
 class LayerStore:
     """What one cache key holds between forward calls: attention keys/values and recurrent state.
 
@@ -31,6 +30,7 @@ class LayerStore:
         self.v: Optional[Tensor] = None
         self._state: dict[str, Tensor] = {}
         self._pending: dict[str, Tensor] = {}
+        self._row_pending: list[tuple[str, Tensor, Tensor]] = []
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new ``[B, H_kv, T, hd]`` keys/values; return the keys/values to attend to."""
@@ -54,9 +54,21 @@ class LayerStore:
         self._pending[name] = value
 
     def commit(self) -> None:
-        """Make the states recorded in this forward pass the ones :meth:`state` returns."""
+        """Make the states recorded in this forward pass the ones :meth:`state` returns (later writes win)."""
         self._state.update(self._pending)
         self._pending.clear()
+        for name, rows, value in self._row_pending:
+            if name not in self._state:
+                self._state[name] = value.new_zeros((self.cache.slots, *value.shape[1:]))
+            self._state[name][rows] = value
+        self._row_pending.clear()
+
+    def allocate(self, like: Tensor) -> None:
+        """Zeroed key and value buffers for ``cache.slots`` rows, shaped after ``like`` ``[n, H_kv, T, hd]``."""
+        if self.k is None:
+            shape = (self.cache.slots, like.shape[1], self.cache.max_len, like.shape[3])
+            self.k = like.new_zeros(shape)
+            self.v = like.new_zeros(shape)
 
     def nbytes(self) -> int:
         """Bytes of the allocated keys and values."""
@@ -67,6 +79,65 @@ class LayerStore:
     def state_nbytes(self) -> int:
         """Bytes of the recurrent state."""
         return sum(t.numel() * t.element_size() for t in self._state.values())
+
+
+class RowStore:
+    """A :class:`LayerStore` seen by some rows of a slot cache, each writing at its own positions.
+
+    The same contract as :class:`LayerStore`: :meth:`update` writes the new keys and values at
+    ``pos`` and returns the rows' keys and values up to ``end`` (positions past a row's own length
+    hold stale or zero entries, which the caller's mask hides); :meth:`state` reads the rows' state
+    after their cached tokens (``None`` for fresh rows); :meth:`set_state` takes effect at
+    :meth:`KVCache.commit`.
+    """
+
+    def __init__(self, store: LayerStore, rows: Tensor, pos: Optional[Tensor], end: int, fresh: bool) -> None:
+        self.store, self.rows, self.pos, self.end, self.fresh = store, rows, pos, end, fresh
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the rows' new ``[n, H_kv, T, hd]`` keys/values; return theirs up to ``end``."""
+        store = self.store
+        store.allocate(k)
+        if self.pos is None:  # a prompt from position 0
+            store.k[self.rows, :, : k.shape[2]] = k
+            store.v[self.rows, :, : k.shape[2]] = v
+        else:
+            store.k[self.rows[:, None], :, self.pos] = k.transpose(1, 2)
+            store.v[self.rows[:, None], :, self.pos] = v.transpose(1, 2)
+        return store.k[self.rows, :, : self.end], store.v[self.rows, :, : self.end]
+
+    def state(self, name: str) -> Optional[Tensor]:
+        """The rows' recurrent tensor ``name`` after their cached tokens, or ``None``."""
+        full = self.store.state(name)
+        return None if self.fresh or full is None else full[self.rows]
+
+    def set_state(self, name: str, value: Tensor) -> None:
+        """Record the rows' recurrent tensor ``name`` after the new tokens."""
+        self.store._row_pending.append((name, self.rows, value))
+
+
+class RowView:
+    """Some rows of a slot cache, passed where a forward pass takes a :class:`KVCache`.
+
+    Args:
+        cache: The slot cache.
+        rows: ``[n]`` slot indices.
+        pos: ``[n, T]`` positions of the new tokens per row, or ``None`` for a prompt from position 0.
+        end: Positions the rows attend over (the longest row's length after the new tokens).
+        fresh: The rows start new sequences: their old recurrent state is not read.
+    """
+
+    def __init__(self, cache: "KVCache", rows: Tensor, pos: Optional[Tensor], end: int, fresh: bool) -> None:
+        self.cache, self.rows, self.pos, self.end, self.fresh = cache, rows, pos, end, fresh
+        self.offset = 0 if pos is None else end - 1
+
+    def slot(self, layer: int, loop: int) -> RowStore:
+        """The rows' view of the store of ``(layer, loop)``."""
+        return RowStore(self.cache.slot(layer, loop), self.rows, self.pos, self.end, self.fresh)
+
+    def advance(self, n: int) -> None:
+        """Commit the recurrent state the rows recorded (the caller keeps each row's length)."""
+        self.cache.commit()
 
 
 class KVCache:
@@ -92,6 +163,8 @@ class KVCache:
             raise ValueError(f"max_len={max_len} must be >= 1")
         self.max_len = max_len
         self.offset = 0
+        #: Rows of the buffers when the cache holds slots of sequences of their own lengths (:meth:`rows`).
+        self.slots = 1
         self._stores: dict[Hashable, LayerStore] = {}
 
     def key(self, layer: int, loop: int) -> Hashable:
@@ -108,8 +181,34 @@ class KVCache:
     def advance(self, n: int) -> None:
         """Record that ``n`` new tokens were written by the last forward pass (commits recurrent state)."""
         self.offset += n
+        self.commit()
+
+    def commit(self) -> None:
+        """Make the recurrent state recorded since the last commit visible."""
         for store in self._stores.values():
             store.commit()
+
+    def rows(self, rows: Tensor, pos: Optional[Tensor], end: int, fresh: bool = False) -> RowView:
+        """A view of slots ``rows`` writing at ``pos`` (see :class:`RowView`); used by :class:`~elr_lightning.decode.Decoder`."""
+        return RowView(self, rows, pos, end, fresh)
+
+    def fill_skipped(self, rows: Tensor, pos: Tensor, layers: list[int], exit_loop: int, max_loops: int) -> None:
+        """Copy loop ``exit_loop``'s keys and values at ``pos`` into loops ``exit_loop + 1..max_loops`` of ``layers``.
+
+        For rows that left the recurrent block early (adaptive depth): later tokens attending at a
+        skipped loop see the exit loop's entry. Stores the policy shares across loops are left alone.
+        """
+        for layer in layers:
+            source = self.slot(layer, exit_loop)
+            if source.k is None:  # no keys and values: a recurrent mixer's state is not copied
+                continue
+            for loop in range(exit_loop + 1, max_loops + 1):
+                target = self.slot(layer, loop)
+                if target is source:
+                    continue
+                target.allocate(source.k)
+                target.k[rows, :, pos] = source.k[rows, :, pos]
+                target.v[rows, :, pos] = source.v[rows, :, pos]
 
     @property
     def dtype(self) -> Optional[torch.dtype]:

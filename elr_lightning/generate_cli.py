@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 
@@ -23,7 +23,7 @@ from elr_lightning.cache import (
 )
 from elr_lightning.checkpoint_io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
-from elr_lightning.generation import load_model, stream_generate
+from elr_lightning.generation import generate, load_model
 from elr_lightning.tokenizers import IncrementalDecoder, choose_tokenizer
 
 
@@ -38,7 +38,14 @@ def _command_parser() -> Any:
     parser.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
     parser.add_argument("--prompt", type=Optional[str], default=None, help="Prompt text.")
     parser.add_argument("--prompt_file", type=Optional[str], default=None, help="Read the prompt from this file.")
-    parser.add_argument("--loops", type=int, default=1, help="Loop count k.")
+    parser.add_argument(
+        "--loops", type=Union[int, Literal["auto"]], default=1, help="Loop count k, or 'auto' for depth per token."
+    )
+    parser.add_argument("--max_loops", type=Optional[int], default=None, help="Budget of --loops auto (arch.max_loops).")
+    parser.add_argument("--threshold", type=float, default=1e-3, help="Exit threshold of --loops auto.")
+    parser.add_argument(
+        "--exit_criterion", type=Literal["kl", "delta"], default="kl", help="Exit criterion of --loops auto."
+    )
     parser.add_argument(
         "--kv_cache", type=Literal["per_loop", "last_loop"], default="per_loop", help="KV-cache policy."
     )
@@ -125,11 +132,14 @@ def generate_command(argv: list[str]) -> None:
     model, module = load_model(args.ckpt_path, map_location=device)
     config = model.config
     tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, config.vocab_size)
-    if args.loops < 1:
-        raise ValueError(f"--loops {args.loops} must be >= 1")
-    if args.loops > config.max_loops:
+    budget = args.loops if args.loops != "auto" else args.max_loops or config.max_loops
+    if args.loops != "auto" and (args.max_loops is not None):
+        raise ValueError("--max_loops is only read with --loops auto; drop it or pass --loops auto")
+    if budget < 1:
+        raise ValueError(f"--{'loops' if args.loops != 'auto' else 'max_loops'} {budget} must be >= 1")
+    if budget > config.max_loops:
         message = (
-            f"--loops {args.loops} is above the checkpoint's arch.max_loops={config.max_loops}, the loop budget "
+            f"--loops {args.loops} (budget {budget}) is above the checkpoint's arch.max_loops={config.max_loops}, the loop budget "
             "it was trained for"
         )
         if not args.allow_extrapolation:
@@ -156,10 +166,26 @@ def generate_command(argv: list[str]) -> None:
     if args.echo_prompt:
         sys.stdout.write(text)
         sys.stdout.flush()
-    stream = stream_generate(
+    start = time.perf_counter()
+    first_at, generated = start, 0
+
+    def write(tokens: torch.Tensor) -> None:
+        nonlocal first_at, generated
+        if generated == 0:
+            first_at = time.perf_counter()
+        generated += 1
+        token = int(tokens[0])
+        if token != tokenizer.eos_id:
+            sys.stdout.write(decoder.push(token))
+            sys.stdout.flush()
+
+    out = generate(
         model,
         torch.tensor([ids]),
         loops=args.loops,
+        max_loops=args.max_loops,
+        threshold=args.threshold,
+        exit_criterion=args.exit_criterion,
         max_new_tokens=max_new,
         kv_cache=cache,
         temperature=args.temperature,
@@ -169,23 +195,16 @@ def generate_command(argv: list[str]) -> None:
         seed=args.seed,
         autocast_dtype=dtype,
         fold=args.fold,
+        callback=write,
     )
-    start = time.perf_counter()
-    first_at, generated = start, 0
-    for tokens in stream:
-        if generated == 0:
-            first_at = time.perf_counter()
-        generated += 1
-        token = int(tokens[0])
-        if token == tokenizer.eos_id:
-            break
-        sys.stdout.write(decoder.push(token))
-        sys.stdout.flush()
     end = time.perf_counter()
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
     if args.stats:
-        _print_stats(config, args.loops, args.kv_cache, cache, len(ids), generated, first_at - start, end - first_at)
+        _print_stats(config, budget, args.kv_cache, cache, len(ids), generated, first_at - start, end - first_at)
+        used = out.loops_used[0, 1:generated]
+        if used.numel():
+            sys.stderr.write(f"loops per decoded token: mean {used.float().mean():.2f}, {used.tolist()}\n")
 
 
 def _print_stats(

@@ -1,101 +1,59 @@
-"""Text generation with a looped LM at any loop count k, with a pluggable KV-cache policy (DESIGN §7).
+"""Text generation with a looped LM at any loop count k, or adaptive per token, with a pluggable KV-cache policy (DESIGN §7).
 
-Prefill runs the whole (left-padded) prompt through the input block, k loops of the recurrent
-block and the output block; decoding then feeds one token per step and reads past keys and values
-from a :class:`~elr_lightning.cache.KVCache`:
+Each prompt is prefilled alone (the whole prompt through the input block, k loops of the
+recurrent block and the output block) into its row of a :class:`~elr_lightning.cache.KVCache`;
+decoding then feeds one token per row and step through the
+:class:`~elr_lightning.decode.Decoder` that ``elr serve`` also runs, reading past keys and values
+from the cache:
 
-* :class:`PerLoopCache` keeps one store per (recurrent layer, loop): exact, it reproduces the
-  cache-free forward, and holds ``D_eff(k) = L_in + k L_rec + L_out`` layer caches (eq. 1).
-* :class:`LastLoopCache` keeps one store per recurrent layer that every loop overwrites: a new
-  token's loop i attends to the past tokens' last-loop keys and values plus its own loop-i ones,
-  and the attention KV memory stays at the k = 1 level, ``D_eff(1)`` layer caches.
+* :class:`~elr_lightning.cache.PerLoopCache` keeps one store per (recurrent layer, loop): exact, it
+  reproduces the cache-free forward, and holds ``D_eff(k) = L_in + k L_rec + L_out`` layer caches (eq. 1).
+* :class:`~elr_lightning.cache.LastLoopCache` keeps one store per recurrent layer that every loop
+  overwrites: a new token's loop i attends to the past tokens' last-loop keys and values plus its
+  own loop-i ones, and the attention KV memory stays at the k = 1 level, ``D_eff(1)`` layer caches.
 
 Input and output layers keep one store each under both policies. A new policy is a subclass of
-:class:`KVCache` that overrides :meth:`KVCache.key`; pass the class as ``kv_cache``.
+:class:`~elr_lightning.cache.KVCache` that overrides ``key``; pass the class as ``kv_cache``.
 
-Positions stay absolute under left padding: a prompt padded by P tokens starts at position P, and
-since RoPE only sees relative offsets inside attention, its logits equal those of the prompt alone.
+``loops="auto"`` decodes each new token at its own depth (:class:`~elr_lightning.decode.AdaptiveDepth`):
+up to ``max_loops`` loops, leaving once the ``exit_criterion`` falls below ``threshold``.
+
+Left padding of a tensor prompt is stripped per row; every row starts at position 0, so a padded
+prompt's logits equal those of the prompt alone (to the fp32 round-off of batching).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
-from elr_lightning.cache import (
-    CACHE_POLICIES,
-    KVCache,
-    LastLoopCache,
-    PerLoopCache,
-    PolicyLike,
-    kv_cache_bytes,
-    layer_caches,
-    recurrent_state_bytes,
-    resolve_policy,
-)
+from elr_lightning.cache import KVCache, PolicyLike
 from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
-from elr_lightning.core import check_loops
-from elr_lightning.serving import FoldedLM, serving_model
+from elr_lightning.decode import AdaptiveDepth, Decoder, Depth, budget
+from elr_lightning.serving import FoldedLM
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
+from elr_lightning.prompts import (
+    PromptLike,
+    check_sampling,
+    make_cache,
+    prepare_prompt,
+    prompt_rows,
+    resolve_depth,
+    same_device,
+    unwrap,
+)
 
-__all__ = [
-    "CACHE_POLICIES",
-    "GenerationOutput",
-    "KVCache",
-    "LastLoopCache",
-    "PerLoopCache",
-    "filter_logits",
-    "generate",
-    "kv_cache_bytes",
-    "layer_caches",
-    "left_pad",
-    "load_model",
-    "recurrent_state_bytes",
-    "resolve_policy",
-    "sample_next",
-    "stream_generate",
-]
+__all__ = ["GenerationOutput", "filter_logits", "generate", "load_model", "sample_next", "stream_generate"]
 
-PromptLike = Union[Tensor, Sequence[Sequence[int]]]
-
-
-def left_pad(
-    prompts: Sequence[Sequence[int]], pad_id: int = 0, device: Optional[torch.device] = None
-) -> tuple[Tensor, Tensor]:
-    """Stack token lists into a left-padded batch.
-
-    Args:
-        prompts: One list of token ids per sequence; none may be empty.
-        pad_id: Id written into padding positions (masked out, so any valid id works).
-        device: Device of the returned tensors.
-
-    Returns:
-        ``(input_ids, attention_mask)``, both ``[B, max_len]`` int64; the mask is 1 on real tokens.
-
-    Raises:
-        ValueError: No prompts, or an empty prompt.
-    """
-    if len(prompts) == 0:
-        raise ValueError("no prompts given")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[i, width - len(p) :] = 1
-    return ids.to(device), mask.to(device)
+LoopsLike = Union[int, str, AdaptiveDepth]
 
 
 def filter_logits(logits: Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None) -> Tensor:
@@ -148,92 +106,28 @@ def sample_next(
     return torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
-def _check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float], max_new_tokens: int) -> None:
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy)")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k} must be >= 1 (or None for no top-k filter)")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p} must be in (0, 1] (or None for no nucleus filter)")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-
-
-def _prepare_prompt(
-    prompt: PromptLike, attention_mask: Optional[Tensor], pad_id: int, device: torch.device
-) -> tuple[Tensor, Optional[Tensor]]:
-    """``(input_ids, mask)`` on ``device``; the mask is ``None`` when nothing is padded."""
-    if isinstance(prompt, Tensor):
-        ids = prompt[None] if prompt.dim() == 1 else prompt
-        if ids.dim() != 2:
-            raise ValueError(f"prompt must be [B, T] token ids, got shape {tuple(prompt.shape)}")
-        if ids.shape[0] == 0 or ids.shape[1] == 0:
-            raise ValueError(f"the prompt is empty (shape {tuple(ids.shape)}); give at least one token")
-        mask = None
-        if attention_mask is not None:
-            mask = attention_mask[None] if attention_mask.dim() == 1 else attention_mask
-            if mask.shape != ids.shape:
-                raise ValueError(f"attention_mask has shape {tuple(mask.shape)}; expected {tuple(ids.shape)}")
-    else:
-        if attention_mask is not None:
-            raise ValueError("attention_mask is only accepted with a tensor prompt; token lists are padded here")
-        ids, mask = left_pad(prompt, pad_id)
-    ids = ids.to(device=device, dtype=torch.long)
-    if mask is None:
-        return ids, None
-    mask = mask.to(device=device, dtype=torch.long)
-    real = mask.sum(dim=1)
-    if bool((real == 0).any()):
-        raise ValueError(f"prompt {int((real == 0).nonzero()[0])} is empty (all padding); give at least one token")
-    if bool((mask[:, 1:] < mask[:, :-1]).any()):
-        raise ValueError("attention_mask must be left-padded: zeros (padding) before ones (tokens) in every row")
-    return ids, None if bool(mask.all()) else mask
-
-
-def _make_cache(kv_cache: Union[PolicyLike, KVCache], need: int) -> KVCache:
-    if isinstance(kv_cache, KVCache):
-        if kv_cache.offset != 0:
-            raise ValueError(f"the KV cache passed already holds {kv_cache.offset} tokens; pass a fresh one")
-        if kv_cache.max_len < need:
-            raise ValueError(f"the KV cache passed holds max_len={kv_cache.max_len} tokens; this call needs {need}")
-        return kv_cache
-    return resolve_policy(kv_cache)(max_len=need)
-
-
-def _unwrap(model: Union[LoopedLM, ELRModule, FoldedLM]) -> Union[LoopedLM, FoldedLM]:
-    if isinstance(model, ELRModule):
-        return model.model
-    if isinstance(model, (LoopedLM, FoldedLM)):
-        return model
-    raise TypeError(f"model must be a LoopedLM, an ELRModule or a FoldedLM, got {type(model).__name__}")
-
-
 @dataclass
 class _Job:
     """A validated generation request, ready to run."""
 
-    model: Union[LoopedLM, FoldedLM]
+    decoder: Decoder
     input_ids: Tensor
-    mask: Optional[Tensor]
-    cache: KVCache
-    loops: int
+    rows: list[Tensor]
+    depth: Depth
     max_new_tokens: int
     sample: Callable[[Tensor], Tensor]
     eos_id: Optional[int]
     pad_id: int
-    autocast_dtype: Optional[torch.dtype]
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """Same device type, and the same index where both name one (``cuda`` is ``cuda:0`` to a generator)."""
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def _prepare(
     model: Union[LoopedLM, ELRModule, FoldedLM],
     prompt: PromptLike,
     *,
-    loops: int,
+    loops: LoopsLike,
+    max_loops: Optional[int],
+    threshold: float,
+    exit_criterion: str,
     attention_mask: Optional[Tensor],
     max_new_tokens: int,
     kv_cache: Union[PolicyLike, KVCache],
@@ -248,11 +142,13 @@ def _prepare(
     autocast_dtype: Optional[torch.dtype],
     fold: Optional[bool],
 ) -> _Job:
-    lm = _unwrap(model)
-    check_loops(loops)
-    _check_sampling(temperature, top_k, top_p, max_new_tokens)
+    lm = unwrap(model)
+    depth = resolve_depth(loops, max_loops, threshold, exit_criterion, lm.config.max_loops)
+    if isinstance(lm, FoldedLM) and (budget(depth) != lm.loops or isinstance(depth, AdaptiveDepth)):
+        raise ValueError(f"this model is folded for loops={lm.loops}, called with loops={loops!r}; pass the model")
+    check_sampling(temperature, top_k, top_p, max_new_tokens)
     device = lm.embed.weight.device
-    ids, mask = _prepare_prompt(prompt, attention_mask, pad_id, device)
+    ids, mask = prepare_prompt(prompt, attention_mask, pad_id, device)
     need = ids.shape[1] + max_new_tokens - 1
     if need > lm.config.max_seq_len:
         raise ValueError(
@@ -261,7 +157,7 @@ def _prepare(
         )
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    elif generator is not None and not _same_device(generator.device, device):
+    elif generator is not None and not same_device(generator.device, device):
         raise ValueError(
             f"generator is on {generator.device} but the model on {device}; pass "
             f"torch.Generator(device={str(device)!r}), or seed=... for a fresh one there"
@@ -270,40 +166,34 @@ def _prepare(
     def sample(logits: Tensor) -> Tensor:
         return sample_next(logits, temperature, top_k, top_p, greedy, generator)
 
-    cache = _make_cache(kv_cache, need)
-    runner = serving_model(lm, loops, fold)  # chosen once per generation, never per token
-    return _Job(runner, ids, mask, cache, loops, max_new_tokens, sample, eos_id, pad_id, autocast_dtype)
+    cache = make_cache(kv_cache, need)
+    decoder = Decoder(lm, ids.shape[0], need, cache, autocast_dtype, fold)
+    return _Job(decoder, ids, prompt_rows(ids, mask), depth, max_new_tokens, sample, eos_id, pad_id)
 
 
 @torch.inference_mode()
-def _run(job: _Job) -> Iterator[tuple[Tensor, Tensor]]:
-    """Prefill, then decode one token per step; yield ``(tokens [B], logits [B, V])`` per step."""
-    device = job.input_ids.device
-    mask, cache = job.mask, job.cache
-    amp = (
-        torch.autocast(device.type, dtype=job.autocast_dtype)
-        if job.autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
+def _run(job: _Job) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """Prefill every row, then decode one token per step; yield ``(tokens [B], logits [B, V], loops [B])``.
 
-    def forward(tokens: Tensor) -> Tensor:
-        nonlocal mask
-        if mask is not None and cache.offset > 0:
-            mask = torch.cat((mask, mask.new_ones(mask.shape[0], tokens.shape[1])), dim=1)
-        with amp:
-            return job.model(tokens, job.loops, mask, cache)[:, -1].float()
-
-    finished = torch.zeros(job.input_ids.shape[0], dtype=torch.bool, device=device)
-    logits = forward(job.input_ids)
+    A row that produced ``eos_id`` stops decoding; it yields ``pad_id`` and its last logits from then on.
+    """
+    decoder, depth = job.decoder, job.depth
+    batch = len(job.rows)
+    logits = torch.stack([decoder.prefill(i, row, depth) for i, row in enumerate(job.rows)])
+    used = torch.full((batch,), budget(depth), dtype=torch.long)
+    finished = torch.zeros(batch, dtype=torch.bool, device=logits.device)
     for n in range(job.max_new_tokens):
         tokens = job.sample(logits)
         if job.eos_id is not None:
             tokens = tokens.masked_fill(finished, job.pad_id)
             finished |= tokens == job.eos_id
-        yield tokens, logits
+        yield tokens, logits, used
         if n + 1 == job.max_new_tokens or (job.eos_id is not None and bool(finished.all())):
             return
-        logits = forward(tokens[:, None])
+        slots = [i for i in range(batch) if job.eos_id is None or not finished[i]]
+        step, step_used = decoder.step(slots, tokens[slots], [depth] * len(slots))
+        logits, used = logits.clone(), torch.zeros(batch, dtype=torch.long)
+        logits[slots], used[slots] = step, step_used
 
 
 @dataclass
@@ -317,19 +207,25 @@ class GenerationOutput:
         logits: ``[B, n, V]`` fp32 next-token logits (before temperature and filtering) that each
             new token was drawn from, when ``output_logits=True``; else ``None``.
         cache: The KV cache after the last step (for memory accounting).
+        loops_used: ``[B, n]``: the recurrent loops each new token's logits took (the prompt's for
+            the first; 0 after a sequence's EOS).
     """
 
     sequences: Tensor
     new_tokens: Tensor
     logits: Optional[Tensor]
     cache: KVCache
+    loops_used: Tensor
 
 
 def stream_generate(
     model: Union[LoopedLM, ELRModule, FoldedLM],
     prompt: PromptLike,
     *,
-    loops: int = 1,
+    loops: LoopsLike = 1,
+    max_loops: Optional[int] = None,
+    threshold: float = 1e-3,
+    exit_criterion: str = "kl",
     attention_mask: Optional[Tensor] = None,
     max_new_tokens: int = 32,
     kv_cache: Union[PolicyLike, KVCache] = "per_loop",
@@ -356,7 +252,12 @@ def stream_generate(
             folded for ``loops`` by :func:`~elr_lightning.serving.fold_conditioning`.
         prompt: ``[B, T]`` (or ``[T]``) token ids, left-padded when ``attention_mask`` marks padding,
             or a list of token-id lists, left-padded here.
-        loops: The loop count k (any k >= 1; above ``arch.max_loops`` extrapolates).
+        loops: The loop count k (any k >= 1; above ``arch.max_loops`` extrapolates), ``"auto"`` for
+            adaptive depth per new token, or an :class:`~elr_lightning.decode.AdaptiveDepth`.
+        max_loops: Budget of ``"auto"`` (``None``: ``arch.max_loops``); the prompt runs at it.
+        threshold: Exit threshold of ``"auto"``: a token leaves once its change is below it.
+        exit_criterion: ``"kl"`` (Huginn's) or ``"delta"`` (relative state change); see
+            :data:`~elr_lightning.decode.EXIT_CRITERIA`.
         attention_mask: ``[B, T]`` with 1 on real tokens, 0 on (left) padding; honoured in every
             loop of prefill and decode.
         max_new_tokens: Most tokens to generate per sequence.
@@ -393,6 +294,9 @@ def stream_generate(
         model,
         prompt,
         loops=loops,
+        max_loops=max_loops,
+        threshold=threshold,
+        exit_criterion=exit_criterion,
         attention_mask=attention_mask,
         max_new_tokens=max_new_tokens,
         kv_cache=kv_cache,
@@ -407,14 +311,17 @@ def stream_generate(
         autocast_dtype=autocast_dtype,
         fold=fold,
     )
-    return (tokens for tokens, _ in _run(job))
+    return (tokens for tokens, _, _ in _run(job))
 
 
 def generate(
     model: Union[LoopedLM, ELRModule, FoldedLM],
     prompt: PromptLike,
     *,
-    loops: int = 1,
+    loops: LoopsLike = 1,
+    max_loops: Optional[int] = None,
+    threshold: float = 1e-3,
+    exit_criterion: str = "kl",
     attention_mask: Optional[Tensor] = None,
     max_new_tokens: int = 32,
     kv_cache: Union[PolicyLike, KVCache] = "per_loop",
@@ -431,27 +338,11 @@ def generate(
     output_logits: bool = False,
     fold: Optional[bool] = None,
 ) -> GenerationOutput:
-    """Generate continuations of a batch of prompts; see :func:`stream_generate` for the arguments.
+    """Generate continuations of a batch of prompts; :func:`stream_generate` describes the other arguments.
 
     Args:
-        model: The model.
-        prompt: Token ids ``[B, T]`` or a list of token-id lists.
-        loops: The loop count k.
-        attention_mask: ``[B, T]`` left-padding mask for a tensor prompt.
-        max_new_tokens: Most tokens to generate per sequence.
-        kv_cache: Policy name, :class:`KVCache` subclass, or fresh instance.
-        temperature: Softmax temperature; 0 is greedy.
-        top_k: Top-k filter.
-        top_p: Nucleus filter.
-        greedy: Always take the most likely token.
-        eos_id: End-of-sequence id.
-        pad_id: Id for padding and for positions after EOS.
-        seed: Seed of a fresh generator on the model's device.
-        generator: Random source for sampling, on the model's device (``ValueError`` otherwise).
-        autocast_dtype: Autocast dtype, or ``None``.
         callback: Called with each step's ``[B]`` tokens, in order, as they are produced.
         output_logits: Keep every step's next-token logits in :attr:`GenerationOutput.logits`.
-        fold: Decode with the conditioning constants of ``loops`` (``None``: ``model.serve_folded`` decides).
 
     Returns:
         The prompt with its continuations, the new tokens, optionally the logits, and the cache.
@@ -460,6 +351,9 @@ def generate(
         model,
         prompt,
         loops=loops,
+        max_loops=max_loops,
+        threshold=threshold,
+        exit_criterion=exit_criterion,
         attention_mask=attention_mask,
         max_new_tokens=max_new_tokens,
         kv_cache=kv_cache,
@@ -474,9 +368,10 @@ def generate(
         autocast_dtype=autocast_dtype,
         fold=fold,
     )
-    tokens, logits = [], []
-    for step_tokens, step_logits in _run(job):
+    tokens, logits, used = [], [], []
+    for step_tokens, step_logits, step_used in _run(job):
         tokens.append(step_tokens)
+        used.append(step_used)
         if output_logits:
             logits.append(step_logits)
         if callback is not None:
@@ -486,7 +381,8 @@ def generate(
         sequences=torch.cat((job.input_ids, new_tokens), dim=1),
         new_tokens=new_tokens,
         logits=torch.stack(logits, dim=1) if output_logits else None,
-        cache=job.cache,
+        cache=job.decoder.cache,
+        loops_used=torch.stack(used, dim=1),
     )
 
 

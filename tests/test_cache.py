@@ -7,15 +7,8 @@ import torch
 from typing_extensions import override
 
 from elr_lightning.config import ModelConfig
-from elr_lightning.generation import (
-    CACHE_POLICIES,
-    KVCache,
-    LastLoopCache,
-    PerLoopCache,
-    generate,
-    kv_cache_bytes,
-    layer_caches,
-)
+from elr_lightning.cache import CACHE_POLICIES, KVCache, LastLoopCache, PerLoopCache, kv_cache_bytes, layer_caches
+from elr_lightning.generation import generate
 from conftest import GQA_CONFIG, perturbed_model
 from elr_lightning.model import LoopedLM
 from test_hybrid import HYBRID

@@ -13,14 +13,9 @@ from torch.utils.data import DataLoader
 from elr_lightning.cli import run
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
-from elr_lightning.generation import (
-    LastLoopCache,
-    filter_logits,
-    generate,
-    left_pad,
-    load_model,
-    stream_generate,
-)
+from elr_lightning.cache import LastLoopCache
+from elr_lightning.generation import filter_logits, generate, load_model, stream_generate
+from elr_lightning.prompts import left_pad
 from conftest import GQA_CONFIG, perturbed_model
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule

@@ -105,12 +105,6 @@ def test_every_module_imports_in_a_fresh_interpreter() -> None:
     assert proc.stdout.strip() == str(len(names))
 
 
-#: Modules that still give names of other modules a second import path, each to be dropped (issue 26,
-#: item 4: the generation module's re-exports of the cache names go with its split). The test below fails
-#: once one of them stops re-exporting, so the entry does not outlive its reason.
-STILL_REEXPORTING = {"elr_lightning.generation"}
-
-
 def reexported_names() -> dict[str, list[str]]:
     """Per module (packages' ``__init__`` aside), the names in its ``__all__`` that it imports instead of defining."""
     found = {}
@@ -132,4 +126,4 @@ def reexported_names() -> dict[str, list[str]]:
 def test_a_module_exports_only_what_it_defines():
     """Every name has one import path: a module's ``__all__`` lists its own definitions."""
     found = reexported_names()
-    assert set(found) == STILL_REEXPORTING, f"re-exported under a second import path: {found}"
+    assert not found, f"re-exported under a second import path: {found}"

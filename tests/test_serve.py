@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 from _bpe import train_bpe
 from _elr_ckpt import SERVE_ARCH, write_checkpoint
+from elr_lightning.decode import AdaptiveDepth
 from elr_lightning.generation import generate, load_model
-from elr_lightning.serve.api import CompletionsSpec, RequestError, relative_costs
+from elr_lightning.serve.api import Cancel, CompletionsSpec, RequestError, relative_costs
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine, _StopText
 from elr_lightning.serve.command import checkpoint_arch, serving_tokenizer
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
@@ -65,7 +66,7 @@ def run_engine(engine: DecodeEngine, requests: dict[str, CompletionRequest]) -> 
     while engine.active:
         for event in engine.step():
             assert event.uid not in finish, "an event after the request finished"
-            texts[event.uid] += event.text
+            texts[event.uid] = texts.get(event.uid, "") + event.text
             if event.finish_reason is not None:
                 finish[event.uid] = event.finish_reason
     return texts, finish
@@ -90,17 +91,18 @@ def test_engine_equals_generate_for_mixed_k(model, policy: str) -> None:
     assert len({texts["a"], texts["e"]}) == 2
 
 
-def test_engine_batches_same_k_together(model) -> None:
-    engine = DecodeEngine(model, TOK, "last_loop")
-    for uid, request in REQUESTS.items():
+def test_a_finished_request_frees_its_slot_and_a_waiting_one_takes_it_in_the_same_step(model) -> None:
+    engine = DecodeEngine(model, TOK, "last_loop", max_batch_size=2)
+    short = CompletionRequest(tuple(TOK.encode("ab")), 3, 2, 0.0)
+    for uid, request in (("short", short), ("a", REQUESTS["a"]), ("b", REQUESTS["b"])):
         engine.submit(uid, request)
     engine.step()
-    assert sorted(engine.cohort_sizes()) == [(1, 1), (2, 2), (3, 2)]
-    late = CompletionRequest(tuple(TOK.encode("late")), 2, 3, 0.0)
-    engine.submit("late", late)
-    events = engine.step()
-    assert {e.uid for e in events} == set(REQUESTS) | {"late"}
-    assert sorted(engine.cohort_sizes()) == [(1, 1), (2, 1), (2, 2), (3, 2)]
+    assert engine.running == {"short": 3, "a": 1} and engine.active == 3
+    events = engine.step()  # "short" makes its second token and ends; "b" joins at once
+    assert [e.finish_reason for e in events if e.uid == "short"] == ["length"]
+    assert engine.running == {"a": 1, "b": 2}
+    texts, finish = run_engine(engine, {})
+    assert finish == {"a": "length", "b": "length"}
 
 
 def test_engine_stop_strings_and_text_before_them(model) -> None:
@@ -281,6 +283,12 @@ def test_server_answers_concurrent_k_like_generate_and_shuts_down_cleanly(checkp
             client.completions.create(model="tiny", prompt="x", extra_body={"loops": 0})
         status, answer = post(f"{base}/v1/completions", b'{"prompt": "def", "max_tokens": 3, "loops": 2}')
         assert status == 200 and answer["usage"]["completion_tokens"] == 3, "the server stopped serving"
+        assert answer["usage"]["loops_per_token"] == [2, 2, 2]
+        body = b'{"prompt": "def", "max_tokens": 6, "loops": "auto", "threshold": 0.1, "temperature": 0}'
+        status, answer = post(f"{base}/v1/completions", body)
+        request = CompletionRequest(tuple(TOK.encode("def")), AdaptiveDepth(3, 0.1, "kl"), 6, 0.0)
+        assert status == 200 and answer["choices"][0]["text"] == reference(model, request, "last_loop")
+        assert len(answer["usage"]["loops_per_token"]) == 6 and answer["usage"]["loops_per_token"][0] == 3
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -333,13 +341,16 @@ def test_finished_and_abandoned_requests_leave_the_response_buffer(spec: Complet
         async def body(self) -> bytes:
             return self.raw
 
+        async def is_disconnected(self) -> bool:
+            return False
+
     def feed(finish: bool) -> None:
         """What the inference worker sends: two pieces, then (unless still running) the end of the stream."""
         _, uid, _, _ = spec.request_queue.get_nowait()
         item = spec.response_buffer[uid]
         for text, reason in (("x", None), ("y", "length" if finish else None)):
-            item.response_queue.append((json.dumps({"text": text, "finish_reason": reason, "completion_tokens": 1}),
-                                        LitAPIStatus.OK))  # fmt: skip
+            piece = {"text": text, "finish_reason": reason, "completion_tokens": 1, "loops": 2}
+            item.response_queue.append((json.dumps(piece), LitAPIStatus.OK))
         if finish:
             item.response_queue.append(("", LitAPIStatus.FINISH_STREAMING))
         item.event.set()
@@ -348,7 +359,7 @@ def test_finished_and_abandoned_requests_leave_the_response_buffer(spec: Complet
         answer = asyncio.ensure_future(spec.completions(Body(False)))
         await asyncio.sleep(0)
         feed(finish=True)
-        plain = (await answer)["choices"][0]["text"]
+        plain = await answer
         streamed = await spec.completions(Body(True))
         feed(finish=True)
         chunks = [chunk async for chunk in streamed.body_iterator]
@@ -359,5 +370,8 @@ def test_finished_and_abandoned_requests_leave_the_response_buffer(spec: Complet
         return [plain, chunks[-1], first, dict(spec.response_buffer)]
 
     plain, last, first, left = asyncio.run(scenario())
-    assert plain == "xy" and last == "data: [DONE]\n\n" and '"text": "x"' in first
+    assert plain["choices"][0]["text"] == "xy" and last == "data: [DONE]\n\n" and '"text": "x"' in first
+    assert plain["usage"]["loops_per_token"] == [2, 2] and plain["usage"]["mean_loops"] == 2.0
     assert left == {}
+    _, cancel_id, _, cancel = spec.request_queue.get_nowait()  # the abandoned stream told the worker
+    assert isinstance(cancel, Cancel) and cancel_id == f"cancel-{cancel.uid}"

@@ -34,8 +34,10 @@ from torch import Tensor
 from tqdm import tqdm
 from typing_extensions import override
 
-from elr_lightning.cache import KVCache, PerLoopCache
-from elr_lightning.generation import CACHE_POLICIES, left_pad, load_model, resolve_policy, stream_generate
+from elr_lightning.cache import CACHE_POLICIES, KVCache, PerLoopCache, resolve_policy
+from elr_lightning.decode import AdaptiveDepth, Decoder, Depth
+from elr_lightning.generation import load_model, stream_generate
+from elr_lightning.prompts import left_pad
 from elr_lightning.model import LoopedLM
 from elr_lightning.serving import serving_model
 from elr_lightning.tokenizers import Tokenizer, choose_tokenizer
@@ -95,8 +97,11 @@ class ELRLM(TemplateLM):
 
     Args:
         ckpt_path: Checkpoint written by ``elr fit``.
-        loops: The loop count k.
+        loops: The loop count k, or ``auto`` for adaptive depth per token up to ``arch.max_loops``
+            (contexts are prefilled at the budget; continuation tokens choose their depth).
         kv_cache: ``per_loop`` or ``last_loop``: the cache the scores and generations go through.
+        threshold: Exit threshold of ``loops=auto``.
+        exit_criterion: ``kl`` or ``delta``, the exit criterion of ``loops=auto``.
         batch_size: Requests per forward pass.
         device: Device to run on (``cpu``, ``cuda``, ``cuda:1``...); see :func:`resolve_device`.
         dtype: ``float32``, or ``bfloat16``/``float16`` under autocast.
@@ -127,19 +132,23 @@ class ELRLM(TemplateLM):
         allow_extrapolation: Union[bool, str] = False,
         fold: Union[bool, str, None] = None,
         max_batch_size: Optional[int] = None,
+        threshold: Union[float, str] = 1e-3,
+        exit_criterion: str = "kl",
         **unknown: Any,
     ) -> None:
         super().__init__()
         if unknown:
             raise ValueError(
                 f"model_args: unknown argument(s) {', '.join(sorted(unknown))}; the elr model takes ckpt_path, loops, "
-                "kv_cache, batch_size, device, dtype, tokenizer, max_gen_toks, allow_extrapolation, fold"
+                "kv_cache, batch_size, device, dtype, tokenizer, max_gen_toks, allow_extrapolation, fold, threshold, "
+                "exit_criterion"
             )
         if ckpt_path is None:
             raise ValueError("model_args: ckpt_path is required, e.g. --model_args ckpt_path=last.ckpt,loops=2")
         model, module = load_model(ckpt_path, map_location=resolve_device(device))
         self._setup(model, choose_tokenizer(module.tokenizer, tokenizer, model.config.vocab_size), loops,
-                    kv_cache, batch_size, dtype, max_gen_toks, allow_extrapolation, fold)  # fmt: skip
+                    kv_cache, batch_size, dtype, max_gen_toks, allow_extrapolation, fold, threshold,
+                    exit_criterion)  # fmt: skip
 
     @classmethod
     def from_model(
@@ -153,11 +162,14 @@ class ELRLM(TemplateLM):
         max_gen_toks: int = 256,
         allow_extrapolation: bool = False,
         fold: Optional[bool] = None,
+        threshold: float = 1e-3,
+        exit_criterion: str = "kl",
     ) -> "ELRLM":
         """Wrap a model already in memory (on its device, in eval mode); see the class for the arguments."""
         lm = cls.__new__(cls)
         TemplateLM.__init__(lm)
-        lm._setup(model, tokenizer, loops, kv_cache, batch_size, dtype, max_gen_toks, allow_extrapolation, fold)
+        lm._setup(model, tokenizer, loops, kv_cache, batch_size, dtype, max_gen_toks, allow_extrapolation, fold,
+                  threshold, exit_criterion)  # fmt: skip
         return lm
 
     def _setup(
@@ -171,6 +183,8 @@ class ELRLM(TemplateLM):
         max_gen_toks: int,
         allow_extrapolation: Union[bool, str],
         fold: Union[bool, str, None],
+        threshold: Union[float, str] = 1e-3,
+        exit_criterion: str = "kl",
     ) -> None:
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(
@@ -196,21 +210,35 @@ class ELRLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
         self.allow_extrapolation = str(allow_extrapolation).lower() in ("true", "1", "yes")
         self.fold: Optional[bool] = None if fold is None or fold == "" else str(fold).lower() in ("true", "1", "yes")
-        self.loops = int(loops)
+        AdaptiveDepth(model.config.max_loops, float(threshold), exit_criterion)  # checks both, naming them
+        self.threshold, self.exit_criterion = float(threshold), exit_criterion
+        self.loops = loops
         separator = tokenizer.encode("\n")
         # Training joined documents with EOS, or with a newline when there is none (TextDataModule).
         self._prefix = tokenizer.eos_id if tokenizer.eos_id is not None else separator[-1]
         self._device = next(model.parameters()).device
 
     @property
-    def loops(self) -> int:
-        """The loop count k every request runs at."""
+    def loops(self) -> Union[int, str]:
+        """The loop count k every request runs at, or ``"auto"``."""
         return self._loops
 
     @loops.setter
-    def loops(self, value: int) -> None:
-        check_loops(int(value), self.model.config.max_loops, self.allow_extrapolation)
-        self._loops = int(value)
+    def loops(self, value: Union[int, str]) -> None:
+        if value != "auto":
+            try:
+                value = int(value)
+            except ValueError:
+                raise ValueError(f"loops={value!r} must be an integer >= 1 or 'auto'") from None
+            check_loops(value, self.model.config.max_loops, self.allow_extrapolation)
+        self._loops = value
+
+    @property
+    def depth(self) -> Depth:
+        """What :attr:`loops` decodes at: k, or :class:`~elr_lightning.decode.AdaptiveDepth` for ``"auto"``."""
+        if self.loops == "auto":
+            return AdaptiveDepth(self.model.config.max_loops, self.threshold, self.exit_criterion)
+        return self.loops
 
     @property
     def max_length(self) -> int:
@@ -264,6 +292,8 @@ class ELRLM(TemplateLM):
             Per pair, ``(log_probs [n], greedy [n])``: each continuation token's fp32
             log-probability and the model's argmax at that position.
         """
+        if self.loops == "auto":
+            return self._score_adaptive(pairs)
         if issubclass(self.policy, PerLoopCache):  # exact policy: one forward equals prefill + decoding
             # Right padding needs no mask under causal attention: the rows' real tokens never see it.
             inputs = [(ctx + cont)[:-1] for ctx, cont in pairs]
@@ -312,6 +342,20 @@ class ELRLM(TemplateLM):
                 steps.append(runner(column[:, None], self.loops, mask, cache).float())
         logits = torch.cat(steps, dim=1).log_softmax(dim=-1)
         return [self._pick(logits[row, : len(cont)], cont) for row, (_, cont) in enumerate(pairs)]
+
+    def _score_adaptive(self, pairs: Sequence[Pair]) -> list[tuple[Tensor, Tensor]]:
+        """Prefill each context at the budget, then decode its continuation with depth per token."""
+        need = max(len(ctx) + len(cont) - 1 for ctx, cont in pairs)
+        decoder = Decoder(self.model, len(pairs), need, self.policy, self.autocast_dtype, self.fold)
+        depth = self.depth
+        steps = [[decoder.prefill(r, torch.tensor(ctx), depth)] for r, (ctx, _) in enumerate(pairs)]
+        for j in range(max(len(cont) for _, cont in pairs) - 1):
+            rows = [r for r, (_, cont) in enumerate(pairs) if j + 1 < len(cont)]
+            tokens = torch.tensor([pairs[r][1][j] for r in rows])
+            logits, _ = decoder.step(rows, tokens, [depth] * len(rows))
+            for i, r in enumerate(rows):
+                steps[r].append(logits[i])
+        return [self._pick(torch.stack(s).log_softmax(dim=-1), cont) for s, (_, cont) in zip(steps, pairs)]
 
     def _pick(self, log_probs: Tensor, cont: list[int]) -> tuple[Tensor, Tensor]:
         target = torch.tensor(cont, device=log_probs.device)
@@ -414,7 +458,7 @@ class ELRLM(TemplateLM):
         stream = stream_generate(
             self.model,
             prompts,
-            loops=self.loops,
+            loops=self.depth,
             max_new_tokens=budget,
             kv_cache=self.policy,
             temperature=temperature if not greedy else 1.0,

@@ -4,12 +4,19 @@ Built on LitServe (``pip install "elr-lightning[serve]"``). The HTTP side (:clas
 validates every request before it is queued, so a bad request gets a 400 with an OpenAI-style JSON
 error naming the field and never reaches the model. The inference worker (:class:`ELRServeAPI`)
 runs LitServe's continuous-batching loop over a :class:`~elr_lightning.serve.engine.DecodeEngine`:
-requests of the same k that arrive together are decoded as one batch, and batches of different k
-advance side by side, one token per step.
+every running request advances one token per step in one batch whatever its k, a finished one
+frees its slot at once and a waiting one takes it.
+
+LitServe passes the worker nothing when a client goes away, so the HTTP side does: when a client
+disconnects (a stream closed early, or a plain request whose connection dropped, polled every
+:data:`DISCONNECT_POLL_S`), it queues a :class:`Cancel` on the same request queue, and the engine
+drops the request at its next step.
 
 Endpoints: ``POST /v1/completions`` (``prompt``, ``max_tokens``, ``temperature``, ``top_p``,
-``stop``, ``stream``, ``seed`` and ``loops``), ``GET /v1/models`` (the loop counts served and their
-relative cost D_eff(k) / D_eff(1), eq. 1) and LitServe's ``GET /health``.
+``stop``, ``stream``, ``seed``, ``loops`` (k or ``"auto"``), and for ``"auto"`` ``max_loops``,
+``threshold`` and ``exit_criterion``), ``GET /v1/models`` (the loop counts served and their
+relative cost D_eff(k) / D_eff(1), eq. 1) and LitServe's ``GET /health``. The ``usage`` block
+reports ``loops_per_token`` (the recurrent loops each completion token took) and their mean.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
 
 import litserve as ls
 import torch
@@ -33,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from typing_extensions import override
 
 from elr_lightning.config import ModelConfig
+from elr_lightning.decode import AdaptiveDepth, Depth
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine
 from elr_lightning.tokenizers import Tokenizer
 
@@ -51,9 +60,26 @@ class CompletionBody(BaseModel):
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
-    loops: Optional[int] = None
+    loops: Optional[Union[int, Literal["auto"]]] = None
+    max_loops: Optional[int] = None
+    threshold: Optional[float] = Field(None, ge=0.0, allow_inf_nan=False)
+    exit_criterion: Optional[Literal["kl", "delta"]] = None
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None
+
+
+#: Exit threshold of ``loops: "auto"`` when a request gives none (see ``bench/adaptive.py``).
+DEFAULT_THRESHOLD = 1e-3
+
+#: Seconds between checks of whether the client of a plain (non-streamed) request is still connected.
+DISCONNECT_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Queued by the HTTP side when the client of request ``uid`` went away."""
+
+    uid: str
 
 
 class RequestError(Exception):
@@ -138,11 +164,9 @@ class CompletionsSpec(LitSpec):
             body = CompletionBody.model_validate(data)
         except ValidationError as err:
             first = err.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or "body"
+            param = str(first["loc"][0]) if first["loc"] else "body"
             raise RequestError(f"{param}: {first['msg']}", param) from err
-        loops = self.loops_default if body.loops is None else body.loops
-        if not 1 <= loops <= self.loops_max:
-            raise RequestError(f"loops={loops} is out of range; this server serves loops 1..{self.loops_max}", "loops")
+        loops = self.depth(body)
         ids = tuple(self.tokenizer.encode(body.prompt))
         need = len(ids) + body.max_tokens - 1
         if need > self.config.max_seq_len:
@@ -158,6 +182,24 @@ class CompletionsSpec(LitSpec):
         top_p = None if body.top_p == 1.0 else body.top_p
         return body, CompletionRequest(ids, loops, body.max_tokens, body.temperature, top_p, body.seed, stop)
 
+    def depth(self, body: CompletionBody) -> Depth:
+        """The request's depth: its k, or :class:`~elr_lightning.decode.AdaptiveDepth` for ``"auto"``."""
+        if body.loops != "auto":
+            for name in ("max_loops", "threshold", "exit_criterion"):
+                if getattr(body, name) is not None:
+                    raise RequestError(f"{name} is only read with loops='auto'; drop it or set loops to 'auto'", name)
+            loops = self.loops_default if body.loops is None else body.loops
+            if not 1 <= loops <= self.loops_max:
+                raise RequestError(
+                    f"loops={loops} is out of range; this server serves loops 1..{self.loops_max} or 'auto'", "loops"
+                )
+            return loops
+        budget = self.loops_max if body.max_loops is None else body.max_loops
+        if not 1 <= budget <= self.loops_max:
+            raise RequestError(f"max_loops={budget} is out of range; this server serves 1..{self.loops_max}", "max_loops")
+        threshold = DEFAULT_THRESHOLD if body.threshold is None else body.threshold
+        return AdaptiveDepth(budget, threshold, body.exit_criterion or "kl")
+
     async def completions(self, request: Request) -> Any:
         """``POST /v1/completions``."""
         try:
@@ -172,41 +214,91 @@ class CompletionsSpec(LitSpec):
         pieces = self.data_streamer(queue, event, send_status=True)
         head = {"id": f"cmpl-{uid}", "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         if body.stream:
-            return StreamingResponse(self._sse(uid, head, pieces), media_type="text/event-stream")
-        text, finish, used = [], None, 0
+            return StreamingResponse(self._sse(uid, head, job, pieces), media_type="text/event-stream")
+        answer = asyncio.ensure_future(_collect(pieces))
         try:
-            async for data, status in pieces:
-                if status == LitAPIStatus.ERROR:
-                    return JSONResponse({"error": {"message": "inference failed", "type": "server_error"}}, 500)
-                piece = json.loads(data)
-                text.append(piece["text"])
-                finish, used = piece["finish_reason"], piece["completion_tokens"]
+            while not answer.done():
+                await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S)
+                if not answer.done() and await request.is_disconnected():
+                    answer.cancel()
+                    self.cancel(uid)
+                    return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled"}}, 499)
         finally:
             self.response_buffer.pop(uid, None)  # done or client gone: later pieces are dropped
+        if answer.result() is None:
+            return JSONResponse({"error": {"message": "inference failed", "type": "server_error"}}, 500)
+        text, finish, loops = answer.result()
         return {
             **head,
-            "loops": job.loops,
-            "choices": [{"text": "".join(text), "index": 0, "logprobs": None, "finish_reason": finish}],
-            "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": used,
-                      "total_tokens": len(job.prompt_ids) + used},
+            "loops": _depth_json(job.loops),
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+            "usage": _usage(job, loops),
         }
 
-    async def _sse(self, uid: str, head: dict[str, Any], pieces: AsyncIterator) -> AsyncIterator[str]:
+    def cancel(self, uid: str) -> None:
+        """Tell the inference worker that request ``uid``'s client went away (see the module docstring)."""
+        self.request_queue.put((self.response_queue_id, f"cancel-{uid}", time.monotonic(), Cancel(uid)))
+
+    async def _sse(
+        self, uid: str, head: dict[str, Any], job: CompletionRequest, pieces: AsyncIterator
+    ) -> AsyncIterator[str]:
+        loops: list[int] = []
+        finished = False
         try:
             async for data, status in pieces:
                 if status == LitAPIStatus.ERROR:
+                    finished = True
                     error = {"error": {"message": "inference failed", "type": "server_error"}}
                     yield "data: " + json.dumps(error) + "\n\n"
                     return
                 piece = json.loads(data)
+                loops += [piece["loops"]] if piece["loops"] else []
+                finished = piece["finish_reason"] is not None
                 choice = {"text": piece["text"], "index": 0, "logprobs": None, "finish_reason": piece["finish_reason"]}
-                yield "data: " + json.dumps({**head, "choices": [choice]}) + "\n\n"
+                chunk = {**head, "choices": [choice]}
+                if finished:
+                    chunk["usage"] = _usage(job, loops)
+                yield "data: " + json.dumps(chunk) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:
             self.response_buffer.pop(uid, None)  # done or client gone: later pieces are dropped
+            if not finished:
+                self.cancel(uid)
 
 
-class _CohortLoop(ContinuousBatchingLoop):
+async def _collect(pieces: AsyncIterator) -> Optional[tuple[str, Optional[str], list[int]]]:
+    """The text, finish reason and loops per token of a whole completion; ``None`` if inference failed."""
+    text, finish, loops = [], None, []
+    async for data, status in pieces:
+        if status == LitAPIStatus.ERROR:
+            return None
+        piece = json.loads(data)
+        text.append(piece["text"])
+        finish = piece["finish_reason"]
+        loops += [piece["loops"]] if piece["loops"] else []
+    return "".join(text), finish, loops
+
+
+def _depth_json(depth: Depth) -> Union[int, dict[str, Any]]:
+    if isinstance(depth, AdaptiveDepth):
+        return {"loops": "auto", "max_loops": depth.max_loops, "threshold": depth.threshold,
+                "exit_criterion": depth.criterion}
+    return depth
+
+
+def _usage(job: CompletionRequest, loops: list[int]) -> dict[str, Any]:
+    """OpenAI's usage block plus the recurrent loops each completion token took."""
+    used = len(loops)
+    return {
+        "prompt_tokens": len(job.prompt_ids),
+        "completion_tokens": used,
+        "total_tokens": len(job.prompt_ids) + used,
+        "loops_per_token": loops,
+        "mean_loops": sum(loops) / used if used else 0.0,
+    }
+
+
+class _EngineLoop(ContinuousBatchingLoop):
     """LitServe's continuous-batching loop, resting briefly while idle instead of spinning a core."""
 
     @override
@@ -231,9 +323,10 @@ class ELRServeAPI(ls.LitAPI):
     def __init__(
         self, ckpt_path: str, spec: CompletionsSpec, kv_cache: str, max_batch_size: int, dtype: str = "float32"
     ) -> None:
-        super().__init__(max_batch_size=max_batch_size, stream=True, spec=spec, loop=_CohortLoop())
+        super().__init__(max_batch_size=max_batch_size, stream=True, spec=spec, loop=_EngineLoop())
         self.ckpt_path, self.kv_cache, self.dtype = ckpt_path, kv_cache, dtype
         self.engine: Optional[DecodeEngine] = None
+        self._notes: deque[str] = deque()  # ids of Cancel messages, finished at the next step
 
     @override
     def setup(self, device: str) -> None:
@@ -242,19 +335,28 @@ class ELRServeAPI(ls.LitAPI):
         torch.set_flush_denormal(True)
         model, _ = load_model(self.ckpt_path, map_location=device)
         autocast = torch.bfloat16 if self.dtype == "bfloat16" else None
-        self.engine = DecodeEngine(model, self.spec.tokenizer, self.kv_cache, autocast)
+        self.engine = DecodeEngine(model, self.spec.tokenizer, self.kv_cache, autocast, self.max_batch_size)
 
-    def add_request(self, uid: str, request: CompletionRequest) -> None:
-        """Hand a validated request to the engine (called by the loop between steps)."""
-        self.engine.submit(uid, request)
+    def add_request(self, uid: str, request: Union[CompletionRequest, Cancel]) -> None:
+        """Hand a validated request, or a cancellation, to the engine (called by the loop between steps).
+
+        A :class:`Cancel` travels under its own id, which the loop tracks like a request: it is
+        finished at the next step.
+        """
+        if isinstance(request, Cancel):
+            self.engine.cancel(request.uid)
+            self._notes.append(uid)
+        else:
+            self.engine.submit(uid, request)
 
     @override
     def has_active_requests(self) -> bool:
-        return self.engine is not None and self.engine.active > 0
+        return self.engine is not None and (self.engine.active > 0 or bool(self._notes))
 
     @override
     def has_capacity(self) -> bool:
-        return self.engine.active < self.max_batch_size
+        """Always: the engine queues what its slots cannot hold yet, so cancellations reach it at once."""
+        return True
 
     def step(self, prev_outputs: Optional[list[Output]]) -> list[Output]:
         """One engine step: every request's new text, then a finish marker for each that ended.
@@ -267,10 +369,11 @@ class ELRServeAPI(ls.LitAPI):
         except Exception:
             self.engine.reset()
             raise
-        outputs = []
+        notes = [self._notes.popleft() for _ in range(len(self._notes))]
+        outputs = [Output(uid, "", LitAPIStatus.FINISH_STREAMING) for uid in notes]
         for event in events:
             piece = {"text": event.text, "finish_reason": event.finish_reason,
-                     "completion_tokens": event.completion_tokens}
+                     "completion_tokens": event.completion_tokens, "loops": event.loops}
             outputs.append(Output(event.uid, piece, LitAPIStatus.OK))
             if event.finish_reason is not None:
                 outputs.append(Output(event.uid, "", LitAPIStatus.FINISH_STREAMING))

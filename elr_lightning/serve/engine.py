@@ -1,36 +1,36 @@
-"""A batched decoding engine for serving: many requests, each with its own loop count k.
+"""The serving engine: continuous batching over slots, each request at its own loop count k, or adaptive.
 
-Requests that arrive together with the same k form one *cohort*: one left-padded batch, one KV
-cache, one forward pass per decode step. Cohorts of different k advance side by side, one token per
-:meth:`DecodeEngine.step`, so a k = 1 request is never held up behind a k = 3 one for more than a
-step. New requests join at the next step as new cohorts; running cohorts never change shape.
+A :class:`DecodeEngine` keeps up to ``max_batch_size`` requests in the slots of one
+:class:`~elr_lightning.decode.Decoder`. Every :meth:`DecodeEngine.step` decodes one token for every
+running request in one step whatever their k (rows are gathered per depth and scattered back, so a
+step costs sum(k) row-loops, DESIGN §7), then prefills waiting requests into the slots that are
+free. A finished or cancelled request frees its slot at once; a waiting request takes it in the
+same step. Memory stays bounded: the cache holds ``max_batch_size`` rows of ``arch.max_seq_len``
+positions whatever the traffic.
 
 Every row samples with its own ``torch.Generator`` seeded from the request, through the same
-:func:`~elr_lightning.generation.sample_next` that :func:`~elr_lightning.generation.generate` uses,
-and the forward pass is the model's own with the same cache policy, so a request's tokens are those
-of ``elr generate`` for its prompt, k and seed. Like ``elr generate``, a cohort decodes with its k's
-conditioning constants computed once (:func:`~elr_lightning.serving.serving_model`, chosen at its
-prefill; ``model.serve_folded = False`` opts out). Batching changes only the fp32 round-off of the
-matrix products (measured below 1e-6 on the logits), which can move a sample only at an exact tie.
+:func:`~elr_lightning.generation.sample_next` and the same decoder as
+:func:`~elr_lightning.generation.generate`, so a request's tokens are those of ``elr generate`` for
+its prompt, k and seed. Batching changes only the fp32 round-off of the products and of the masked
+attention over the longest row (measured below 1e-5 on the logits), which can move a sample only
+at a near tie.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch import Tensor
 
-from elr_lightning.cache import KVCache
-from elr_lightning.serving import FoldedLM, serving_model
-from elr_lightning.generation import PolicyLike, left_pad, resolve_policy, sample_next
-from elr_lightning.tokenizers import IncrementalDecoder
+from elr_lightning.cache import PolicyLike
+from elr_lightning.decode import Decoder, Depth, budget
+from elr_lightning.generation import sample_next
 from elr_lightning.model import LoopedLM
-from elr_lightning.tokenizers import Tokenizer
+from elr_lightning.tokenizers import IncrementalDecoder, Tokenizer
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class CompletionRequest:
 
     Attributes:
         prompt_ids: The prompt's token ids (non-empty).
-        loops: Loop count k.
+        loops: Loop count k, or an :class:`~elr_lightning.decode.AdaptiveDepth` for per-token depth.
         max_tokens: Most tokens to generate (>= 1).
         temperature: Softmax temperature; 0 is greedy.
         top_p: Nucleus mass in (0, 1], or ``None`` for none.
@@ -48,7 +48,7 @@ class CompletionRequest:
     """
 
     prompt_ids: tuple[int, ...]
-    loops: int
+    loops: Depth
     max_tokens: int
     temperature: float = 1.0
     top_p: Optional[float] = None
@@ -63,15 +63,17 @@ class Event:
     Attributes:
         uid: The request's id.
         text: Newly final text (possibly empty).
-        finish_reason: ``"stop"`` (a stop string or EOS), ``"length"`` (``max_tokens``), or ``None``
-            while the request runs.
+        finish_reason: ``"stop"`` (a stop string or EOS), ``"length"`` (``max_tokens``),
+            ``"cancelled"`` (:meth:`DecodeEngine.cancel`), or ``None`` while the request runs.
         completion_tokens: Tokens generated so far.
+        loops: The recurrent loops the token of this step took (0 when no token was made).
     """
 
     uid: str
     text: str
     finish_reason: Optional[str]
     completion_tokens: int
+    loops: int = 0
 
 
 class _StopText:
@@ -113,31 +115,19 @@ class _Row:
     generator: torch.Generator
     decoder: IncrementalDecoder
     stop: _StopText
+    token: int = 0
     generated: int = 0
-    done: bool = False
-
-
-@dataclass
-class _Cohort:
-    """Requests of one k decoded as one batch with one KV cache."""
-
-    loops: int
-    rows: list[_Row]
-    runner: LoopedLM | FoldedLM
-    cache: KVCache
-    mask: Optional[Tensor]
-    logits: Optional[Tensor] = None
-    tokens: Optional[Tensor] = field(default=None)
 
 
 class DecodeEngine:
-    """Runs completion requests in cohorts of equal k; thread-safe :meth:`submit`, one stepping thread.
+    """Continuous batching of completion requests; thread-safe :meth:`submit` and :meth:`cancel`, one stepping thread.
 
     Args:
         model: The looped LM, in eval mode.
         tokenizer: Decodes the generated ids to text; its ``eos_id`` ends a completion.
         kv_cache: The KV-cache policy, as for :func:`~elr_lightning.generation.generate`.
         autocast_dtype: Run the model under ``torch.autocast`` with this dtype, or ``None``.
+        max_batch_size: Slots: most requests decoded at once, all k together; more wait in a queue.
     """
 
     def __init__(
@@ -146,129 +136,121 @@ class DecodeEngine:
         tokenizer: Tokenizer,
         kv_cache: PolicyLike = "last_loop",
         autocast_dtype: Optional[torch.dtype] = None,
+        max_batch_size: int = 8,
     ) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.policy = resolve_policy(kv_cache)
-        self.autocast_dtype = autocast_dtype
-        self.device = model.embed.weight.device
-        self._pending: list[tuple[str, CompletionRequest]] = []
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_len = model.config.max_seq_len
+        self.decoder = Decoder(model, max_batch_size, self.max_len, kv_cache, autocast_dtype)
+        self.device = self.decoder.device
         self._lock = threading.Lock()
-        self._cohorts: list[_Cohort] = []
+        self._queue: deque[tuple[str, CompletionRequest]] = deque()
+        self._cancelled: set[str] = set()
+        self._rows: dict[int, _Row] = {}
+        self._free = list(range(max_batch_size - 1, -1, -1))
 
     def submit(self, uid: str, request: CompletionRequest) -> None:
-        """Queue a request; it starts at the next :meth:`step`."""
-        if request.loops < 1 or request.max_tokens < 1 or not request.prompt_ids:
+        """Queue a request; it starts at the first :meth:`step` with a free slot."""
+        if budget(request.loops) < 1 or request.max_tokens < 1 or not request.prompt_ids:
             raise ValueError(f"request {uid}: loops and max_tokens must be >= 1 and the prompt non-empty")
+        if len(request.prompt_ids) + request.max_tokens - 1 > self.max_len:
+            raise ValueError(f"request {uid}: the prompt plus max_tokens exceeds arch.max_seq_len={self.max_len}")
         with self._lock:
-            self._pending.append((uid, request))
+            self._queue.append((uid, request))
+
+    def cancel(self, uid: str) -> None:
+        """Stop request ``uid`` at the next :meth:`step` (its client went away); unknown ids are ignored there."""
+        with self._lock:
+            self._cancelled.add(uid)
 
     def reset(self) -> list[str]:
         """Drop every queued and running request (after a failed step); return their ids."""
         with self._lock:
-            pending, self._pending = self._pending, []
-        dropped = [uid for uid, _ in pending] + [r.uid for c in self._cohorts for r in c.rows if not r.done]
-        self._cohorts = []
+            queued, self._queue = [uid for uid, _ in self._queue], deque()
+            self._cancelled.clear()
+        dropped = queued + [row.uid for row in self._rows.values()]
+        self._free += list(self._rows)
+        self._rows = {}
         return dropped
 
     @property
     def active(self) -> int:
         """Requests queued or running."""
         with self._lock:
-            pending = len(self._pending)
-        return pending + sum(1 for c in self._cohorts for r in c.rows if not r.done)
+            return len(self._queue) + len(self._rows)
 
-    def cohort_sizes(self) -> list[tuple[int, int]]:
-        """``(k, rows)`` of every running cohort (for tests and metrics)."""
-        return [(c.loops, len(c.rows)) for c in self._cohorts]
+    @property
+    def running(self) -> dict[str, Depth]:
+        """The depth of every request that holds a slot, by id."""
+        return {row.uid: row.request.loops for row in self._rows.values()}
 
     def kv_cache_bytes(self) -> int:
-        """Attention KV bytes the running cohorts hold for the tokens written so far."""
-        return sum(c.cache.nbytes() for c in self._cohorts)
+        """Attention KV bytes the cache has allocated (fixed by the slots and ``arch.max_seq_len``)."""
+        return self.decoder.cache.nbytes(used=False)
 
-    @torch.inference_mode()
     def step(self) -> list[Event]:
-        """Admit queued requests as new cohorts (prefill), decode one token in every older cohort.
+        """Cancel, decode one token for every running request, then fill free slots from the queue.
 
         Returns:
-            One :class:`Event` per running request: the text it released this step, and its finish
-            reason once it is done (a finished request appears no more).
+            One :class:`Event` per request touched: the text it released this step, and its finish
+            reason once it is done or cancelled (a finished request appears no more).
         """
         with self._lock:
-            pending, self._pending = self._pending, []
-        events: list[Event] = []
-        for cohort in self._cohorts:
-            self._forward(cohort, cohort.tokens[:, None])
-            events += self._sample(cohort)
-        by_k: dict[int, list[tuple[str, CompletionRequest]]] = {}
-        for uid, request in pending:
-            by_k.setdefault(request.loops, []).append((uid, request))
-        for loops, group in by_k.items():
-            cohort = self._prefill(loops, group)
-            self._cohorts.append(cohort)
-            events += self._sample(cohort)
-        self._cohorts = [c for c in self._cohorts if not all(r.done for r in c.rows)]
-        return events
-
-    def _prefill(self, loops: int, group: list[tuple[str, CompletionRequest]]) -> _Cohort:
-        ids, mask = left_pad([r.prompt_ids for _, r in group], device=self.device)
-        need = ids.shape[1] + max(r.max_tokens for _, r in group) - 1
-        rows = []
-        for uid, request in group:
+            cancelled, self._cancelled = self._cancelled, set()
+            waiting = [uid for uid, _ in self._queue if uid in cancelled]
+            self._queue = deque((uid, r) for uid, r in self._queue if uid not in cancelled)
+        events = [Event(uid, "", "cancelled", 0) for uid in waiting]
+        events += [self._release(slot, "cancelled") for slot, row in list(self._rows.items()) if row.uid in cancelled]
+        if self._rows:
+            slots = list(self._rows)
+            rows = [self._rows[s] for s in slots]
+            tokens = torch.tensor([row.token for row in rows], device=self.device)
+            logits, used = self.decoder.step(slots, tokens, [row.request.loops for row in rows])
+            for i, slot in enumerate(slots):
+                events.append(self._sample(slot, logits[i], int(used[i])))
+        while self._free:
+            with self._lock:
+                if not self._queue:
+                    break
+                uid, request = self._queue.popleft()
+            slot = self._free.pop()
             seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()).item())
-            rows.append(
-                _Row(
-                    uid,
-                    request,
-                    torch.Generator(device=self.device).manual_seed(seed),
-                    IncrementalDecoder(self.tokenizer),
-                    _StopText(request.stop),
-                )
+            self._rows[slot] = _Row(
+                uid,
+                request,
+                torch.Generator(device=self.device).manual_seed(seed),
+                IncrementalDecoder(self.tokenizer),
+                _StopText(request.stop),
             )
-        runner = serving_model(self.model, loops)
-        cohort = _Cohort(loops, rows, runner, self.policy(max_len=need), None if bool(mask.all()) else mask)
-        self._forward(cohort, ids)
-        return cohort
-
-    def _forward(self, cohort: _Cohort, tokens: Tensor) -> None:
-        """One forward pass of the cohort, as :func:`~elr_lightning.generation.generate` runs it."""
-        if cohort.mask is not None and cohort.cache.offset > 0:
-            cohort.mask = torch.cat((cohort.mask, cohort.mask.new_ones(cohort.mask.shape[0], tokens.shape[1])), dim=1)
-        amp = (
-            torch.autocast(self.device.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        with amp:
-            cohort.logits = cohort.runner(tokens, cohort.loops, cohort.mask, cohort.cache)[:, -1].float()
-
-    def _sample(self, cohort: _Cohort) -> list[Event]:
-        tokens = []
-        events = []
-        eos = self.tokenizer.eos_id
-        for i, row in enumerate(cohort.rows):
-            if row.done:
-                tokens.append(0)
-                continue
-            req = row.request
-            token = int(
-                sample_next(cohort.logits[i : i + 1], req.temperature, None, req.top_p, generator=row.generator)[0]
-            )
-            tokens.append(token)
-            row.generated += 1
-            finish = None
-            if eos is not None and token == eos:
-                text, finish = row.stop.feed(row.decoder.flush())[0], "stop"
-            else:
-                text, stopped = row.stop.feed(row.decoder.push(token))
-                if stopped:
-                    finish = "stop"
-                elif row.generated >= req.max_tokens:
-                    tail, stopped = row.stop.feed(row.decoder.flush())
-                    text += tail if stopped else tail + row.stop.flush()
-                    finish = "stop" if stopped else "length"
-            if finish is not None:
-                row.done = True
-            events.append(Event(row.uid, text, finish, row.generated))
-        cohort.tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            ids = torch.tensor(request.prompt_ids, device=self.device)
+            events.append(self._sample(slot, self.decoder.prefill(slot, ids, request.loops), budget(request.loops)))
         return events
+
+    def _release(self, slot: int, reason: str) -> Event:
+        row = self._rows.pop(slot)
+        self._free.append(slot)
+        return Event(row.uid, "", reason, row.generated)
+
+    def _sample(self, slot: int, logits: torch.Tensor, loops: int) -> Event:
+        row = self._rows[slot]
+        req = row.request
+        token = int(sample_next(logits[None], req.temperature, None, req.top_p, generator=row.generator)[0])
+        row.token = token
+        row.generated += 1
+        finish = None
+        eos = self.tokenizer.eos_id
+        if eos is not None and token == eos:
+            text, finish = row.stop.feed(row.decoder.flush())[0], "stop"
+        else:
+            text, stopped = row.stop.feed(row.decoder.push(token))
+            if stopped:
+                finish = "stop"
+            elif row.generated >= req.max_tokens:
+                tail, stopped = row.stop.feed(row.decoder.flush())
+                text += tail if stopped else tail + row.stop.flush()
+                finish = "stop" if stopped else "length"
+        if finish is not None:
+            self._rows.pop(slot)
+            self._free.append(slot)
+        return Event(row.uid, text, finish, row.generated, loops)

@@ -1,0 +1,383 @@
+"""The one decode loop of generation and serving: rows in slots, each at its own position and depth.
+
+A :class:`Decoder` holds a batch of *slots*, each a sequence with its own length in one
+:class:`~elr_lightning.cache.KVCache`. :meth:`Decoder.prefill` runs a prompt alone into a free
+slot (exactly the forward pass :func:`~elr_lightning.generation.generate` runs for one prompt);
+:meth:`Decoder.step` decodes one token for any set of slots at once, whatever their lengths and
+loop counts:
+
+* the embedding, the input block, the final norm and the head run once over all rows;
+* rows all at one k run the recurrent and output blocks at k with its conditioning constants
+  computed once (:func:`~elr_lightning.serving.serving_model`), exactly as :meth:`Decoder.prefill`
+  and :func:`~elr_lightning.generation.generate` do;
+* otherwise loop i runs once, on the rows whose k reaches it, gathered and scattered back, each
+  row under its own context c_i(i, k, K) (eq. 4's operands computed once per (sublayer, i, k) and
+  stacked per row): a step costs sum(k) row-loops, not max(k) x rows (DESIGN §7), and a row's
+  logits equal those of its k alone to fp32 round-off;
+* an :class:`AdaptiveDepth` row runs under the contexts of its budget K_max and leaves after loop
+  i once its exit criterion holds (:data:`EXIT_CRITERIA`); fewer rows run each later loop.
+
+**Skipped loops' cache entries** (adaptive depth). Under a per-loop cache a row that exits at
+loop e leaves loops e+1..K_max without an entry for its token; :meth:`KVCache.fill_skipped`
+copies loop e's keys and values there, so later tokens attending at loop j > e see the exiting
+token's deepest keys, as they would under ``last_loop``. Recurrent (linear-attention) state is
+not copied: a skipped loop's state simply does not absorb the token. Under ``last_loop`` the one
+store per layer already holds the exit loop's entry. A prompt prefilled in one pass runs at the
+full budget K_max; only tokens decoded one at a time choose their depth.
+
+A mixture-of-experts layer replays loop 1's routes while the rows of a loop are those of loop 1;
+under adaptive depth, a loop whose rows shrank routes its rows again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from elr_lightning.cache import KVCache, PolicyLike, resolve_policy
+from elr_lightning.context import LoopContext, Positions
+from elr_lightning.core import check_loops
+from elr_lightning.model import LoopedLM
+from elr_lightning.serving import FoldedLM, serving_model
+
+#: Exit criteria of :class:`AdaptiveDepth`, by name: what changed between loop i - 1 and loop i.
+#:
+#: * ``kl``: KL(p_i || p_{i-1}) of the next-token distributions read out through the output block
+#:   and head after each loop (Huginn's criterion; costs one output pass per row and loop);
+#: * ``delta``: ``||s_i - s_{i-1}|| / ||s_{i-1}||``, the relative change of the recurrent state
+#:   (no extra pass).
+#:
+#: At loop 1 the previous state is s_0 (the injected input, ``StateUpdate.init``).
+EXIT_CRITERIA = ("kl", "delta")
+
+
+@dataclass(frozen=True)
+class AdaptiveDepth:
+    """Per-token depth: run up to ``max_loops`` loops, leave once the ``criterion`` drops below ``threshold``.
+
+    Attributes:
+        max_loops: The budget K_max; the loop contexts are those of k = K_max (eq. 4).
+        threshold: Exit once the criterion's change is below it (0 never exits early).
+        criterion: One of :data:`EXIT_CRITERIA`.
+    """
+
+    max_loops: int
+    threshold: float
+    criterion: str = "kl"
+
+    def __post_init__(self) -> None:
+        check_loops(self.max_loops)
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not (
+            self.threshold >= 0 and math.isfinite(self.threshold)
+        ):
+            raise ValueError(f"threshold={self.threshold!r} must be a finite number >= 0")
+        if self.criterion not in EXIT_CRITERIA:
+            raise ValueError(f"criterion={self.criterion!r} must be one of {list(EXIT_CRITERIA)}")
+
+
+#: How deep a row decodes: a fixed loop count k, or adaptive per token.
+Depth = Union[int, AdaptiveDepth]
+
+
+def budget(depth: Depth) -> int:
+    """The most loops ``depth`` may run."""
+    return depth.max_loops if isinstance(depth, AdaptiveDepth) else depth
+
+
+class Decoder:
+    """Slots of sequences in one KV cache, decoded together one token per :meth:`step`.
+
+    Args:
+        model: The looped LM, in eval mode.
+        slots: Rows of the cache.
+        max_len: Longest sequence a slot holds (prompt plus generated tokens).
+        kv_cache: A policy name, a :class:`KVCache` subclass, or a fresh instance (``max_len`` from it).
+        autocast_dtype: Run the model under ``torch.autocast`` with this dtype, or ``None``.
+        fold: Decode with each k's conditioning constants (:func:`~elr_lightning.serving.serving_model`).
+    """
+
+    def __init__(
+        self,
+        model: LoopedLM,
+        slots: int,
+        max_len: int,
+        kv_cache: Union[PolicyLike, KVCache] = "per_loop",
+        autocast_dtype: Optional[torch.dtype] = None,
+        fold: Optional[bool] = None,
+    ) -> None:
+        self.model, self.fold = model, fold
+        self.cache = kv_cache if isinstance(kv_cache, KVCache) else resolve_policy(kv_cache)(max_len=max_len)
+        self.cache.slots = slots
+        self.lengths = [0] * slots
+        self.device = model.embed.weight.device
+        self.autocast_dtype = autocast_dtype
+        self._runners: dict[int, Union[LoopedLM, FoldedLM]] = {}
+        self._contexts: dict[tuple[int, int], Tensor] = {}
+        self._constants = _RowConstants()
+        config = model.config
+        self.rec_layers = [config.layer_index("rec", j) for j in range(config.n_rec)]
+
+    def amp(self) -> contextlib.AbstractContextManager:
+        """Autocast to the decoder's dtype, or nothing."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def runner(self, loops: int) -> Union[LoopedLM, FoldedLM]:
+        """The module that decodes at ``loops``: :func:`~elr_lightning.serving.serving_model`, asked once per k.
+
+        Kept for the decoder's life, which must not outlast a change of the weights (a decoder
+        serves one generation, or a server's inference worker).
+        """
+        if loops not in self._runners:
+            self._runners[loops] = serving_model(self.model, loops, self.fold)
+        return self._runners[loops]
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, ids: Tensor, depth: Depth) -> Tensor:
+        """Run ``ids`` ``[T]`` alone into ``slot`` (its old content is dropped); return the last logits ``[V]``.
+
+        A prompt runs in one pass at ``budget(depth)`` loops: the forward pass of the model at that k.
+        """
+        loops = budget(depth)
+        view = self.cache.rows(torch.tensor([slot], device=self.device), None, ids.shape[0], fresh=True)
+        with self.amp():
+            logits = self.runner(loops)(ids[None].to(self.device), loops, None, view)[0, -1].float()
+        self.lengths[slot] = ids.shape[0]
+        self.cache.offset = max(self.lengths)
+        return logits
+
+    @torch.inference_mode()
+    def step(self, slots: list[int], tokens: Tensor, depths: list[Depth]) -> tuple[Tensor, Tensor]:
+        """Feed ``tokens`` ``[n]`` to ``slots`` at their own depths; return logits ``[n, V]`` and loops used ``[n]``.
+
+        Rows all at one fixed k run the model at k with its conditioning constants (exactly what
+        :meth:`prefill` runs); otherwise loop i runs once on the rows still needing it (see
+        :meth:`_looped`).
+        """
+        device, lm = self.device, self.model
+        rows = torch.tensor(slots, device=device)
+        pos = torch.tensor([self.lengths[s] for s in slots], device=device)
+        end = max(self.lengths[s] for s in slots) + 1
+        if end > self.cache.max_len:
+            raise ValueError(f"KV cache overflow: {end} tokens exceed max_len={self.cache.max_len}")
+        every = _Rows(lm, self.cache, rows, pos, end)
+        with self.amp():
+            x = lm.embed(tokens.to(device)[:, None])
+            ctx = every.context(0, 1)
+            for layer in lm.input_layers:
+                x = layer(x, ctx)
+            if all(isinstance(d, int) and d == depths[0] for d in depths):
+                runner = self.runner(depths[0])
+                ctx = every.context(0, depths[0])
+                s, c = runner.core(x, ctx)
+                out = _output(runner, s, ctx.at(0, c))
+                used = torch.full((len(slots),), depths[0], dtype=torch.long)
+            else:
+                out, used = self._looped(every, x, depths)
+            logits = lm.head(lm.norm(out))[:, -1].float()
+        self.cache.commit()
+        for s in slots:
+            self.lengths[s] += 1
+        self.cache.offset = max(self.lengths)
+        return logits, used
+
+    def _cond(self, loop: int, budgets: list[int], like: Tensor) -> _RowContext:
+        """Per-row context c_i(i, k_row, K) (eq. 4), each (i, k) computed once per decoder."""
+        conditioner = self.model.conditioner
+        if conditioner is None or not conditioner.active:
+            return _RowContext(None)
+        for k in set(budgets):
+            if (loop, k) not in self._contexts:
+                self._contexts[(loop, k)] = conditioner(loop, k, self.model.config.max_loops, like)
+        cond = torch.stack([self._contexts[(loop, k)] for k in budgets])[:, None]
+        return _RowContext(cond, loop, tuple(budgets), self._contexts, self._constants)
+
+    def _looped(self, rows: "_Rows", h_in: Tensor, depths: list[Depth]) -> tuple[Tensor, Tensor]:
+        """Loop i once over the rows still needing it, each under its own context; adaptive rows may leave.
+
+        The model's own layers run with a per-row context (the conditioner's heads per row rather
+        than constants per k), so a row's logits equal those of its k alone to fp32 round-off.
+        """
+        core, n = self.model.core, h_in.shape[0]
+        budgets = [budget(d) for d in depths]
+        adaptive = [isinstance(d, AdaptiveDepth) for d in depths]
+        thresholds = torch.tensor([d.threshold if isinstance(d, AdaptiveDepth) else -1.0 for d in depths])
+        kl = torch.tensor([isinstance(d, AdaptiveDepth) and d.criterion == "kl" for d in depths])
+        state = core.update.init(h_in).clone()  # written row by row below; init may return h_in itself
+        used = torch.tensor(budgets)
+        left = torch.ones(n, dtype=torch.bool)  # not exited
+        c_out = self._cond_out(budgets, h_in)
+        prev_logp: dict[int, Tensor] = {}
+        if bool(kl.any()):
+            idx = kl.nonzero().squeeze(-1)
+            prev_logp = dict(zip(idx.tolist(), self._log_probs(rows, state, idx, c_out)))
+        for i in range(1, max(budgets) + 1):
+            active = (left & (used >= i)).nonzero().squeeze(-1)
+            if active.numel() == 0:
+                break
+            sub = rows.subset(active.to(h_in.device))
+            c = self._cond(i, [budgets[r] for r in active.tolist()], h_in)
+            dev_active = active.to(h_in.device)
+            s_prev = state[dev_active]
+            s = _loop_rows(core, s_prev, h_in[dev_active], sub.context(i, max(budgets)), c)
+            state[dev_active] = s
+            checks = [j for j, r in enumerate(active.tolist()) if adaptive[r] and i < budgets[r]]
+            if not checks:
+                continue
+            check = torch.tensor(checks)
+            change = (s - s_prev).norm(dim=-1)[:, -1] / s_prev.norm(dim=-1)[:, -1].clamp_min(1e-12)
+            change = change.float().cpu()[check]
+            by_kl = [j for j in checks if kl[active[j]]]
+            if by_kl:
+                logp = self._log_probs(rows, state, active[by_kl], c_out)
+                for j, lp in zip(by_kl, logp):
+                    r = int(active[j])
+                    value = F.kl_div(prev_logp[r], lp, log_target=True, reduction="sum").float().cpu()
+                    change[checks.index(j)] = value
+                    prev_logp[r] = lp
+            leave = active[check[change < thresholds[active[check]]]]
+            if leave.numel():
+                used[leave], left[leave] = i, False
+                for e in leave.tolist():
+                    self.cache.fill_skipped(rows.rows[e : e + 1], rows.pos[e : e + 1], self.rec_layers, i, budgets[e])
+        return _output_rows(self.model, state, rows.context(0, max(budgets)), c_out), used
+
+    def _cond_out(self, budgets: list[int], like: Tensor) -> _RowContext:
+        """Per-row context of the output block: c_k(k, k, K) of each row's budget (stored as loop 0)."""
+        conditioner = self.model.conditioner
+        if conditioner is None or not conditioner.active:
+            return _RowContext(None)
+        for k in set(budgets):
+            if (0, k) not in self._contexts:
+                self._contexts[(0, k)] = conditioner(k, k, self.model.config.max_loops, like)
+        cond = torch.stack([self._contexts[(0, k)] for k in budgets])[:, None]
+        return _RowContext(cond, 0, tuple(budgets), self._contexts, self._constants)
+
+    def _log_probs(self, rows: "_Rows", state: Tensor, idx: Tensor, c_out: _RowContext) -> Tensor:
+        """Next-token log-probabilities ``[m, V]`` of rows ``idx`` read out from ``state`` through the output block."""
+        sub = rows.subset(idx.to(state.device))
+        cond = c_out if c_out.cond is None else _RowContext(
+            c_out.cond[idx], 0, tuple(c_out.ks[j] for j in idx.tolist()), c_out.contexts, c_out.cache
+        )
+        out = _output_rows(self.model, state[idx.to(state.device)], sub.context(0, 1), cond)
+        return self.model.head(self.model.norm(out))[:, -1].float().log_softmax(-1)
+
+
+def _output(runner: Union[LoopedLM, FoldedLM], s: Tensor, ctx: LoopContext) -> Tensor:
+    for layer in runner.output_layers:
+        s = layer(s, ctx)
+    return s
+
+
+class _RowConstants:
+    """Eq. (4)'s operands per sublayer, stacked per row of a step: ``(weight, shift, up, down, gate)``.
+
+    Each (sublayer, i, k) is computed once from the modulator's ``modulation`` (the conditioner's
+    heads do not run per token); the stack for a step's row pattern is kept while the pattern
+    recurs. Modulators without ``modulation`` get ``None`` and run through ``pre`` and ``post``.
+    """
+
+    def __init__(self) -> None:
+        self.single: dict[tuple[int, int, int], Optional[tuple]] = {}
+        self.stacked: dict[tuple[int, int, tuple[int, ...]], Optional[tuple]] = {}
+
+    def get(self, norm: nn.RMSNorm, mod: nn.Module, loop: int, ks: tuple[int, ...], contexts: dict) -> Optional[tuple]:
+        key = (id(mod), loop, ks)
+        if key not in self.stacked:
+            if len(self.stacked) > 512:
+                self.stacked.clear()
+            parts = [self._one(norm, mod, loop, k, contexts[(loop, k)]) for k in ks]
+            if any(p is None for p in parts):
+                self.stacked[key] = None
+            else:
+                weight, shift, up, down, gate = zip(*parts)
+                self.stacked[key] = (
+                    torch.stack(weight)[:, None], torch.stack(shift)[:, None],
+                    None if up[0] is None else torch.stack(up), down[0], torch.stack(gate)[:, None],
+                )  # fmt: skip
+        return self.stacked[key]
+
+    def _one(self, norm: nn.RMSNorm, mod: nn.Module, loop: int, k: int, c: Tensor) -> Optional[tuple]:
+        key = (id(mod), loop, k)
+        if key not in self.single:
+            try:
+                scale, shift, terms = mod.modulation(c)
+            except NotImplementedError:
+                self.single[key] = None
+            else:
+                weight = scale if norm.weight is None else norm.weight * scale
+                self.single[key] = (weight, shift, terms.up, terms.down, terms.gate)
+        return self.single[key]
+
+
+def _block_rows(block: nn.Module, x: Tensor, ctx: LoopContext, rows: "_RowContext") -> Tensor:
+    """A :class:`~elr_lightning.layers.Block` with its own context per row (eq. 4)."""
+    for norm, mixer, mod in ((block.attn_norm, block.attn, block.attn_mod), (block.mlp_norm, block.mlp, block.mlp_mod)):
+        consts = None if rows.cond is None or mod is None else rows.constants(norm, mod)
+        if rows.cond is None or mod is None:
+            x = x + mixer(norm(x), ctx, block.index)
+        elif consts is None:  # a modulator without a constant form: its heads per row
+            x = x + mod.post(mixer(mod.pre(norm(x), rows.cond), ctx, block.index), rows.cond)
+        else:
+            weight, shift, up, down, gate = consts
+            h = torch.addcmul(shift, F.rms_norm(x, norm.normalized_shape, None, norm.eps), weight)
+            if up is not None:
+                h = h + torch.matmul(h @ down.T, up.transpose(1, 2))
+            x = torch.addcmul(x, mixer(h, ctx, block.index), gate)
+    return x
+
+
+@dataclass
+class _RowContext:
+    """Per-row conditioning of one loop: the contexts ``cond`` ``[n, 1, d_cond]`` and how to get constants."""
+
+    cond: Optional[Tensor]
+    loop: int = 0
+    ks: tuple[int, ...] = ()
+    contexts: Optional[dict] = None
+    cache: Optional[_RowConstants] = None
+
+    def constants(self, norm: nn.RMSNorm, mod: nn.Module) -> Optional[tuple]:
+        return self.cache.get(norm, mod, self.loop, self.ks, self.contexts)
+
+
+def _loop_rows(core: nn.Module, s: Tensor, h_in: Tensor, ctx: LoopContext, rows: _RowContext) -> Tensor:
+    """:meth:`~elr_lightning.core.RecurrentCore.loop` with a context per row."""
+    s_tilde = core.update.inject(s, h_in)
+    r = s_tilde
+    for block in core.layers_at(ctx.loop):
+        r = _block_rows(block, r, ctx, rows)
+    return core.update(s, r, s_tilde)
+
+
+def _output_rows(model: LoopedLM, s: Tensor, ctx: LoopContext, rows: _RowContext) -> Tensor:
+    for block in model.output_layers:
+        s = _block_rows(block, s, ctx, rows)
+    return s
+
+
+class _Rows:
+    """Some rows of a slot cache at their own positions: the loop contexts a decode step runs them under."""
+
+    def __init__(self, model: LoopedLM, cache: KVCache, rows: Tensor, pos: Tensor, end: int) -> None:
+        self.model, self.cache, self.rows, self.pos, self.end = model, cache, rows, pos, end
+        cos, sin = model.rotary(0, end)
+        self.cos, self.sin = cos[pos][:, None, None], sin[pos][:, None, None]
+        self.mask = (torch.arange(end, device=pos.device)[None, :] <= pos[:, None])[:, None, None]
+        self.view = cache.rows(rows, pos[:, None], end)
+
+    def subset(self, idx: Tensor) -> "_Rows":
+        """The rows at ``idx`` of these."""
+        return _Rows(self.model, self.cache, self.rows[idx], self.pos[idx], self.end)
+
+    def context(self, loop: int, loops: int, cond: Optional[Tensor] = None) -> LoopContext:
+        """A fresh loop context of these rows (its scratch is its own)."""
+        positions = Positions(self.cos, self.sin, self.mask, False, None, self.end - 1)
+        return LoopContext(positions, loops, self.model.config.max_loops, loop=loop, cond=cond, cache=self.view)

@@ -1,0 +1,135 @@
+"""Tests of the shared decode loop: mixed depths in one step, adaptive depth per token, skipped loops' cache."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import GQA_CONFIG, perturbed_model
+from elr_lightning.decode import AdaptiveDepth, Decoder
+from elr_lightning.generation import generate
+from elr_lightning.model import LoopedLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+K = GQA_CONFIG.max_loops
+HYBRID = replace(
+    GQA_CONFIG,
+    token_pattern={"in": ["gdp"], "rec": ["gdp", "attention"], "out": ["attention"]},
+    mixers={"gdp": {"class_path": "elr_lightning.mixers.GatedDeltaProduct", "init_args": {"chunk_size": 8}}},
+)
+ARCHS = {"attention": GQA_CONFIG, "hybrid": HYBRID}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def model(request: pytest.FixtureRequest) -> LoopedLM:
+    return perturbed_model(ARCHS[request.param])
+
+
+#: A depth that exits at some tokens and not at others on the perturbed models.
+AUTO = AdaptiveDepth(K, 0.015, "kl")
+
+
+def alone(model: LoopedLM, prompt: list[int], depth, policy: str, steps: int):
+    return generate(model, [prompt], loops=depth, kv_cache=policy, max_new_tokens=steps, greedy=True, output_logits=True)
+
+
+@pytest.mark.parametrize("policy", ["per_loop", "last_loop"])
+def test_rows_of_different_depths_share_a_step_and_equal_each_row_alone(model: LoopedLM, policy: str) -> None:
+    """k = 1, K and auto (both criteria) in one step: logits within 1e-4 of the row alone, greedy tokens equal."""
+    prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7], [2, 7, 1], [8]]
+    depths = [1, K, AUTO, AdaptiveDepth(K, 0.5, "delta"), 2]
+    steps = 8
+    decoder = Decoder(model, len(prompts), 7 + steps, policy)
+    logits = [[decoder.prefill(i, torch.tensor(p), d)] for i, (p, d) in enumerate(zip(prompts, depths))]
+    used = [[] for _ in prompts]
+    for _ in range(steps - 1):
+        tokens = torch.stack([row[-1].argmax() for row in logits])
+        step, step_used = decoder.step(list(range(len(prompts))), tokens, depths)
+        for i in range(len(prompts)):
+            logits[i].append(step[i])
+            used[i].append(int(step_used[i]))
+    for i, (p, d) in enumerate(zip(prompts, depths)):
+        ref = alone(model, p, d, policy, steps)
+        torch.testing.assert_close(torch.stack(logits[i]), ref.logits[0], atol=1e-4, rtol=0)
+        assert torch.equal(torch.stack(logits[i]).argmax(-1), ref.new_tokens[0])
+        assert used[i] == ref.loops_used[0, 1:].tolist()
+    assert 1 < sum(used[2]) / len(used[2]) < K, "the adaptive row never or always exited; the test shows nothing"
+
+
+@pytest.mark.parametrize("policy", ["per_loop", "last_loop"])
+def test_auto_that_never_exits_is_k_at_the_budget(model: LoopedLM, policy: str) -> None:
+    prompt = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(1))
+    fixed = generate(model, prompt, loops=K, kv_cache=policy, max_new_tokens=6, greedy=True, output_logits=True)
+    auto = generate(model, prompt, loops="auto", threshold=0.0, kv_cache=policy, max_new_tokens=6, greedy=True,
+                    output_logits=True)  # fmt: skip
+    assert torch.equal(auto.new_tokens, fixed.new_tokens)
+    torch.testing.assert_close(auto.logits, fixed.logits, atol=1e-6, rtol=0)
+    assert bool((auto.loops_used == K).all())
+
+
+@pytest.mark.parametrize("criterion", ["kl", "delta"])
+def test_tokens_leave_after_one_loop_and_per_loop_fills_the_skipped_loops(criterion: str) -> None:
+    """Under per_loop, the loops a token skipped hold its exit loop's keys and values at its position."""
+    model = perturbed_model(GQA_CONFIG)
+    out = generate(model, [[5, 6, 7]], loops="auto", threshold=1e9, exit_criterion=criterion, kv_cache="per_loop",
+                   max_new_tokens=4, greedy=True)  # fmt: skip
+    assert out.loops_used[0].tolist() == [K, 1, 1, 1]  # the prompt runs at the budget
+    cache = out.cache
+    for layer in (GQA_CONFIG.layer_index("rec", j) for j in range(GQA_CONFIG.n_rec)):
+        first = cache.slot(layer, 1)
+        for loop in range(2, K + 1):
+            store = cache.slot(layer, loop)
+            assert torch.equal(store.k[0, :, 3:6], first.k[0, :, 3:6])
+            assert not torch.equal(store.k[0, :, :3], first.k[0, :, :3])  # the prompt ran every loop
+
+
+def test_depth_arguments_are_checked_naming_the_field() -> None:
+    model = perturbed_model(GQA_CONFIG)
+    with pytest.raises(ValueError, match="loops='fast' must be an integer >= 1 or 'auto'"):
+        generate(model, [[1]], loops="fast")
+    with pytest.raises(ValueError, match="threshold=-1.0 must be a finite number >= 0"):
+        generate(model, [[1]], loops="auto", threshold=-1.0)
+    with pytest.raises(ValueError, match="criterion='entropy' must be one of"):
+        generate(model, [[1]], loops="auto", exit_criterion="entropy")
+    with pytest.raises(ValueError, match="loops=0 must be an integer >= 1"):
+        generate(model, [[1]], loops="auto", max_loops=0)
+
+
+def test_eval_adapter_scores_and_generates_with_auto_depth() -> None:
+    """``loops=auto`` in the lm-eval adapter: with a threshold of 0 it scores as k = K; higher, it exits early."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from elr_lightning.eval import ELRLM
+    from elr_lightning.tokenizers import ByteTokenizer
+
+    model = perturbed_model(replace(GQA_CONFIG, vocab_size=256))
+    pairs = [("def f(x", "):\n    return x"), ("import", " os")]
+    requests = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]
+    tok = ByteTokenizer()
+    fixed = ELRLM.from_model(model, tok, loops=K).loglikelihood(requests, disable_tqdm=True)
+    never = ELRLM.from_model(model, tok, loops="auto", threshold=0.0).loglikelihood(requests, disable_tqdm=True)
+    early = ELRLM.from_model(model, tok, loops="auto", threshold=1e9).loglikelihood(requests, disable_tqdm=True)
+    assert [lp for lp, _ in never] == pytest.approx([lp for lp, _ in fixed], abs=1e-4)
+    assert [lp for lp, _ in early] != pytest.approx([lp for lp, _ in fixed], abs=1e-3)
+    lm = ELRLM.from_model(model, tok, loops="auto", threshold=1e9)
+    texts = lm.generate_texts(["def "], ["\n"], max_gen_toks=5)
+    expected = generate(model, [tok.encode("def ")], loops=lm.depth, max_new_tokens=5, greedy=True)
+    assert texts[0] == tok.decode(expected.new_tokens[0].tolist()).split("\n")[0]
+    with pytest.raises(ValueError, match="loops='fast' must be an integer >= 1 or 'auto'"):
+        ELRLM.from_model(model, tok, loops="fast")
+
+
+def test_elr_generate_loops_auto_prints_the_loops_per_token(tmp_path, capsys) -> None:
+    from _elr_ckpt import write_checkpoint
+    from elr_lightning.cli import run
+
+    ckpt = tmp_path / "tiny.ckpt"
+    write_checkpoint(ckpt)
+    run(["generate", "--ckpt_path", str(ckpt), "--prompt", "def", "--loops", "auto", "--threshold", "0.1",
+         "--max_new_tokens", "5", "--temperature", "0", "--stats"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert "loops per decoded token: mean" in err
+    with pytest.raises(ValueError, match="--max_loops is only read with --loops auto"):
+        run(["generate", "--ckpt_path", str(ckpt), "--prompt", "def", "--loops", "2", "--max_loops", "3"])
