@@ -1,7 +1,7 @@
 """Reading prepared folders: the index checked against its shards, token streams, and windows over them.
 
-Memory stays flat in corpus size: a stream holds one ``numpy.memmap`` and one offset per shard, and
-the training order is a keyed permutation computed per window (:class:`FeistelPermutation`), never a
+Memory stays flat in corpus size: a stream holds one path and one offset per shard and reads windows
+with ``os.pread``, and the training order is a keyed permutation computed per window (:class:`FeistelPermutation`), never a
 table over all windows.
 """
 
@@ -23,30 +23,64 @@ FIELD = "data.folders"
 class TokenStream:
     """The concatenated token ids of some shard files, read by global token offset.
 
+    Reads go through ``os.pread`` instead of a memory map, so the pages of a read stay in the
+    page cache and never in the process' resident set: a rank's memory is the same for a corpus of
+    10M or 2B tokens (``bench/data.py``). At most :attr:`OPEN_FILES` shards are open at a time.
+
     Args:
         paths: Shard files, in order.
         counts: Tokens in each.
         dtype: Their token dtype.
     """
 
+    OPEN_FILES = 64
+
     def __init__(self, paths: list[str], counts: list[int], dtype: np.dtype) -> None:
         kept = [(p, c) for p, c in zip(paths, counts) if c > 0]
-        self.arrays = [np.memmap(p, dtype=dtype, mode="r", shape=(c,)) for p, c in kept]
+        self.paths = [p for p, _ in kept]
+        self.dtype = np.dtype(dtype)
         self.offsets = np.cumsum([0] + [c for _, c in kept], dtype=np.int64)
+        self._files: dict[int, int] = {}
 
     def __len__(self) -> int:
         """Number of tokens."""
         return int(self.offsets[-1])
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without open file descriptors (a DataLoader worker opens its own)."""
+        return {**self.__dict__, "_files": {}}
+
+    def close(self) -> None:
+        """Close the open shard files (reads reopen them)."""
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _fd(self, shard: int) -> int:
+        if shard not in self._files:
+            if len(self._files) >= self.OPEN_FILES:
+                self.close()
+            self._files[shard] = os.open(self.paths[shard], os.O_RDONLY)
+        return self._files[shard]
+
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` as ``int64``, across shard boundaries."""
+        if start < 0 or start + length > len(self):
+            raise IndexError(f"tokens [{start}, {start + length}) outside a stream of {len(self)}")
         out = np.empty(length, dtype=np.int64)
         shard = int(np.searchsorted(self.offsets, start, side="right")) - 1
         done = 0
+        size = self.dtype.itemsize
         while done < length:
             local = start + done - int(self.offsets[shard])
-            take = min(length - done, len(self.arrays[shard]) - local)
-            out[done : done + take] = self.arrays[shard][local : local + take]
+            take = min(length - done, int(self.offsets[shard + 1]) - start - done)
+            data = os.pread(self._fd(shard), take * size, local * size)
+            if len(data) != take * size:
+                raise ValueError(f"{FIELD}: shard {self.paths[shard]!r} ended early; the folder is damaged")
+            out[done : done + take] = np.frombuffer(data, dtype=self.dtype)
             done += take
             shard += 1
         return out
