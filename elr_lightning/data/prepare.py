@@ -31,6 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from elr_lightning.checkpoint_io import write_atomically
+from elr_lightning.data.base import document_separator
 from elr_lightning.data.datamodule import token_dtype
 from elr_lightning.data.readers import Unit, plan_units, unit_documents
 from elr_lightning.tokenizers import Tokenizer, load_tokenizer
@@ -49,11 +50,6 @@ def _tokenizer(spec: str) -> Tokenizer:
     if spec not in _TOKENIZERS:
         _TOKENIZERS[spec] = load_tokenizer(spec)
     return _TOKENIZERS[spec]
-
-
-def separator(tokenizer: Tokenizer) -> list[int]:
-    """Ids written after every document: ``[eos_id]``, or the encoding of ``"\\n"``."""
-    return [tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n")
 
 
 def held_out(text: str, val_fraction: float) -> bool:
@@ -87,7 +83,7 @@ def tokenise_unit(index: int, unit: Unit, out: str, spec: str, text_field: str, 
     """
     tokenizer = _tokenizer(spec)
     dtype = token_dtype(tokenizer.vocab_size)
-    sep = np.asarray(separator(tokenizer), dtype=np.int64)
+    sep = np.asarray(document_separator(tokenizer), dtype=np.int64)
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     counts = {"train_tokens": 0, "val_tokens": 0, "train_documents": 0, "val_documents": 0}
     for doc in unit_documents(unit, text_field):
@@ -214,7 +210,7 @@ def prepare_corpus(
         "tokenizer_fingerprint": tok.fingerprint(),
         "vocab_size": tok.vocab_size,
         "dtype": dtype.name,
-        "separator": separator(tok),
+        "separator": document_separator(tok),
         "text_field": text_field,
         "val_fraction": val_fraction,
         "shards": [metas[i] for i in range(len(units))],

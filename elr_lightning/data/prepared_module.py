@@ -2,17 +2,16 @@
 
 from typing import Any, Optional, Union
 
-import lightning.pytorch as pl
-import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 from typing_extensions import override
 
+from elr_lightning.data.base import TokenDataModule
 from elr_lightning.data.mixture import MixtureLoader
 from elr_lightning.data.prepared import PreparedFolder, StreamWindows
 from elr_lightning.tokenizers import Tokenizer, load_tokenizer
 
 
-class PreparedDataModule(pl.LightningDataModule):
+class PreparedDataModule(TokenDataModule):
     """Prepared folders -> a deterministic weighted mixture of windows of ``seq_len + 1`` tokens.
 
     Every batch is a ``torch.LongTensor`` of shape ``[batch_size, seq_len + 1]``, as from
@@ -80,16 +79,6 @@ class PreparedDataModule(pl.LightningDataModule):
         self.val_windows: Optional[StreamWindows] = None
         self._train_loader: Optional[MixtureLoader] = None
 
-    @property
-    def vocab_size(self) -> int:
-        """Vocabulary size of the tokenizer."""
-        return self.tokenizer.vocab_size
-
-    @property
-    def token_bytes(self) -> torch.Tensor:
-        """UTF-8 bytes per token id, ``int64 [vocab_size]`` (for bits per byte)."""
-        return self.tokenizer.token_bytes()
-
     @override
     def setup(self, stage: Optional[str] = None) -> None:
         """Open the folders, checking each index against the tokenizer and its shards."""
@@ -106,12 +95,6 @@ class PreparedDataModule(pl.LightningDataModule):
             streams = [s.val for s in self.sources]
         self.val_windows = StreamWindows(streams, self.seq_len)
         self._train_loader = None
-
-    def _rank_and_world_size(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 1
-        return trainer.global_rank, trainer.world_size
 
     def _require_setup(self) -> StreamWindows:
         if self.val_windows is None:
@@ -147,19 +130,13 @@ class PreparedDataModule(pl.LightningDataModule):
             ValueError: There is no validation window while validation is requested.
         """
         val = self._require_setup()
-        _, world_size = self._rank_and_world_size()
-        count = len(val)
-        limit = getattr(self.trainer, "limit_val_batches", 1)
-        if count == 0 and limit != 0:
+        if len(val) == 0 and getattr(self.trainer, "limit_val_batches", 1) != 0:
             raise ValueError(
                 "data.validation: the folders hold no validation window; prepare with --val-fraction > 0, give "
                 "data.validation folders, or set trainer.limit_val_batches: 0"
             )
-        if self.val_batches is not None:
-            count = min(count, self.val_batches * self.batch_size * world_size)
-        if count >= world_size:
-            count -= count % world_size
-        return DataLoader(torch.utils.data.Subset(val, range(count)), batch_size=self.batch_size, shuffle=False)
+        count = self.validation_count(len(val))
+        return DataLoader(Subset(val, range(count)), batch_size=self.batch_size, shuffle=False)
 
     @override
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
