@@ -1,5 +1,6 @@
-"""A 2-process DDP run on a prepared two-source mixture, killed with SIGKILL and resumed: the same
-per-step losses on every rank as a run straight through."""
+"""Kill -9 and resume: ``elr prepare`` keeps its finished shards and ends byte-identical to a run
+straight through; a 2-process DDP run on a prepared two-source mixture gets the same per-step losses
+on every rank as a run straight through."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -15,7 +17,9 @@ import pytest
 import torch
 import yaml
 
-from elr_lightning.data import prepare_corpus
+from elr_lightning.data import PreparedFolder, prepare_corpus
+from elr_lightning.tokenizers import ByteTokenizer
+from test_prepare import tree
 from test_resume import by_step, finish, free_port, launch, read_steps, write_run
 
 STEPS, SWITCH, KILL_AFTER = 10, 5, 3
@@ -97,3 +101,31 @@ def test_a_killed_two_process_mixture_run_resumes_with_the_same_losses(tmp_path:
         replay = by_step(read_steps(killed.parent, rank))  # a step re-run after the kill must repeat exactly
         assert sorted(reference) == sorted(replay) == list(range(STEPS))
         assert [replay[s]["loss"] for s in range(STEPS)] == [reference[s]["loss"] for s in range(STEPS)]
+
+
+@pytest.mark.slow
+def test_a_prepare_killed_with_sigkill_resumes_to_the_same_folder(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(300):
+        (corpus / f"{i:03d}.txt").write_text(f"file {i}\n" + "".join(f"line {j} of {i}\n" for j in range(200)))
+    command = "from elr_lightning.data.prepare import prepare_command; import sys; prepare_command(sys.argv[1:])"
+    args = [sys.executable, "-c", command, str(corpus), "--shard-mb", "0.004", "--val-fraction", "0.1"]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([*args, "--out", str(out)], stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "shards" / "00020.json").exists():
+            assert proc.poll() is None, "prepare ended before the kill"
+            assert time.monotonic() < deadline, "prepare did not reach shard 20 in time"
+            time.sleep(0.005)
+    finally:
+        kill_all([proc])
+    assert not (out / "index.json").exists(), "the kill came after the prepare had finished"
+    with pytest.raises(ValueError, match=r"did not finish \(no index\.json\)"):
+        PreparedFolder(str(out), ByteTokenizer())
+    kept = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("000[01]*.train.bin")}
+    subprocess.run([*args, "--out", str(out), "--workers", "2"], check=True, capture_output=True, timeout=600)
+    subprocess.run([*args, "--out", str(tmp_path / "straight")], check=True, capture_output=True, timeout=600)
+    assert tree(out) == tree(tmp_path / "straight")
+    assert len(kept) == 20 and all((out / "shards" / n).stat().st_mtime_ns == t for n, t in kept.items())
