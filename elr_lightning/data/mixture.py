@@ -103,6 +103,8 @@ class MixtureLoader(StepLoader):
         world_size: int = 1,
     ) -> None:
         super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.streams = list(streams)

@@ -25,12 +25,12 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 import numpy as np
 from tqdm import tqdm
 
-from elr_lightning.checkpoint_io import write_atomically
+from elr_lightning.checkpoint_io import remove_orphans, write_atomically
 from elr_lightning.data.base import document_separator
 from elr_lightning.data.datamodule import token_dtype
 from elr_lightning.data.readers import Unit, plan_units, unit_documents
@@ -64,19 +64,14 @@ def shard_paths(out: str, index: int) -> dict[str, str]:
     return {"train": stem + ".train.bin", "val": stem + ".val.bin", "meta": stem + ".json"}
 
 
-def _write_stream(path: str, parts: list[np.ndarray]) -> None:
-    def write(f: Any) -> None:
-        for part in parts:
-            f.write(part.tobytes())
-
-    write_atomically(path, write)
-
-
 def tokenise_unit(index: int, unit: Unit, out: str, spec: str, text_field: str, val_fraction: float) -> dict[str, Any]:
     """Tokenise one unit into shard ``index`` of ``out`` (the worker's job).
 
+    Token ids stream to the two ``.bin`` files as documents are read (memory does not grow with the
+    unit); both files are renamed into place at the end, and the shard's ``.json`` after them.
+
     Returns:
-        The shard's counts, also written to its ``.json`` after its ``.bin`` files.
+        The shard's counts, also written to its ``.json``.
 
     Raises:
         ValueError: A document cannot be read, or the tokenizer emits an id outside its vocabulary.
@@ -84,19 +79,20 @@ def tokenise_unit(index: int, unit: Unit, out: str, spec: str, text_field: str, 
     tokenizer = _tokenizer(spec)
     dtype = token_dtype(tokenizer.vocab_size)
     sep = np.asarray(document_separator(tokenizer), dtype=np.int64)
-    parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     counts = {"train_tokens": 0, "val_tokens": 0, "train_documents": 0, "val_documents": 0}
-    for doc in unit_documents(unit, text_field):
-        split = "val" if held_out(doc, val_fraction) else "train"
-        ids = np.concatenate([np.asarray(tokenizer.encode(doc), dtype=np.int64), sep])
-        if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:
-            raise ValueError(f"--tokenizer: produced an id outside its vocabulary of {tokenizer.vocab_size}")
-        parts[split].append(ids.astype(dtype))
-        counts[f"{split}_tokens"] += int(ids.size)
-        counts[f"{split}_documents"] += 1
+
+    def write(train: IO[bytes], val: IO[bytes]) -> None:
+        for doc in unit_documents(unit, text_field):
+            split = "val" if held_out(doc, val_fraction) else "train"
+            ids = np.concatenate([np.asarray(tokenizer.encode(doc), dtype=np.int64), sep])
+            if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:
+                raise ValueError(f"--tokenizer: produced an id outside its vocabulary of {tokenizer.vocab_size}")
+            (val if split == "val" else train).write(ids.astype(dtype).tobytes())
+            counts[f"{split}_tokens"] += int(ids.size)
+            counts[f"{split}_documents"] += 1
+
     paths = shard_paths(out, index)
-    for split in ("train", "val"):
-        _write_stream(paths[split], parts[split])
+    write_atomically(paths["train"], lambda train: write_atomically(paths["val"], lambda val: write(train, val)))
     meta = {"index": index, "input_bytes": unit.size, **counts}
     write_atomically(paths["meta"], lambda f: f.write(json.dumps(meta).encode()))
     return meta
@@ -126,6 +122,7 @@ def _start_folder(out: str, plan: dict[str, Any]) -> bool:
                         f"elr prepare --out: {out!r} holds a prepare of other sources or options; "
                         "choose another --out or delete that folder"
                     )
+            remove_orphans(os.path.join(out, "shards"))  # temporary files of a killed run
             return os.path.exists(os.path.join(out, "index.json"))
         write_atomically(plan_path, lambda f: f.write(json.dumps(plan).encode()))
         return False
