@@ -136,6 +136,15 @@ def test_bad_arguments_are_refused(folders: list[Path], tmp_path: Path) -> None:
         PreparedDataModule([str(f) for f in folders], weights=[1.0])
     with pytest.raises(FileNotFoundError, match=r"data\.folders: .*nowhere' does not exist; run elr prepare"):
         PreparedDataModule(str(tmp_path / "nowhere")).setup("fit")
+    (tmp_path / "other").mkdir()
+    twin = tmp_path / "other" / "web"
+    prepare_corpus([str(tmp_path / "code.jsonl")], str(twin), val_fraction=0.0, progress=False)
+    with pytest.raises(ValueError, match=r"data\.folders: two folders share a name \(\['web', 'web'\]\)"):
+        PreparedDataModule([str(folders[0]), str(twin)]).setup("fit")
+    no_val = PreparedDataModule(str(twin), seq_len=16, batch_size=2)
+    no_val.setup("fit")
+    with pytest.raises(ValueError, match=r"data\.validation: the folders hold no validation window; prepare with"):
+        no_val.val_dataloader()
     with pytest.raises(ValueError, match=r"has no training window of seq_len \+ 1 = 100001 tokens"):
         dm = PreparedDataModule(str(folders[0]), seq_len=100000, batch_size=2)
         dm.setup("fit")
