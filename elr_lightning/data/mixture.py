@@ -102,19 +102,12 @@ class MixtureLoader(StepLoader):
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        super().__init__(batch_size, rank, world_size)
         self.streams = list(streams)
         self.names = list(names)
         self.fingerprints = list(fingerprints)
         self.seq_len = seq_len
-        self.batch_size = batch_size
         self.seed = seed
-        self.rank = rank
-        self.global_batch_size = batch_size * world_size
         self.schedule = MixtureSchedule(weights, self.global_batch_size)
         self.num_windows = [s.num_windows(seq_len) for s in self.streams]
         for name, n in zip(self.names, self.num_windows):

@@ -83,14 +83,31 @@ class StepLoader(ABC):
     checkpoint (its ``CombinedLoader`` calls ``state_dict`` on any loader that has one). Lightning
     does not fetch ahead from a loader that has ``__len__``, so at checkpoint time that number is
     exactly the number of batches trained on (checked in the tests with a real ``Trainer``).
+
+    Args:
+        batch_size: Windows per batch on this rank.
+        rank: This process' rank.
+        world_size: Number of processes sharing each global batch.
     """
 
     #: How the refusal of a foreign layout tells the user to fix it.
     LAYOUT_FIX = "use the same data.seed, data.batch_size x devices and corpus, or start a fresh run"
 
-    def __init__(self) -> None:
+    def __init__(self, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
         self.epoch = 0
         self.position = 0
+
+    @property
+    def global_batch_size(self) -> int:
+        """Windows per optimizer step over all ranks."""
+        return self.batch_size * self.world_size
 
     @abstractmethod
     def __len__(self) -> int:
@@ -165,23 +182,11 @@ class StepIndexedLoader(StepLoader):
     def __init__(
         self, windows: TokenWindows, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1
     ) -> None:
-        super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        super().__init__(batch_size, rank, world_size)
         self.windows = windows
-        self.batch_size = batch_size
         self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
         self._order_epoch: Optional[int] = None
         self._order = torch.empty(0, dtype=torch.int64)
-
-    @property
-    def global_batch_size(self) -> int:
-        """Windows per optimizer step over all ranks."""
-        return self.batch_size * self.world_size
 
     @override
     def __len__(self) -> int:
