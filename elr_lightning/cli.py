@@ -10,6 +10,7 @@ import torch
 
 from elr_lightning.ablate import main as ablate_main
 from elr_lightning.cost import main as cost_main
+from elr_lightning.data.prepare import prepare_command
 from elr_lightning.errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, report_errors
 from elr_lightning.generate_cli import generate_command
 from elr_lightning.hf.export import export_command, import_command
@@ -42,6 +43,7 @@ EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "export": export_command,
     "generate": generate_command,
     "import": import_command,
+    "prepare": prepare_command,
     "serve": serve_command,
 }
 

@@ -11,13 +11,14 @@ import zipfile
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
 from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
 from elr_lightning.checkpoint_io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
-from elr_lightning.data import TextDataModule, resolve_sources
+from elr_lightning.data import resolve_sources
 from elr_lightning.module import ARCH_FREE_FIELDS, ELRModule
 from elr_lightning.tokenizers import load_tokenizer
 
@@ -205,7 +206,7 @@ def make_cli(
         warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
         return cls(
             ELRModule,
-            TextDataModule,
+            LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
             seed_everything_default=0,

@@ -9,9 +9,19 @@ fixed order.
 Modules: :mod:`~elr_lightning.data.sources` (which files, which documents),
 :mod:`~elr_lightning.data.windows` (windows and the resumable loader) and
 :mod:`~elr_lightning.data.datamodule` (the token cache and the ``LightningDataModule``).
+
+At pretraining scale, ``elr prepare`` (:mod:`~elr_lightning.data.prepare`, reading through
+:mod:`~elr_lightning.data.readers`) tokenises a corpus in parallel into a prepared folder of
+shards, and :class:`PreparedDataModule` trains on one or a weighted mixture of such folders
+(:mod:`~elr_lightning.data.prepared`, :mod:`~elr_lightning.data.mixture`) with memory flat in
+corpus size.
 """
 
 from elr_lightning.data.datamodule import CACHE_FORMAT, TextDataModule, token_dtype
+from elr_lightning.data.mixture import MixtureLoader, MixtureSchedule
+from elr_lightning.data.prepare import prepare_corpus
+from elr_lightning.data.prepared import FeistelPermutation, PreparedFolder, TokenStream
+from elr_lightning.data.prepared_module import PreparedDataModule
 from elr_lightning.data.sources import (
     STDLIB_EXCLUDED_DIRS,
     TEXT_SUFFIXES,
@@ -19,18 +29,26 @@ from elr_lightning.data.sources import (
     iter_documents,
     resolve_sources,
 )
-from elr_lightning.data.windows import StepIndexedLoader, TokenWindows, epoch_seed
+from elr_lightning.data.windows import StepIndexedLoader, StepLoader, TokenWindows, epoch_seed
 
 __all__ = [
     "CACHE_FORMAT",
     "STDLIB_EXCLUDED_DIRS",
     "TEXT_SUFFIXES",
+    "FeistelPermutation",
+    "MixtureLoader",
+    "MixtureSchedule",
+    "PreparedDataModule",
+    "PreparedFolder",
     "StepIndexedLoader",
+    "StepLoader",
+    "TokenStream",
     "TextDataModule",
     "TokenWindows",
     "default_corpus_files",
     "epoch_seed",
     "iter_documents",
+    "prepare_corpus",
     "resolve_sources",
     "token_dtype",
 ]

@@ -6,12 +6,11 @@ import os
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
-import lightning.pytorch as pl
 import numpy as np
-import torch
 from torch.utils.data import DataLoader
 
 from elr_lightning.checkpoint_io import write_atomically
+from elr_lightning.data.base import TokenDataModule, document_separator
 from elr_lightning.data.sources import capped_documents, iter_documents, resolve_sources
 from elr_lightning.data.windows import StepIndexedLoader, TokenWindows
 from elr_lightning.tokenizers import Tokenizer, load_tokenizer
@@ -62,7 +61,7 @@ def file_signature(path: str) -> list[Any]:
     return [path, st.st_size, st.st_mtime_ns, digest.hexdigest()]
 
 
-class TextDataModule(pl.LightningDataModule):
+class TextDataModule(TokenDataModule):
     """Text corpus -> cached token shard -> fixed windows of ``seq_len + 1`` tokens.
 
     Every batch is a ``torch.LongTensor`` of shape ``[batch_size, seq_len + 1]``; the model uses
@@ -147,20 +146,9 @@ class TextDataModule(pl.LightningDataModule):
         self.val_windows: Optional[TokenWindows] = None
         self._train_loader: Optional[StepIndexedLoader] = None
 
-    @property
-    def vocab_size(self) -> int:
-        """Vocabulary size of the tokenizer."""
-        return self.tokenizer.vocab_size
-
-    @property
-    def token_bytes(self) -> torch.Tensor:
-        """UTF-8 bytes per token id, ``int64 [vocab_size]`` (for bits per byte)."""
-        return self.tokenizer.token_bytes()
-
     def separator(self) -> list[int]:
         """Ids placed between two documents: ``[eos_id]``, or the encoding of ``"\\n"``."""
-        eos = self.tokenizer.eos_id
-        return [eos] if eos is not None else self.tokenizer.encode("\n")
+        return document_separator(self.tokenizer)
 
     def cache_key(self, files: Sequence[str]) -> str:
         """Hash naming the shard of this tokenizer, these files (as they are now) and these options.
@@ -306,12 +294,6 @@ class TextDataModule(pl.LightningDataModule):
         self.val_windows = TokenWindows(self.tokens, self.seq_len, n_windows - n_val, n_windows)
         self._train_loader = None
 
-    def _rank_and_world_size(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 1
-        return trainer.global_rank, trainer.world_size
-
     def _require_setup(self) -> tuple[TokenWindows, TokenWindows]:
         if self.train_windows is None or self.val_windows is None:
             raise RuntimeError("TextDataModule.setup() must run before asking for a dataloader")
@@ -340,23 +322,14 @@ class TextDataModule(pl.LightningDataModule):
         return loader
 
     def val_dataloader(self) -> DataLoader:
-        """Validation windows in stream order, at most ``val_batches`` global batches.
-
-        A global batch is ``batch_size`` windows per device, as in training, so every rank runs at
-        most ``val_batches`` batches, and W devices at ``batch_size`` B / W validate the same windows
-        as one device at B. Under several devices the count is cut to a multiple of W, so that
-        Lightning's distributed sampler splits it without repeating windows.
+        """Validation windows in stream order, at most ``val_batches`` global batches
+        (:meth:`~elr_lightning.data.base.TokenDataModule.validation_count`).
 
         Returns:
             A plain ``DataLoader`` (Lightning adds a distributed sampler under DDP).
         """
         _, val = self._require_setup()
-        _, world_size = self._rank_and_world_size()
-        count = len(val)
-        if self.val_batches is not None:
-            count = min(count, self.val_batches * self.batch_size * world_size)
-        if count >= world_size:
-            count -= count % world_size
+        count = self.validation_count(len(val))
         val = TokenWindows(val.tokens, val.seq_len, val.start, val.start + count)
         return DataLoader(val, batch_size=self.batch_size, shuffle=False, drop_last=False)
 

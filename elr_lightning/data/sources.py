@@ -42,27 +42,31 @@ def default_corpus_files() -> list[str]:
     return sorted((os.path.abspath(p) for p in found), key=lambda p: os.path.relpath(p, root).split(os.sep))
 
 
-def _files_in_directory(root: str) -> list[str]:
-    """Text-like files under ``root``, recursively, hidden entries skipped, in sorted path order."""
+def _files_in_directory(root: str, suffixes: tuple[str, ...]) -> list[str]:
+    """Files under ``root`` ending in one of ``suffixes``, recursively, hidden entries skipped, sorted."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
         found.extend(
-            os.path.join(dirpath, f) for f in filenames if f.endswith(TEXT_SUFFIXES) and not f.startswith(".")
+            os.path.join(dirpath, f) for f in filenames if f.endswith(suffixes) and not f.startswith(".")
         )
     return sorted(found, key=lambda p: os.path.relpath(p, root).split(os.sep))
 
 
-def resolve_sources(sources: Optional[Union[Sequence[str], str]]) -> list[str]:
+def resolve_sources(
+    sources: Optional[Union[Sequence[str], str]], suffixes: tuple[str, ...] = TEXT_SUFFIXES, field: str = "data.sources"
+) -> list[str]:
     """Expand ``data.sources`` into an ordered list of files.
 
-    Each entry is a file, a directory (its :data:`TEXT_SUFFIXES` files, recursively, sorted) or a
+    Each entry is a file, a directory (its ``suffixes`` files, recursively, sorted) or a
     glob pattern (``**`` allowed; matches sorted). Order follows the entries; a file reached twice
     is kept at its first place.
 
     Args:
         sources: The entries (a single entry may be given as a string), or ``None`` for
             :func:`default_corpus_files`.
+        suffixes: File endings a directory contributes.
+        field: How errors name the option (``"data.sources"``, or a command's argument).
 
     Returns:
         Absolute file paths.
@@ -76,24 +80,24 @@ def resolve_sources(sources: Optional[Union[Sequence[str], str]]) -> list[str]:
     if isinstance(sources, str):
         sources = [sources]
     if len(sources) == 0:
-        raise ValueError("data.sources is an empty list; give files, directories or globs, or null for the stdlib")
+        raise ValueError(f"{field} is an empty list; give files, directories or globs, or null for the stdlib")
     files: list[str] = []
     for entry in sources:
         if any(c in _GLOB_CHARS for c in entry):
             matched = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
             if not matched:
-                raise ValueError(f"data.sources: pattern {entry!r} matches no files")
+                raise ValueError(f"{field}: pattern {entry!r} matches no files")
         elif os.path.isdir(entry):
-            matched = _files_in_directory(entry)
+            matched = _files_in_directory(entry, suffixes)
             if not matched:
                 raise ValueError(
-                    f"data.sources: directory {entry!r} holds no {'/'.join(TEXT_SUFFIXES)} files; "
+                    f"{field}: directory {entry!r} holds no {'/'.join(suffixes)} files; "
                     "list its files or a glob instead"
                 )
         elif os.path.isfile(entry):
             matched = [entry]
         else:
-            raise FileNotFoundError(f"data.sources: {entry!r} does not exist; fix the path or remove it from the list")
+            raise FileNotFoundError(f"{field}: {entry!r} does not exist; fix the path or remove it from the list")
         files.extend(os.path.abspath(p) for p in matched)
     return list(dict.fromkeys(files))
 
@@ -143,24 +147,40 @@ def iter_documents(files: Sequence[str], text_field: str = "text") -> Iterator[s
             yield text
             continue
         for lineno, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"data.sources: {path}:{lineno} is not valid JSON ({err.msg})") from err
-            if not isinstance(record, dict) or text_field not in record:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(
-                    f"data.text_field: record at {path}:{lineno} has no {text_field!r} field "
-                    f"(found {keys}); set data.text_field to the key holding the text"
-                )
-            value = record[text_field]
-            if not isinstance(value, str):
-                raise ValueError(
-                    f"data.text_field: {text_field!r} at {path}:{lineno} is a {type(value).__name__}, not a string"
-                )
-            yield value
+            if line.strip():
+                yield record_text(line, path, lineno, text_field)
+
+
+def record_text(
+    line: str, path: str, lineno: int, text_field: str, field: str = "data.text_field", sources: str = "data.sources"
+) -> str:
+    """The text of one ``.jsonl`` line, refusing a line that is not a JSON object with a string ``text_field``.
+
+    Args:
+        line: The line (not blank).
+        path: Its file, for the error.
+        lineno: Its 1-based line number, for the error.
+        text_field: Key holding the text.
+        field: How errors name the option holding ``text_field``.
+        sources: How errors name the option listing the files.
+
+    Raises:
+        ValueError: The line is not JSON, or lacks a string ``text_field``.
+    """
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{sources}: {path}:{lineno} is not valid JSON ({err.msg})") from err
+    if not isinstance(record, dict) or text_field not in record:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(
+            f"{field}: record at {path}:{lineno} has no {text_field!r} field "
+            f"(found {keys}); set {field} to the key holding the text"
+        )
+    value = record[text_field]
+    if not isinstance(value, str):
+        raise ValueError(f"{field}: {text_field!r} at {path}:{lineno} is a {type(value).__name__}, not a string")
+    return value
 
 
 def capped_documents(documents: Iterator[str], max_bytes: Optional[int]) -> Iterator[str]:

@@ -1,12 +1,14 @@
 """Fixed windows over a token stream, and the step-indexed training loader that resumes exactly."""
 
 import hashlib
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from typing_extensions import override
 
 class TokenWindows(Dataset):
     """Windows of ``seq_len + 1`` consecutive tokens over a token array.
@@ -67,14 +69,13 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-class StepIndexedLoader:
-    """Training batches as a pure function of (seed, epoch, position): resumes exactly.
+class StepLoader(ABC):
+    """A resumable training loader: batch ``p`` of epoch ``e`` is a pure function of its position.
 
-    Epoch ``e`` visits the windows in the order of ``torch.randperm`` seeded with
-    :func:`epoch_seed` ``(seed, e)``. Global batch ``p`` of the epoch is the ``batch_size *
-    world_size`` consecutive windows of that permutation starting at ``p * batch_size *
-    world_size``; rank ``r`` takes its slice ``[r * batch_size, (r + 1) * batch_size)``. The last
-    incomplete global batch is dropped.
+    Contract for implementations: :meth:`batch_at` returns this rank's batch at ``(epoch,
+    position)`` without any other state, ``__len__`` is the number of batches per epoch (greater
+    than 0), and :meth:`layout` names everything a saved position depends on, so that a resume
+    under another layout is refused instead of silently reading other data.
 
     The loader is a cursor over an endless sequence of epochs. Iterating yields the remaining
     batches of the current epoch; iterating again once the epoch is exhausted starts the next one.
@@ -82,6 +83,93 @@ class StepIndexedLoader:
     checkpoint (its ``CombinedLoader`` calls ``state_dict`` on any loader that has one). Lightning
     does not fetch ahead from a loader that has ``__len__``, so at checkpoint time that number is
     exactly the number of batches trained on (checked in the tests with a real ``Trainer``).
+
+    Args:
+        batch_size: Windows per batch on this rank.
+        rank: This process' rank.
+        world_size: Number of processes sharing each global batch.
+    """
+
+    #: How the refusal of a foreign layout tells the user to fix it.
+    LAYOUT_FIX = "use the same data.seed, data.batch_size x devices and corpus, or start a fresh run"
+
+    def __init__(self, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.position = 0
+
+    @property
+    def global_batch_size(self) -> int:
+        """Windows per optimizer step over all ranks."""
+        return self.batch_size * self.world_size
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+
+    @abstractmethod
+    def batch_at(self, epoch: int, position: int) -> torch.Tensor:
+        """This rank's batch at ``position`` of ``epoch``, without moving the cursor."""
+
+    @abstractmethod
+    def layout(self) -> dict[str, Any]:
+        """What a saved position refers to (seed, global batch size, data identity)."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        """Yield the rest of the current epoch, or all of the next one if the current is exhausted."""
+        return self._generate()
+
+    def _generate(self) -> Iterator[torch.Tensor]:
+        if self.position >= len(self):
+            self.epoch += 1
+            self.position = 0
+        while self.position < len(self):
+            batch = self.batch_at(self.epoch, self.position)
+            self.position += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor and the layout it is valid for.
+
+        Returns:
+            ``epoch`` and ``position`` (batches of that epoch already yielded), plus :meth:`layout`.
+        """
+        return {"epoch": self.epoch, "position": self.position, **self.layout()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Move the cursor to a saved state; the next batch yielded is the first one not yet trained.
+
+        Args:
+            state_dict: Output of :meth:`state_dict`.
+
+        Raises:
+            ValueError: The state was saved under another :meth:`layout`, so the saved position
+                would name different data.
+        """
+        for key, mine in self.layout().items():
+            if state_dict.get(key) != mine:
+                raise ValueError(
+                    f"cannot resume the data order exactly: checkpoint has {key}={state_dict.get(key)}, this run has "
+                    f"{mine}; {self.LAYOUT_FIX}"
+                )
+        self.epoch = int(state_dict["epoch"])
+        self.position = int(state_dict["position"])
+
+
+class StepIndexedLoader(StepLoader):
+    """Training batches as a pure function of (seed, epoch, position): resumes exactly.
+
+    Epoch ``e`` visits the windows in the order of ``torch.randperm`` seeded with
+    :func:`epoch_seed` ``(seed, e)``. Global batch ``p`` of the epoch is the ``batch_size *
+    world_size`` consecutive windows of that permutation starting at ``p * batch_size *
+    world_size``; rank ``r`` takes its slice ``[r * batch_size, (r + 1) * batch_size)``. The last
+    incomplete global batch is dropped.
 
     Args:
         windows: The training windows.
@@ -94,25 +182,13 @@ class StepIndexedLoader:
     def __init__(
         self, windows: TokenWindows, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        super().__init__(batch_size, rank, world_size)
         self.windows = windows
-        self.batch_size = batch_size
         self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.epoch = 0
-        self.position = 0
         self._order_epoch: Optional[int] = None
         self._order = torch.empty(0, dtype=torch.int64)
 
-    @property
-    def global_batch_size(self) -> int:
-        """Windows per optimizer step over all ranks."""
-        return self.batch_size * self.world_size
-
+    @override
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
         return len(self.windows) // self.global_batch_size
@@ -124,6 +200,7 @@ class StepIndexedLoader:
             self._order_epoch = epoch
         return self._order
 
+    @override
     def batch_at(self, epoch: int, position: int) -> torch.Tensor:
         """This rank's batch at ``position`` of ``epoch``, without moving the cursor.
 
@@ -139,53 +216,7 @@ class StepIndexedLoader:
         first = position * self.global_batch_size + self.rank * self.batch_size
         return self.windows.batch(self._permutation(epoch)[first : first + self.batch_size].tolist())
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        """Yield the rest of the current epoch, or all of the next one if the current is exhausted."""
-        return self._generate()
-
-    def _generate(self) -> Iterator[torch.Tensor]:
-        if self.position >= len(self):
-            self.epoch += 1
-            self.position = 0
-        while self.position < len(self):
-            batch = self.batch_at(self.epoch, self.position)
-            self.position += 1
-            yield batch
-
-    def state_dict(self) -> dict[str, int]:
-        """The cursor and the layout it is valid for.
-
-        Returns:
-            ``epoch`` and ``position`` (batches of that epoch already yielded), plus ``seed``,
-            ``global_batch_size`` and ``num_windows`` to detect a resume under a different setup.
-        """
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "seed": self.seed,
-            "global_batch_size": self.global_batch_size,
-            "num_windows": len(self.windows),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Move the cursor to a saved state; the next batch yielded is the first one not yet trained.
-
-        Args:
-            state_dict: Output of :meth:`state_dict`.
-
-        Raises:
-            ValueError: The state was saved with another seed, global batch size or set of windows,
-                so the saved position would name different data.
-        """
-        for key, mine in (
-            ("seed", self.seed),
-            ("global_batch_size", self.global_batch_size),
-            ("num_windows", len(self.windows)),
-        ):
-            if state_dict[key] != mine:
-                raise ValueError(
-                    f"cannot resume the data order exactly: checkpoint has {key}={state_dict[key]}, this run has "
-                    f"{mine}; use the same data.seed, data.batch_size x devices and corpus, or start a fresh run"
-                )
-        self.epoch = int(state_dict["epoch"])
-        self.position = int(state_dict["position"])
+    @override
+    def layout(self) -> dict[str, Any]:
+        """``seed``, ``global_batch_size`` and ``num_windows``."""
+        return {"seed": self.seed, "global_batch_size": self.global_batch_size, "num_windows": len(self.windows)}

@@ -1,0 +1,326 @@
+"""Pretraining-scale data: tokenisation throughput, loader memory against corpus size, loader speed.
+
+Three measurements, each against a baseline taken in the same run:
+
+* **Tokenisation MB/s** of ``elr prepare`` (:func:`~elr_lightning.data.prepare.prepare_corpus`) at 1 and
+  2 workers, against ``datasets.Dataset.map(batched=True, num_proc=W)`` reading and tokenising the
+  same files with the same tokenizer (a byte-level BPE trained here on part of the corpus), in
+  ``--repeats`` interleaved rounds; the ratio is the median of the rounds' ratios. The corpus is
+  the first ``--mb`` MB of the standard library's sources. ``datasets`` comes with the ``eval``
+  extra. Target: within 10% of the reference at the same worker count.
+* **Loader RSS** of a rank drawing ``--batches`` training batches from a synthetic prepared folder
+  of 10M tokens and of ``--big_tokens`` (2B by default) tokens, written directly as ``uint16``
+  shards without tokenising (deleted afterwards). Each set is read in a fresh process; the table
+  gives the resident set after the batches (``VmRSS``; ``RssAnon`` is the part that is not file
+  pages of the memory-mapped shards). Target: within 10% of each other.
+* **Loader tokens/s** in steady state, on one core, at the quickstart's batch shape, against the
+  quickstart model's training tokens/s (``config/quickstart.yaml``, fp32, one thread). Target: at
+  least 20x.
+
+    OMP_NUM_THREADS=1 python bench/data.py                       # writes bench/results/data.json
+    OMP_NUM_THREADS=1 python bench/data.py --mb 4 --big_tokens 200000000   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def corpus_files(megabytes: float) -> list[str]:
+    """The first ``megabytes`` MB of the standard library's sources, in a fixed order."""
+    from elr_lightning.data import default_corpus_files
+
+    files, total = [], 0
+    for path in default_corpus_files():
+        files.append(path)
+        total += os.path.getsize(path)
+        if total >= megabytes * 1e6:
+            break
+    return files
+
+
+def train_tokenizer(files: list[str], path: str) -> None:
+    """A byte-level BPE of 4096 ids with ``<|endoftext|>``, trained on the first 2 MB of ``files``."""
+    import tokenizers as hf
+
+    tok = hf.Tokenizer(hf.models.BPE())
+    tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = hf.decoders.ByteLevel()
+    trainer = hf.trainers.BpeTrainer(
+        vocab_size=4096,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts, total = [], 0
+    for p in files:
+        texts.append(open(p, encoding="utf-8").read())
+        total += len(texts[-1])
+        if total > 2e6:
+            break
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(path)
+
+
+def _read_and_encode(batch: dict[str, list[str]], tokenizer: str) -> dict[str, list[Any]]:
+    from elr_lightning.data.prepare import _tokenizer
+
+    tok = _tokenizer(tokenizer)
+    return {"ids": [tok.encode(open(p, encoding="utf-8").read()) for p in batch["path"]]}
+
+
+def _timed(run: Any) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (this process and its finished children) of ``run()``."""
+    def cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    wall, used = time.perf_counter(), cpu()
+    run()
+    return time.perf_counter() - wall, cpu() - used
+
+
+def tokenisation(files: list[str], tokenizer: str, workers: int, work: str, round_: int) -> dict[str, float]:
+    """MB/s (wall and per CPU second) of ``elr prepare`` and of the ``datasets.map`` reference, at ``workers``."""
+    import datasets
+
+    from elr_lightning.data import prepare_corpus
+
+    datasets.disable_progress_bars()
+    megabytes = sum(os.path.getsize(p) for p in files) / 1e6
+    out = os.path.join(work, f"prep{workers}-{round_}")
+    ours = _timed(lambda: prepare_corpus(files, out, tokenizer, workers, shard_bytes=1 << 19, progress=False))
+    shutil.rmtree(out)
+
+    def reference() -> None:
+        datasets.Dataset.from_dict({"path": files}).map(
+            _read_and_encode,
+            batched=True,
+            batch_size=16,
+            num_proc=workers if workers > 1 else None,
+            fn_kwargs={"tokenizer": tokenizer},
+            remove_columns=["path"],
+            cache_file_name=os.path.join(work, f"map{workers}-{round_}.arrow"),
+        )
+
+    theirs = _timed(reference)
+    return {
+        "mb": megabytes,
+        "ours_mb_s": megabytes / ours[0],
+        "reference_mb_s": megabytes / theirs[0],
+        "ours_mb_per_cpu_s": megabytes / ours[1],
+        "reference_mb_per_cpu_s": megabytes / theirs[1],
+    }
+
+
+def write_synthetic(folder: str, tokens: int, shard_tokens: int = 1 << 28) -> None:
+    """A prepared folder of ``tokens`` pseudo-random ``uint16`` ids (vocabulary 50257), no validation split.
+
+    Written as :mod:`elr_lightning.data.prepare` lays folders out, one 1M-token random block
+    repeated, so the folder takes seconds to write.
+    """
+    from elr_lightning.data.prepare import PREPARED_FORMAT, shard_paths
+    from elr_lightning.tokenizers import ByteTokenizer
+
+    os.makedirs(os.path.join(folder, "shards"))
+    block = np.random.default_rng(0).integers(0, 50257, 1 << 20, dtype=np.uint16)
+    shards, left = [], tokens
+    while left:
+        n = min(left, shard_tokens)
+        paths = shard_paths(folder, len(shards))
+        with open(paths["train"], "wb") as f:
+            for a in range(0, n, len(block)):
+                f.write(block[: min(len(block), n - a)].tobytes())
+        open(paths["val"], "wb").close()
+        shards.append({"index": len(shards), "input_bytes": 2 * n, "train_tokens": n, "val_tokens": 0})
+        shards[-1].update(train_documents=1, val_documents=0)
+        left -= n
+    index = {
+        "format": PREPARED_FORMAT,
+        # the byte tokenizer's fingerprint: the loader checks it, and reads ids as the index's dtype says
+        "tokenizer_fingerprint": ByteTokenizer().fingerprint(),
+        "vocab_size": 50257,
+        "dtype": "uint16",
+        "separator": [50256],
+        "text_field": "text",
+        "val_fraction": 0.0,
+        "shards": shards,
+        "train_tokens": tokens,
+        "val_tokens": 0,
+    }
+    with open(os.path.join(folder, "index.json"), "w") as f:
+        json.dump(index, f)
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def loader_worker(folder: str, batches: int, batch_size: int, seq_len: int) -> dict[str, float]:
+    """In this process: draw ``batches`` batches (after 20 of warm-up) and report RSS and tokens/s."""
+    import torch
+
+    from elr_lightning.data import PreparedDataModule
+
+    torch.set_num_threads(1)
+    before = _status_kb("VmRSS")
+    dm = PreparedDataModule(folder, seq_len=seq_len, batch_size=batch_size)
+    dm.setup("fit")
+    loader = iter(dm.train_dataloader())
+    for _ in range(20):
+        next(loader)
+    start = time.perf_counter()
+    cpu = time.process_time()
+    for _ in range(batches):
+        next(loader)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {
+        "rss_before_mb": before / 1024,
+        "rss_mb": _status_kb("VmRSS") / 1024,
+        "rss_anon_mb": _status_kb("RssAnon") / 1024,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "tokens_per_s": batches * batch_size * seq_len / wall,
+        "tokens_per_cpu_s": batches * batch_size * seq_len / cpu,
+    }
+
+
+def quickstart_tokens_per_s(steps: int) -> float:
+    """Training tokens/s of the quickstart model and batch (fp32, one thread), after 3 warm-up steps."""
+    import lightning.pytorch as pl
+    import torch
+    import yaml
+    from jsonargparse import ArgumentParser
+
+    from elr_lightning import ELRModule
+    from elr_lightning.data import TextDataModule
+
+    torch.set_num_threads(1)
+    with open(os.path.join(ROOT, "config", "quickstart.yaml")) as f:
+        config = yaml.safe_load(f)
+    parser = ArgumentParser()
+    parser.add_subclass_arguments(ELRModule, "model")
+    module = parser.instantiate_classes(parser.parse_object({"model": config["model"]})).model
+    data_args = config["data"]["init_args"]
+    times: list[float] = []
+
+    class Clock(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            times.append(time.perf_counter())
+
+    trainer = pl.Trainer(
+        max_steps=steps + 4,
+        accelerator="cpu",
+        precision=32,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[Clock()],
+    )
+    with tempfile.TemporaryDirectory() as cache:
+        data = TextDataModule(
+            seq_len=data_args["seq_len"], batch_size=data_args["batch_size"], max_bytes=2_000_000, cache_dir=cache
+        )
+        trainer.fit(module, data)
+    return steps * data_args["batch_size"] * data_args["seq_len"] / (times[-1] - times[3])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=float, default=16.0, help="MB of stdlib sources to tokenise")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved tokenisation rounds")
+    parser.add_argument("--small_tokens", type=int, default=10_000_000)
+    parser.add_argument("--big_tokens", type=int, default=2_000_000_000)
+    parser.add_argument("--batches", type=int, default=2000, help="batches each loader process draws")
+    parser.add_argument("--train_steps", type=int, default=12, help="timed quickstart training steps")
+    parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "data.json"))
+    parser.add_argument("--loader_worker", nargs=4, metavar=("FOLDER", "BATCHES", "BATCH", "SEQ"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.loader_worker:
+        folder, batches, batch, seq = args.loader_worker
+        print(json.dumps(loader_worker(folder, int(batches), int(batch), int(seq))))
+        return
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    work = args.work or tempfile.mkdtemp(prefix="elr-bench-data-")
+    results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "loader_worker"}}
+    try:
+        files = corpus_files(args.mb)
+        tokenizer = os.path.join(work, "bpe.json")
+        train_tokenizer(files, tokenizer)
+        rounds = [{w: tokenisation(files, tokenizer, w, work, r) for w in (1, 2)} for r in range(args.repeats)]
+        results["tokenisation"] = {w: [r[w] for r in rounds] for w in (1, 2)}
+        with open(os.path.join(ROOT, "config", "quickstart.yaml")) as f:
+            import yaml
+
+            shape = yaml.safe_load(f)["data"]["init_args"]
+        results["loader"] = {}
+        for name, tokens in (("small", args.small_tokens), ("big", args.big_tokens)):
+            folder = os.path.join(work, name)
+            write_synthetic(folder, tokens)
+            out = subprocess.run(
+                [sys.executable, __file__, "--loader_worker", folder, str(args.batches), str(shape["batch_size"]), str(shape["seq_len"])],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            results["loader"][name] = {"tokens": tokens, **json.loads(out.strip().splitlines()[-1])}
+            shutil.rmtree(folder)
+        results["quickstart_train_tokens_per_s"] = quickstart_tokens_per_s(args.train_steps)
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    report(results)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def report(results: dict[str, Any]) -> None:
+    """Print the three tables with their ratios and targets."""
+    print("| workers | MB | elr prepare MB/s | datasets.map MB/s | ratio, median (range) of rounds | ratio per CPU s |")
+    print("|---|---|---|---|---|---|")
+    for w, rounds in results["tokenisation"].items():
+        ratios = sorted(r["ours_mb_s"] / r["reference_mb_s"] for r in rounds)
+        cpu = statistics.median(r["ours_mb_per_cpu_s"] / r["reference_mb_per_cpu_s"] for r in rounds)
+        ours = statistics.median(r["ours_mb_s"] for r in rounds)
+        theirs = statistics.median(r["reference_mb_s"] for r in rounds)
+        print(
+            f"| {w} | {rounds[0]['mb']:.1f} | {ours:.2f} | {theirs:.2f} | {statistics.median(ratios):.2f} "
+            f"({ratios[0]:.2f}-{ratios[-1]:.2f}) | {cpu:.2f} |"
+        )
+    print("target: ratio >= 0.9")
+    small, big = results["loader"]["small"], results["loader"]["big"]
+    print("\n| prepared set | tokens | RSS MB | RssAnon MB | peak RSS MB |")
+    print("|---|---|---|---|---|")
+    for name, r in (("small", small), ("big", big)):
+        print(f"| {name} | {r['tokens']:.3g} | {r['rss_mb']:.1f} | {r['rss_anon_mb']:.1f} | {r['peak_rss_mb']:.1f} |")
+    print(f"big / small RSS: {big['rss_mb'] / small['rss_mb']:.3f} (target within 1.10)")
+    train = results["quickstart_train_tokens_per_s"]
+    loader = big["tokens_per_s"]
+    print(f"\nloader tokens/s (big set, one thread, wall): {loader:,.0f}; per CPU second {big['tokens_per_cpu_s']:,.0f}")
+    print(f"quickstart training tokens/s (one thread, wall): {train:,.0f}; ratio {loader / train:.1f}x (target >= 20x)")
+
+
+if __name__ == "__main__":
+    main()
