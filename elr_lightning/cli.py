@@ -13,6 +13,7 @@ from elr_lightning.cost import main as cost_main
 from elr_lightning.errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, report_errors
 from elr_lightning.generate_cli import generate_command
 from elr_lightning.hf.export import export_command, import_command
+from elr_lightning.hf.retrofit import retrofit_command
 from elr_lightning.lightning_cli import ELRCLI, make_cli
 from elr_lightning.serve.command import serve_command
 
@@ -42,6 +43,7 @@ EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "export": export_command,
     "generate": generate_command,
     "import": import_command,
+    "retrofit": retrofit_command,
     "serve": serve_command,
 }
 
