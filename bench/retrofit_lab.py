@@ -15,6 +15,7 @@ with a byte-level BPE trained on it. The windows, split and order are those of
     python bench/retrofit_lab.py arm      --out DIR --name c --steps 227 --scratch --lr 3e-3   # arm (c)
     elr fit --config DIR/b.yaml; elr fit --config DIR/c.yaml
     python bench/retrofit_lab.py table    --out DIR
+    python bench/retrofit_lab.py probe    --out DIR --ckpt DIR/retrofit/retrofit.ckpt   # loss at k = 1..3
 
 ``flat`` writes ``DIR/flat_s<seed>.json``; the ``elr fit`` arms log ``val/loss_k{k}`` to
 ``DIR/logs/<name>``. Equal compute: an ELR step costs ``(1 - rho) + rho D_eff(k_bar) / D_eff(1)``
@@ -30,6 +31,7 @@ import os
 import sysconfig
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +93,11 @@ def train(model: torch.nn.Module, dm: TextDataModule, steps: int, lr: float, war
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / warmup if s < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
     )
-    loader = iter(dm.train_dataloader())
+    def batches():
+        while True:  # epochs in the data module's order, as Lightning runs them
+            yield from dm.train_dataloader()
+
+    loader = batches()
     for _ in range(skip):
         next(loader)
     losses = []
@@ -107,7 +113,7 @@ def train(model: torch.nn.Module, dm: TextDataModule, steps: int, lr: float, war
     return losses
 
 
-def arm(out: Path, name: str, steps: int, scratch: bool, lr: float, seed: int) -> None:
+def arm(out: Path, name: str, steps: int, scratch: bool, lr: float, seed: int, switch: Optional[float]) -> None:
     """``DIR/<name>.yaml``: the retrofit's YAML on the lab's data, for ``steps``, from scratch without ``init_from``."""
     import yaml
 
@@ -122,12 +128,32 @@ def arm(out: Path, name: str, steps: int, scratch: bool, lr: float, seed: int) -
     callbacks[0]["init_args"]["dirpath"] = str(out / "runs" / name)
     if scratch:
         callbacks[1]["init_args"].pop("init_from")
+    if switch is not None:
+        callbacks[1]["init_args"]["switch_fraction"] = switch
     fit["model"]["init_args"]["lr"] = lr
     fit["data"]["init_args"].update(
         sources=str(out / "corpus"), tokenizer=str(out / "tokenizer.json"), seq_len=SEQ, batch_size=BATCH,
         val_fraction=0.05, cache_dir=str(out / "cache"), val_batches=16,
     )
     (out / f"{name}.yaml").write_text(yaml.safe_dump(fit, sort_keys=False))
+
+
+@torch.no_grad()
+def probe(out: Path, ckpt: str, loops: int) -> None:
+    """Validation loss of an ELR checkpoint at k = 1..``loops`` (e.g. the retrofit before any training)."""
+    from elr_lightning.generation import load_model
+
+    model, _ = load_model(ckpt)
+    dm = datamodule(out)
+    losses = {}
+    for k in range(1, loops + 1):
+        total, n = 0.0, 0
+        for batch in dm.val_dataloader():
+            logits = model(batch[:, :-1], loops=k)
+            total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+            n += batch[:, 1:].numel()
+        losses[k] = total / n
+    print(json.dumps({"ckpt": ckpt, "val_loss": losses}))
 
 
 def table(out: Path) -> None:
@@ -159,9 +185,11 @@ def table(out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=("corpus", "pretrain", "flat", "arm", "table"))
+    parser.add_argument("command", choices=("corpus", "pretrain", "flat", "arm", "table", "probe"))
+    parser.add_argument("--ckpt", default="", help="probe: the checkpoint")
     parser.add_argument("--name", default="b")
     parser.add_argument("--scratch", action="store_true")
+    parser.add_argument("--switch", type=float, default=None, help="arm: the switch fraction (default: the YAML's)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -175,12 +203,15 @@ def main() -> None:
         if args.command == "corpus":
             corpus(args.out)
         elif args.command == "arm":
-            arm(args.out, args.name, args.steps, args.scratch, args.lr, args.seed)
+            arm(args.out, args.name, args.steps, args.scratch, args.lr, args.seed, args.switch)
         else:
             table(args.out)
         return
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if args.command == "probe":
+        probe(args.out, args.ckpt, 3)
+        return
     dm = datamodule(args.out)
     start = time.time()
     if args.command == "pretrain":
@@ -202,7 +233,7 @@ def main() -> None:
         "command": args.command, "steps": args.steps, "lr": args.lr, "seed": args.seed, "val_loss": val_loss(model, dm),
         "train_loss_last50": sum(losses[-50:]) / 50, "seconds": time.time() - start,
     }
-    (args.out / f"{args.command}_s{args.seed}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"{args.command}_s{args.seed}_lr{args.lr:g}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
 
