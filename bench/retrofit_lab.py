@@ -8,16 +8,17 @@ with a byte-level BPE trained on it. The windows, split and order are those of
 :class:`~elr_lightning.data.TextDataModule`, so ``elr fit`` arms see the same data.
 
     python bench/retrofit_lab.py corpus   --out DIR               # DIR/corpus/*.txt, DIR/tokenizer.json
-    python bench/retrofit_lab.py pretrain --out DIR --steps 1500  # DIR/standin (a Hugging Face folder)
-    python bench/retrofit_lab.py flat     --out DIR --steps 300 --lr 3e-4 --warmup 15   # arm (a)
+    python bench/retrofit_lab.py pretrain --out DIR --steps 320 --warmup 30   # DIR/standin (a Hugging Face folder)
+    python bench/retrofit_lab.py flat     --out DIR --steps 150 --lr 3e-4 --warmup 8   # arm (a)
     elr retrofit --hf DIR/standin --out DIR/retrofit --max_loops 3
-    python bench/retrofit_lab.py arm      --out DIR --name b --steps 227     # arm (b): DIR/b.yaml
-    python bench/retrofit_lab.py arm      --out DIR --name c --steps 227 --scratch --lr 3e-3   # arm (c)
-    elr fit --config DIR/b.yaml; elr fit --config DIR/c.yaml
+    python bench/retrofit_lab.py arm      --out DIR --name b --steps 114 --lr 3e-4     # arm (b): DIR/b.yaml
+    python bench/retrofit_lab.py arm      --out DIR --name b0 --steps 106 --lr 3e-4 --switch 0
+    python bench/retrofit_lab.py arm      --out DIR --name c --steps 114 --scratch --lr 3e-3   # arm (c)
+    elr fit --config DIR/b.yaml; elr fit --config DIR/b0.yaml; elr fit --config DIR/c.yaml
     python bench/retrofit_lab.py table    --out DIR
     python bench/retrofit_lab.py probe    --out DIR --ckpt DIR/retrofit/retrofit.ckpt   # loss at k = 1..3
 
-``flat`` writes ``DIR/flat_s<seed>.json``; the ``elr fit`` arms log ``val/loss_k{k}`` to
+``pretrain`` and ``flat`` write ``DIR/<command>_s<seed>_lr<lr>.json``; the ``elr fit`` arms log ``val/loss_k{k}`` to
 ``DIR/logs/<name>``. Equal compute: an ELR step costs ``(1 - rho) + rho D_eff(k_bar) / D_eff(1)``
 flat steps (eq. 5), rho the mixed share of steps and k_bar the sampler's mean k (eq. 3).
 """

@@ -34,7 +34,10 @@ _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalL
 
 
 def _frequencies(hd: int, base: float, scaling: Optional[dict], device: torch.device) -> Tensor:
-    """RoPE frequencies ``base^(-2j / hd)``; with Llama 3 ``scaling``, long wavelengths divided by its factor."""
+    """RoPE frequencies ``base^(-2j / hd)``; with Llama 3 ``scaling``, long wavelengths divided by its factor.
+
+    ``elr_lightning.mixers.attention.rope_frequencies``, repeated: this file imports only torch and transformers.
+    """
     inv = 1.0 / base ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
     if scaling is None:
         return inv
