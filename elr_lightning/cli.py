@@ -14,6 +14,7 @@ from elr_lightning.data.prepare import prepare_command
 from elr_lightning.errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, report_errors
 from elr_lightning.generate_cli import generate_command
 from elr_lightning.hf.export import export_command, import_command
+from elr_lightning.hf.retrofit import retrofit_command
 from elr_lightning.lightning_cli import ELRCLI, make_cli
 from elr_lightning.serve.command import serve_command
 
@@ -44,6 +45,7 @@ EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "generate": generate_command,
     "import": import_command,
     "prepare": prepare_command,
+    "retrofit": retrofit_command,
     "serve": serve_command,
 }
 

@@ -20,6 +20,38 @@ BUILTIN_MIXERS: dict[str, str] = {
 #: variant of C that replays loop 1's experts but recomputes the gate weights at every loop.
 ROUTE_REPLAY = ("dynamic", "replay_inference", "replay", "replay_experts")
 
+#: Keys of Llama 3's RoPE frequency scaling (``arch.rope_scaling`` with ``rope_type: llama3``).
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(scaling: Optional[dict[str, Any]]) -> None:
+    """Refuse an ``arch.rope_scaling`` other than ``None`` or Llama 3's (every key a positive number).
+
+    Raises:
+        ValueError: naming ``arch.rope_scaling`` and what it must hold.
+    """
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
+        raise ValueError(
+            f"arch.rope_scaling={scaling!r}: only rope_type llama3 is implemented; give "
+            f"{{rope_type: llama3, {', '.join(LLAMA3_ROPE_KEYS)}}} or null"
+        )
+    bad = [
+        key for key in LLAMA3_ROPE_KEYS
+        if isinstance(scaling.get(key), bool) or not isinstance(scaling.get(key), (int, float)) or not scaling[key] > 0
+    ]
+    extra = sorted(set(scaling) - {"rope_type", *LLAMA3_ROPE_KEYS})
+    if bad or extra:
+        raise ValueError(
+            f"arch.rope_scaling={scaling!r}: "
+            + (f"{bad} must be positive numbers" if bad else f"unknown keys {extra}")
+            + f"; llama3 scaling takes {list(LLAMA3_ROPE_KEYS)}"
+        )
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError(f"arch.rope_scaling={scaling!r}: high_freq_factor must exceed low_freq_factor")
+
+
 #: The three blocks of a looped LM, in stack order.
 BLOCKS = ("in", "rec", "out")
 
@@ -56,6 +88,12 @@ class ModelConfig:
             ``{in: [...], rec: [...], out: [...]}`` gives each block its own pattern (a block left
             out uses ``[attention]``).
         channel_pattern: Channel mixer of each layer, as ``token_pattern`` (default ``[swiglu]``).
+        head_size: Width of one attention head; ``None`` means ``d_model / n_heads``. Set it for models
+            whose heads are wider or narrower than that (Qwen3: 16 heads of 128 at d = 1024).
+        rope_scaling: RoPE frequency scaling, ``None`` for none, or Llama 3's
+            ``{rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}``.
+        qk_norm: RMSNorm each query and key head before RoPE (Qwen3).
+        qkv_bias: Biases on the query, key and value projections (Qwen2).
         mixers: Named mixers the patterns may use besides (or instead of) the built-in
             ``attention``, ``gdp`` and ``swiglu``: ``{name: class_path}`` or
             ``{name: {class_path: ..., init_args: {...}}}``. A pattern entry may also be a class
@@ -85,6 +123,10 @@ class ModelConfig:
     channel_pattern: Union[list[str], dict[str, list[str]]] = field(default_factory=lambda: ["swiglu"])
     mixers: dict[str, Union[str, dict[str, Any]]] = field(default_factory=dict)
     route_replay: Optional[str] = None
+    head_size: Optional[int] = None
+    rope_scaling: Optional[dict[str, Any]] = None
+    qk_norm: bool = False
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         def integer(name: str, minimum: int, why: str = "") -> None:
@@ -102,15 +144,19 @@ class ModelConfig:
             integer("n_kv_heads", 1, " dividing arch.n_heads, or null for arch.n_heads")
         if self.d_ff is not None:
             integer("d_ff", 1, " (or null for the 8/3 d default)")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"arch.tie_embeddings={self.tie_embeddings!r} must be true or false")
+        if self.head_size is not None:
+            integer("head_size", 2, " (the width of one attention head), or null for d_model / n_heads")
+        for name in ("tie_embeddings", "qk_norm", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"arch.{name}={getattr(self, name)!r} must be true or false")
+        check_rope_scaling(self.rope_scaling)
         for name in ("init_std", "norm_eps", "rope_base"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"arch.{name}={value!r} must be a finite number")
             if value <= (1 if name == "rope_base" else 0):
                 raise ValueError(f"arch.{name}={value!r} must be > {1 if name == 'rope_base' else 0}")
-        if self.d_model % self.n_heads:
+        if self.head_size is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"arch.d_model={self.d_model} is not divisible by arch.n_heads={self.n_heads}; "
                 "pick d_model as a multiple of n_heads"
@@ -119,6 +165,8 @@ class ModelConfig:
             raise ValueError(
                 f"arch.d_model / arch.n_heads = {self.head_dim} must be even for rotary embeddings; "
                 "pick d_model as a multiple of 2 * n_heads"
+                if self.head_size is None
+                else f"arch.head_size={self.head_size} must be even for rotary embeddings"
             )
         kv = self.kv_heads
         if kv < 1 or self.n_heads % kv:
@@ -248,8 +296,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.d_model // self.n_heads
+        """Width of one attention head: ``head_size``, else ``d_model / n_heads``."""
+        return self.d_model // self.n_heads if self.head_size is None else self.head_size
 
     @property
     def kv_heads(self) -> int:

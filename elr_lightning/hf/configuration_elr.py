@@ -40,6 +40,13 @@ class ELRConfig(PretrainedConfig):
         conditioning_active: Whether the conditioning takes part in the forward pass.
         default_loops: k used when ``forward`` or ``generate`` gets no ``loops``.
         tie_word_embeddings: The LM head shares the embedding matrix.
+        head_dim: Width of one attention head; ``None`` means ``d_model / n_heads``.
+        rope_freq_scaling: Llama 3 RoPE scaling (``rope_type: llama3``), or ``None`` (``transformers`` reserves
+            the name ``rope_scaling``).
+        qk_norm: RMSNorm each query and key head before RoPE.
+        qkv_bias: Biases on the query, key and value projections.
+        injection: The recurrent block's input, ``sum`` (s~_i = s_{i-1} + h_in, eq. 2) or ``mean``
+            (their mean).
     """
 
     model_type = "elr"
@@ -75,11 +82,18 @@ class ELRConfig(PretrainedConfig):
         conditioning_active: bool = True,
         default_loops: int = 1,
         tie_word_embeddings: bool = True,
+        head_dim: Optional[int] = None,
+        rope_freq_scaling: Optional[dict] = None,
+        qk_norm: bool = False,
+        qkv_bias: bool = False,
+        injection: str = "sum",
         **kwargs,
     ) -> None:
         if state_update not in STATE_UPDATES:
             raise ValueError(f"state_update={state_update!r} must be one of {STATE_UPDATES}")
-        if d_model % n_heads or (n_kv_heads is not None and n_heads % n_kv_heads):
+        if injection not in ("sum", "mean"):
+            raise ValueError(f"injection={injection!r} must be 'sum' or 'mean'")
+        if (head_dim is None and d_model % n_heads) or (n_kv_heads is not None and n_heads % n_kv_heads):
             raise ValueError(f"n_heads={n_heads} must divide d_model={d_model} and be divisible by n_kv_heads")
         self.vocab_size = vocab_size
         self.d_model = d_model
@@ -97,6 +111,9 @@ class ELRConfig(PretrainedConfig):
         self.conditioning = conditioning
         self.conditioning_active = conditioning_active
         self.default_loops = default_loops
+        self.head_dim = d_model // n_heads if head_dim is None else head_dim
+        self.rope_freq_scaling = rope_freq_scaling
+        self.qk_norm, self.qkv_bias, self.injection = qk_norm, qkv_bias, injection
         # One cache layer per attention call at k = max_loops (per-loop caching, eq. 1).
         self.num_hidden_layers = n_in + max_loops * n_rec + n_out
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

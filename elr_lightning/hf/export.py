@@ -36,6 +36,7 @@ from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Repla
 DENSE_FIELDS = (
     "vocab_size", "d_model", "n_heads", "n_kv_heads", "n_in", "n_rec", "n_out", "d_ff", "ff_multiple_of",
     "max_seq_len", "rope_base", "max_loops", "tie_embeddings", "norm_eps", "init_std",
+    "head_size", "rope_scaling", "qk_norm", "qkv_bias",
 )
 
 #: State-update rules by their name in ``config.json``; matched on the exact class.
@@ -96,11 +97,6 @@ def hf_config_fields(model: LoopedLM) -> dict[str, Any]:
             f"model.update: {type(model.update).__name__} has no Hugging Face counterpart; the export supports "
             f"{', '.join(cls.__name__ for cls in UPDATE_RULES.values())}"
         )
-    if getattr(model.update, "injection", "sum") != "sum":
-        raise ValueError(
-            f"model.update.init_args.injection={model.update.injection!r}: the Hugging Face modeling file "
-            "implements eq. 2's summed injection only; export a model trained with injection: sum"
-        )
     conditioner = model.conditioner
     if conditioner is not None and type(conditioner) is not LoopConditioner:
         raise ValueError(
@@ -128,6 +124,11 @@ def hf_config_fields(model: LoopedLM) -> dict[str, Any]:
         else {"d_cond": conditioner.d_cond, "rank": conditioner.rank, "n_freqs": conditioner.n_freqs},
         "conditioning_active": bool(conditioner.active) if conditioner is not None else False,
         "tie_word_embeddings": config.tie_embeddings,
+        "head_dim": config.head_dim,
+        "rope_freq_scaling": config.rope_scaling,
+        "qk_norm": config.qk_norm,
+        "qkv_bias": config.qkv_bias,
+        "injection": getattr(model.update, "injection", "sum"),
         "elr_arch": dataclasses.asdict(config),
     }
 
@@ -251,7 +252,12 @@ def import_hf(directory: str | os.PathLike) -> Any:
     rule = fields["state_update"]
     if rule not in UPDATE_RULES:
         raise ValueError(f"--hf config.json: state_update={rule!r} is not one of {sorted(UPDATE_RULES)}")
-    update = FixedDelta(fields["fixed_delta_beta"]) if rule == "fixed_delta" else UPDATE_RULES[rule]()
+    if rule == "fixed_delta":
+        update: StateUpdate = FixedDelta(fields["fixed_delta_beta"])
+    elif rule == "adaptive_delta":
+        update = AdaptiveDelta(injection=fields.get("injection", "sum"))
+    else:
+        update = UPDATE_RULES[rule]()
     cond = fields.get("conditioning")
     conditioner = LoopConditioner(**cond) if cond else None
     module = ELRModule(arch=arch, update=update, conditioner=conditioner)

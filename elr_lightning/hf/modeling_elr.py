@@ -33,10 +33,27 @@ from .configuration_elr import ELRConfig
 _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
-def _rope(x: Tensor, start: int, base: float) -> Tensor:
+def _frequencies(hd: int, base: float, scaling: Optional[dict], device: torch.device) -> Tensor:
+    """RoPE frequencies ``base^(-2j / hd)``; with Llama 3 ``scaling``, long wavelengths divided by its factor.
+
+    ``elr_lightning.mixers.attention.rope_frequencies``, repeated: this file imports only torch and transformers.
+    """
+    inv = 1.0 / base ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
+    if scaling is None:
+        return inv
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > context / low, inv / factor, inv)
+    smooth = (context / wavelen - low) / (high - low)
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def _rope(x: Tensor, start: int, base: float, scaling: Optional[dict] = None) -> Tensor:
     """Rotate ``x`` ``[B, H, T, hd]`` at positions ``start..start+T-1`` (half-split), in fp32."""
     hd, t = x.shape[-1], x.shape[-2]
-    inv = 1.0 / base ** (torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)
+    inv = _frequencies(hd, base, scaling, x.device)
     angles = torch.outer(torch.arange(start, start + t, dtype=torch.float32, device=x.device), inv)
     cos, sin = angles.cos(), angles.sin()
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -44,21 +61,32 @@ def _rope(x: Tensor, start: int, base: float) -> Tensor:
 
 
 class ELRAttention(nn.Module):
-    """Causal grouped-query attention with RoPE through ``F.scaled_dot_product_attention``."""
+    """Causal grouped-query attention with RoPE through ``F.scaled_dot_product_attention``.
+
+    Optional: biases on the query, key and value projections (``qkv_bias``), an RMSNorm per query
+    and key head before RoPE (``qk_norm``), Llama 3 RoPE scaling (``rope_freq_scaling``).
+    """
 
     def __init__(self, config: ELRConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv, self.hd = config.n_heads, config.n_kv_heads, config.d_model // config.n_heads
-        self.rope_base = config.rope_base
-        self.q = nn.Linear(config.d_model, self.n_heads * self.hd, bias=False)
-        self.kv = nn.Linear(config.d_model, 2 * self.n_kv * self.hd, bias=False)
+        self.n_heads, self.n_kv, self.hd = config.n_heads, config.n_kv_heads, config.head_dim
+        self.rope_base, self.rope_scaling = config.rope_base, config.rope_freq_scaling
+        self.q = nn.Linear(config.d_model, self.n_heads * self.hd, bias=config.qkv_bias)
+        self.kv = nn.Linear(config.d_model, 2 * self.n_kv * self.hd, bias=config.qkv_bias)
         self.o = nn.Linear(self.n_heads * self.hd, config.d_model, bias=False)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = nn.RMSNorm(self.hd, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(self.hd, eps=config.norm_eps)
 
     def forward(self, x: Tensor, start: int, mask: Optional[Tensor], cache: Optional[Cache], idx: int) -> Tensor:
         b, t, _ = x.shape
-        q = self.q(x).view(b, t, self.n_heads, self.hd).transpose(1, 2)
+        q = self.q(x).view(b, t, self.n_heads, self.hd)
         k, v = self.kv(x).view(b, t, 2, self.n_kv, self.hd).permute(2, 0, 3, 1, 4)
-        q, k = _rope(q, start, self.rope_base), _rope(k, start, self.rope_base)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(1, 2)
+        q, k = _rope(q, start, self.rope_base, self.rope_scaling), _rope(k, start, self.rope_base, self.rope_scaling)
         if cache is not None:
             k, v = cache.update(k, v, idx)
         if self.n_kv != self.n_heads:
@@ -133,13 +161,15 @@ class ELRUpdate(nn.Module):
 
     def __init__(self, config: ELRConfig) -> None:
         super().__init__()
-        self.rule, self.beta = config.state_update, config.fixed_delta_beta
+        self.rule, self.beta, self.injection = config.state_update, config.fixed_delta_beta, config.injection
         if self.rule == "adaptive_delta":
             self.gate = nn.Linear(config.d_model, config.d_model)
             self.gamma = nn.Parameter(torch.zeros(config.d_model))
 
     def inject(self, s: Tensor, h_in: Tensor) -> Tensor:
-        return s if self.rule == "non_recurrent" else s + h_in
+        if self.rule == "non_recurrent":
+            return s
+        return s + h_in if self.injection == "sum" else torch.lerp(s, h_in, 0.5)
 
     def forward(self, s: Tensor, r: Tensor, s_tilde: Tensor) -> Tensor:
         if self.rule == "adaptive_delta":
