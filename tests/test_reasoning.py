@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from typing_extensions import override
 
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
@@ -170,6 +171,7 @@ class _Oracle(LoopedLM):
         super().__init__(ModelConfig(vocab_size=256, d_model=8, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=64))
         self.answers = answers
 
+    @override
     def forward(self, input_ids, loops=1, **_):  # type: ignore[override]
         logits = torch.zeros(*input_ids.shape, 256)
         for row, ids in enumerate(input_ids.tolist()):

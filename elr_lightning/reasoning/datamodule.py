@@ -17,6 +17,8 @@ import os
 import random
 from typing import Any, Optional, Union
 
+from typing_extensions import override
+
 from elr_lightning.checkpoint_io import write_atomically
 from elr_lightning.data import TextDataModule
 from elr_lightning.reasoning.generators import GENERATORS, check_seed, parse_levels, training_instances
@@ -104,11 +106,13 @@ class ReasoningTextDataModule(TextDataModule):
             os.utime(self.reasoning_path, ns=(0, 0))
         return self.reasoning_path
 
+    @override
     def prepare_data(self) -> None:
         """Write the synthetic documents, then tokenise the corpus as ``TextDataModule`` does."""
         self.write_documents()
         super().prepare_data()
 
+    @override
     def setup(self, stage: Optional[str] = None) -> None:
         """Write the synthetic documents if absent, then open and split the token shard."""
         self.write_documents()

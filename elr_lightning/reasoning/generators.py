@@ -29,6 +29,8 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+from typing_extensions import override
+
 BUCKETS = 8
 """Buckets of the prompt hash that split instances into training and held-out."""
 
@@ -90,6 +92,7 @@ class Addition(Generator):
     max_difficulty = 8
     chance = 0.0
 
+    @override
     def draw(self, difficulty: int, rng: random.Random) -> tuple[str, str]:
         lo = 10 ** (difficulty - 1) if difficulty > 1 else 0
         a, b = rng.randrange(lo, 10**difficulty), rng.randrange(lo, 10**difficulty)
@@ -104,6 +107,7 @@ class Variables(Generator):
     chains = 3
     chance = 1.0 / 3.0
 
+    @override
     def draw(self, difficulty: int, rng: random.Random) -> tuple[str, str]:
         names = rng.sample(string.ascii_lowercase, self.chains * (difficulty + 1))
         values = rng.sample(string.digits, self.chains)
@@ -131,6 +135,7 @@ class Hops(Generator):
     letters = 8
     chance = 1.0 / 7.0
 
+    @override
     def draw(self, difficulty: int, rng: random.Random) -> tuple[str, str]:
         cycle = rng.sample(string.ascii_lowercase, self.letters)
         step = {cycle[i]: cycle[(i + 1) % self.letters] for i in range(self.letters)}
