@@ -160,8 +160,10 @@ def test_text_bytes_caps_the_text_after_the_synthetic_documents(tmp_path):
         ReasoningTextDataModule(text_bytes=100, max_bytes=1000, **kwargs)
     with pytest.raises(ValueError, match=r"data\.seed='x' is not an integer"):
         ReasoningTextDataModule(seed="x", **kwargs)
-    with pytest.raises(ValueError, match=r"unknown reasoning task 'sorting'"):
+    with pytest.raises(ValueError, match=r"^data\.reasoning_tasks: unknown reasoning task 'sorting'; choose one of"):
         ReasoningTextDataModule(reasoning_tasks={"sorting": None}, **kwargs)
+    with pytest.raises(ValueError, match=r"^data\.reasoning_tasks: difficulty 9 of reasoning task 'hops' is out of range"):
+        ReasoningTextDataModule(reasoning_tasks={"hops": [1, 9]}, **kwargs)
 
 
 class _Oracle(LoopedLM):

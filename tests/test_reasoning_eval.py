@@ -149,3 +149,19 @@ def test_shipped_reasoning_config_trains_a_few_steps(tmp_path: Path):
     (last,) = tmp_path.glob("**/last.ckpt")
     saved = torch.load(last, map_location="cpu", weights_only=False)
     assert saved["global_step"] == 2 and saved["datamodule_hyper_parameters"]["reasoning_tasks"]["hops"] == "1-4"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ('--data.init_args.reasoning_tasks={"parity": null}', "data.reasoning_tasks: unknown reasoning task 'parity'"),
+        ('--data.init_args.reasoning_tasks={"hops": 9}', "data.reasoning_tasks: difficulty 9 of reasoning task 'hops'"),
+        ("--data.init_args.seed=1.5", "data.init_args.seed"),
+    ],
+)
+def test_a_bad_reasoning_setting_is_one_line_from_elr_fit(override: str, message: str, monkeypatch, capsys):
+    monkeypatch.delenv("ELR_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(ROOT / "config" / "quickstart_reasoning.yaml"), override, "--trainer.max_steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 1 and len(err) == 1 and err[0].startswith("elr: error: ") and message in err[0]

@@ -81,7 +81,10 @@ class ReasoningTextDataModule(TextDataModule):
         if text_bytes is not None and (text_bytes < 1 or self.max_bytes is not None):
             raise ValueError(f"data.text_bytes={text_bytes} must be >= 1 and replaces data.max_bytes; set only one")
         tasks = dict.fromkeys(GENERATORS) if reasoning_tasks is None else dict(reasoning_tasks)
-        self.reasoning_tasks = {task: parse_levels(spec, task) for task, spec in tasks.items()}
+        try:
+            self.reasoning_tasks = {task: parse_levels(spec, task) for task, spec in tasks.items()}
+        except ValueError as err:
+            raise ValueError(f"data.reasoning_tasks: {err}") from None
         self.examples_per_level = examples_per_level
         self.documents = reasoning_documents(self.reasoning_tasks, examples_per_level, self.seed)
         synthetic_bytes = sum(len(doc.encode("utf-8")) for doc in self.documents)
