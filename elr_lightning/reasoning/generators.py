@@ -174,9 +174,15 @@ class Instance:
         return f"{self.prompt}{self.answer}\n"
 
 
-def _rng(seed: int, task: str, split: str, difficulty: int) -> random.Random:
+def _stream(task: str, difficulty: int, n: int, seed: int, split: str, least: int) -> tuple[Generator, random.Random]:
+    """The task's generator and the random stream of one split, after checking every argument."""
+    generator = get_generator(task)
+    generator.check_difficulty(difficulty)
+    check_seed(seed)
+    if n < least:
+        raise ValueError(f"n={n} must be >= {least}")
     # Seeding with a string hashes it (SHA-512): the same stream on every platform and Python 3 version.
-    return random.Random(f"elr-reasoning/{split}/{task}/{difficulty}/{seed}")
+    return generator, random.Random(f"elr-reasoning/{split}/{task}/{difficulty}/{seed}")
 
 
 def training_instances(task: str, difficulty: int, n: int, seed: int = 0) -> list[Instance]:
@@ -185,12 +191,7 @@ def training_instances(task: str, difficulty: int, n: int, seed: int = 0) -> lis
     Raises:
         ValueError: Unknown task, difficulty out of range, ``n`` below 0 or a seed that is not an integer.
     """
-    generator = get_generator(task)
-    generator.check_difficulty(difficulty)
-    check_seed(seed)
-    if n < 0:
-        raise ValueError(f"n={n} must be >= 0")
-    rng = _rng(seed, task, "train", difficulty)
+    generator, rng = _stream(task, difficulty, n, seed, "train", least=0)
     out = []
     while len(out) < n:
         prompt, answer = generator.draw(difficulty, rng)
@@ -203,17 +204,12 @@ def heldout_instances(task: str, difficulty: int, n: int, seed: int = 0) -> list
     """Up to ``n`` distinct held-out instances of ``task`` at ``difficulty``.
 
     Fewer come back when the level's held-out space is smaller than ``n`` (one-digit addition has
-    100 instances, about 12 of them held out): drawing stops after ``MAX_ATTEMPTS * n`` draws.
+    100 instances, 14 of them held out): drawing stops after ``MAX_ATTEMPTS * n`` draws.
 
     Raises:
         ValueError: Unknown task, difficulty out of range, ``n`` below 1 or a seed that is not an integer.
     """
-    generator = get_generator(task)
-    generator.check_difficulty(difficulty)
-    check_seed(seed)
-    if n < 1:
-        raise ValueError(f"n={n} must be >= 1")
-    rng = _rng(seed, task, "heldout", difficulty)
+    generator, rng = _stream(task, difficulty, n, seed, "heldout", least=1)
     seen: dict[str, Instance] = {}
     for _ in range(MAX_ATTEMPTS * n):
         prompt, answer = generator.draw(difficulty, rng)
