@@ -6,7 +6,9 @@ order. Each ``(arm, seed)`` run keeps its checkpoints and a CSV log under ``OUT/
 and a TensorBoard run under ``OUT/tensorboard/<arm>-s<seed>``; a finished run writes
 ``result.json`` there and is skipped on the next call, an interrupted one resumes from its
 ``last.ckpt``. The report (:mod:`elr_lightning.ablate_report`) goes to ``OUT/ablate.md``,
-``OUT/loss_vs_k.png`` and ``OUT/results.json``.
+``OUT/loss_vs_k.png`` and ``OUT/results.json``. With ``--reasoning N`` each run is also scored on the
+synthetic reasoning tasks (:func:`reasoning_scores`) and the report gains their table by task,
+difficulty and k.
 """
 
 from __future__ import annotations
@@ -231,6 +233,33 @@ def final_metrics(metrics_csv: str) -> tuple[int, dict[int, float], dict[int, fl
     return int(last["step"]), dict(sorted(loss.items())), dict(sorted(bpb.items()))
 
 
+def reasoning_scores(config: dict[str, Any], n: int) -> dict[str, dict[str, dict[str, float]]]:
+    """Exact-match accuracy of a finished run's ``last.ckpt`` on ``n`` held-out reasoning instances per level.
+
+    Scores every task and level the run's data trains on (``data.init_args.reasoning_tasks``; all
+    of them when the data module names none) at every k the run validates at.
+
+    Returns:
+        ``{task: {level: {k: accuracy}}}`` with string keys, as stored in ``result.json``.
+    """
+    from elr_lightning.generation import load_model
+    from elr_lightning.reasoning import GENERATORS, score_levels
+    from elr_lightning.tokenizers import choose_tokenizer
+
+    model, module = load_model(os.path.join(config["trainer"]["default_root_dir"], "checkpoints", "last.ckpt"))
+    data_args = (config.get("data") or {}).get("init_args") or {}
+    tasks = data_args.get("reasoning_tasks") or dict.fromkeys(GENERATORS)
+    tokenizer = choose_tokenizer(module.tokenizer, None, model.config.vocab_size)
+    table = score_levels(model, tokenizer, tasks, module.val_loops, n)
+    return {task: {str(lv): {str(k): v for k, v in s.items()} for lv, s in levels.items()} for task, levels in table.items()}
+
+
+def _write_result(path: str, result: dict[str, Any]) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def _fit_in_process(config_path: str, ckpt_path: Optional[str], callbacks: list[Any]) -> None:
     from elr_lightning.lightning_cli import ELRCLI, make_cli
 
@@ -255,6 +284,7 @@ def run_ablation(
     subprocesses: bool = False,
     callbacks: Optional[list[Any]] = None,
     log: Callable[[str], None] = functools.partial(print, flush=True),
+    reasoning: Optional[int] = None,
 ) -> list[dict[str, Any]]:
     """Train every ``(arm, seed)`` not finished yet, then write the report; return every run's result.
 
@@ -268,6 +298,8 @@ def run_ablation(
         subprocesses: Run each arm as ``python -m elr_lightning.cli fit`` instead of in this process.
         callbacks: Extra Lightning callbacks for in-process runs (not written to the arm configs).
         log: Where progress lines go.
+        reasoning: Score each run on this many held-out reasoning instances per task and level
+            (:func:`reasoning_scores`; also runs that finished earlier without scores); ``None`` skips it.
 
     Raises:
         ValueError: An unknown arm, an empty arm or seed list, or a run that ended before its last step.
@@ -298,7 +330,11 @@ def run_ablation(
         prefix = f"[ablate {index}/{len(configs)}] {name}"
         if os.path.exists(result_path):
             with open(result_path) as f:
-                results.append(json.load(f))
+                earlier = json.load(f)
+            if reasoning and "reasoning" not in earlier:
+                earlier["reasoning"] = reasoning_scores(config, reasoning)
+                _write_result(result_path, earlier)
+            results.append(earlier)
             log(f"{prefix}: finished earlier, skipped")
             continue
         last = os.path.join(root, "checkpoints", "last.ckpt")
@@ -324,9 +360,9 @@ def run_ablation(
             "seconds": round(time.perf_counter() - start, 1),
             "config": path,
         }
-        with open(result_path + ".tmp", "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(result_path + ".tmp", result_path)
+        if reasoning:
+            result["reasoning"] = reasoning_scores(config, reasoning)
+        _write_result(result_path, result)
         results.append(json.loads(json.dumps(result)))
         log(f"{prefix}: done in {result['seconds']} s; val loss " + ", ".join(f"k={k} {v:.4f}" for k, v in loss.items()))
     report = write_report(results, out, max_loops_of(base), {name: arm.description for name, arm in ARMS.items()})
@@ -335,7 +371,7 @@ def run_ablation(
 
 
 def main(argv: list[str]) -> None:
-    """``elr ablate --config F --out DIR [--arms a,b] [--steps N] [--seeds 0,1] [--subprocess true]``."""
+    """``elr ablate --config F --out DIR [--arms a,b] [--steps N] [--seeds 0,1] [--subprocess true] [--reasoning N]``."""
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser(
@@ -355,6 +391,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=Optional[int], default=None, help="trainer.max_steps of every arm.")
     parser.add_argument("--seeds", type=str, default="0", help="Comma-separated seeds; each arm runs once per seed.")
     parser.add_argument("--subprocess", type=bool, default=False, help="Run each arm as its own `elr fit` process.")
+    parser.add_argument(
+        "--reasoning",
+        type=Optional[int],
+        default=None,
+        help="Score each arm's exact match on this many held-out reasoning instances per task and level.",
+    )
     args = parser.parse_args(argv)
     arms = None if args.arms is None else [a.strip() for a in args.arms.split(",") if a.strip()]
     try:
@@ -363,5 +405,7 @@ def main(argv: list[str]) -> None:
         raise ValueError(f"--seeds={args.seeds!r} must be comma-separated integers, e.g. 0,1") from None
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps={args.steps} must be >= 1")
+    if args.reasoning is not None and args.reasoning < 1:
+        raise ValueError(f"--reasoning={args.reasoning} must be >= 1 held-out instances per level")
     config = args.config[0] if len(args.config) == 1 else args.config
-    run_ablation(config, args.out, arms, args.steps, seeds, subprocesses=args.subprocess)
+    run_ablation(config, args.out, arms, args.steps, seeds, subprocesses=args.subprocess, reasoning=args.reasoning)

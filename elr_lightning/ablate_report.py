@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from statistics import mean
 from typing import Any, Mapping, Optional
 
+from elr_lightning.reasoning.report import ablation_panels, ablation_section, plot_panels
+
 HOLDS, FAILS, NOISE, MISSING = "holds", "does not hold", "within spread", "n/a"
 
 
@@ -246,13 +248,20 @@ def plot(arms: dict[str, ArmSummary], path: str) -> None:
 
 
 def write_report(results: list[dict[str, Any]], out: str, k_max: int, descriptions: Mapping[str, str]) -> str:
-    """Write ``ablate.md``, ``loss_vs_k.png`` and ``results.json`` to ``out``; return the Markdown's path."""
+    """Write ``ablate.md``, ``loss_vs_k.png`` and ``results.json`` to ``out``; return the Markdown's path.
+
+    Runs scored on the reasoning tasks add a section to ``ablate.md``
+    (:func:`~elr_lightning.reasoning.report.ablation_section`) and ``reasoning_vs_k.png``.
+    """
     arms = summarise(results)
     checks = paper_checks(arms, k_max)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"runs": results, "checks": [c.__dict__ for c in checks]}, f, indent=1)
     plot(arms, os.path.join(out, "loss_vs_k.png"))
+    reasoning = ablation_section(results, k_max)
+    if reasoning:
+        plot_panels(ablation_panels(results), os.path.join(out, "reasoning_vs_k.png"))
     path = os.path.join(out, "ablate.md")
     with open(path, "w") as f:
-        f.write(markdown(arms, checks, k_max, descriptions))
+        f.write(markdown(arms, checks, k_max, descriptions) + ("\n" + reasoning if reasoning else ""))
     return path

@@ -52,7 +52,7 @@ def _parser() -> Any:
     p = ArgumentParser(prog="elr eval", description="lm-evaluation-harness accuracy of a checkpoint at several k.")
     p.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
     p.add_argument("--loops", type=Optional[str], default=None, help="Loop counts, e.g. 1,2,4 or 1-4; default 1..max_loops.")
-    p.add_argument("--tasks", type=Optional[str], default=None, help="Comma-separated harness tasks; default elr_local.")
+    p.add_argument("--tasks", type=Optional[str], default=None, help="Comma-separated harness tasks, e.g. elr_reasoning; default elr_local.")
     p.add_argument("--limit", type=Optional[float], default=None, help="At most this many documents per task (< 1: a fraction).")
     p.add_argument("--num_fewshot", type=Optional[int], default=None, help="Few-shot examples per prompt.")
     p.add_argument("--batch_size", type=int, default=16, help="Requests per forward pass.")
@@ -94,6 +94,8 @@ def run_eval(args: Any) -> dict[str, Any]:
 
     from elr_lightning.eval import LOCAL_GROUP, TASKS_DIR, ELRLM
     from elr_lightning.eval.adapter import check_loops
+    from elr_lightning.eval.reasoning import by_difficulty
+    from elr_lightning.reasoning.report import by_k, format_levels, plot_panels
     from elr_lightning.generation import load_model
 
     tasks = [t.strip() for t in (args.tasks or LOCAL_GROUP).split(",") if t.strip()]
@@ -127,9 +129,15 @@ def run_eval(args: Any) -> dict[str, Any]:
         _write_json(os.path.join(args.output_dir, f"results_k{k}.json"), per_k[k])
     summary = summarize(per_k)
     summary.update(ckpt_path=args.ckpt_path, kv_cache=args.kv_cache, limit=args.limit)
+    levels = by_difficulty(summary)
+    if levels:
+        summary["reasoning"] = levels
     _write_json(os.path.join(args.output_dir, "summary.json"), summary)
     print(format_table(summary))
     plot(summary, os.path.join(args.output_dir, "accuracy_vs_k.png"))
+    if levels:
+        print(format_levels(levels, loops))
+        plot_panels(by_k(levels), os.path.join(args.output_dir, "reasoning_vs_k.png"))
     if args.log_dir:
         log_tensorboard(summary, args.log_dir)
     return summary
