@@ -190,7 +190,7 @@ def test_a_mistake_in_process_is_one_line_naming_the_field(
 
 def test_debug_lets_the_exception_through(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(workdir)
-    monkeypatch.delenv("ELR_DEBUG", raising=False)
+    monkeypatch.setenv("ELR_DEBUG", "0")  # registered, so the "1" that --debug exports is undone afterwards
     with pytest.raises(ValueError, match=r"arch\.n_heads=5"):
         main([*CASES["n_heads"].args, "--debug"])
     assert os.environ.get("ELR_DEBUG") == "1"  # exported, so the other ranks a launcher starts see it too
