@@ -12,6 +12,11 @@ from transformers import PretrainedConfig
 #: State-update rules the modeling file implements (eq. 2 and the paper's ablation rules).
 STATE_UPDATES = ("adaptive_delta", "fixed_delta", "residual", "replace", "non_recurrent")
 
+#: Token and channel mixers the modeling file implements (``type`` of each ``token_mixers`` /
+#: ``channel_mixers`` entry): softmax attention and Gated DeltaProduct; SwiGLU and mixture of experts.
+TOKEN_MIXERS = ("attention", "gdp")
+CHANNEL_MIXERS = ("swiglu", "moe")
+
 
 class ELRConfig(PretrainedConfig):
     """Architecture of a looped LM: input block, shared recurrent block applied k times, output block.
@@ -40,6 +45,12 @@ class ELRConfig(PretrainedConfig):
         conditioning_active: Whether the conditioning takes part in the forward pass.
         default_loops: k used when ``forward`` or ``generate`` gets no ``loops``.
         tie_word_embeddings: The LM head shares the embedding matrix.
+        token_mixers: The token mixer of each layer in stack order (input, recurrent, output
+            layers, each unique layer once): ``{"type": "attention"}`` or ``{"type": "gdp", ...}``
+            with the Gated DeltaProduct's widths; ``None`` means attention everywhere.
+        channel_mixers: The channel mixer of each layer, as ``token_mixers``: ``{"type": "swiglu"}``
+            or ``{"type": "moe", ...}`` with the experts' sizes and route replay mode; ``None``
+            means SwiGLU everywhere.
     """
 
     model_type = "elr"
@@ -75,6 +86,8 @@ class ELRConfig(PretrainedConfig):
         conditioning_active: bool = True,
         default_loops: int = 1,
         tie_word_embeddings: bool = True,
+        token_mixers: Optional[list[dict]] = None,
+        channel_mixers: Optional[list[dict]] = None,
         **kwargs,
     ) -> None:
         if state_update not in STATE_UPDATES:
@@ -97,9 +110,23 @@ class ELRConfig(PretrainedConfig):
         self.conditioning = conditioning
         self.conditioning_active = conditioning_active
         self.default_loops = default_loops
+        layers = n_in + n_rec + n_out
+        for name, mixers, types in (
+            ("token_mixers", token_mixers, TOKEN_MIXERS), ("channel_mixers", channel_mixers, CHANNEL_MIXERS)
+        ):
+            if mixers is not None and (len(mixers) != layers or any(m.get("type") not in types for m in mixers)):
+                raise ValueError(f"{name} must hold one mixer of {types} per layer ({layers}), not {mixers!r}")
+        self.token_mixers = token_mixers
+        self.channel_mixers = channel_mixers
         # One cache layer per attention call at k = max_loops (per-loop caching, eq. 1).
         self.num_hidden_layers = n_in + max_loops * n_rec + n_out
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def layer_mixers(self, index: int) -> tuple[dict, dict]:
+        """``(token mixer, channel mixer)`` of layer ``index`` in stack order (input, recurrent, output)."""
+        token = self.token_mixers[index] if self.token_mixers is not None else {"type": "attention"}
+        channel = self.channel_mixers[index] if self.channel_mixers is not None else {"type": "swiglu"}
+        return token, channel
 
     def effective_depth(self, loops: int) -> int:
         """D_eff(k) = n_in + k n_rec + n_out, eq. (1)."""
