@@ -113,11 +113,8 @@ REMOTE = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-def test_export_loads_without_elr_lightning_and_matches_logits_and_generate(
-    exported: tuple[Path, Path], tmp_path: Path
-) -> None:
-    ckpt, out = exported
+def run_remote(out: Path, tmp_path: Path) -> dict:
+    """Run :data:`REMOTE` on the export ``out`` in a fresh interpreter without elr_lightning; its results."""
     script, result_path = tmp_path / "remote.py", tmp_path / "result.pt"
     script.write_text(REMOTE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -129,6 +126,15 @@ def test_export_loads_without_elr_lightning_and_matches_logits_and_generate(
     assert done.returncode == 0, done.stderr[-3000:]
     result = torch.load(result_path)
     assert not result["elr_imported"]
+    return result
+
+
+@pytest.mark.slow
+def test_export_loads_without_elr_lightning_and_matches_logits_and_generate(
+    exported: tuple[Path, Path], tmp_path: Path
+) -> None:
+    ckpt, out = exported
+    result = run_remote(out, tmp_path)
     model, _ = load_model(str(ckpt))
     ids = result["ids"]
     assert ids[0].tolist() == list(b"def main(x):")

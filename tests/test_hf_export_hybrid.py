@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ pytest.importorskip("transformers")
 
 from _elr_ckpt import SERVE_ARCH  # noqa: E402
 from conftest import perturbed_model  # noqa: E402
-from test_hf_export import ATOL, REMOTE, in_process  # noqa: E402
+from test_hf_export import ATOL, in_process, run_remote  # noqa: E402
 from elr_lightning.config import ModelConfig  # noqa: E402
 from elr_lightning.generation import generate  # noqa: E402
 from elr_lightning.hf.export import export_hf, hf_config_fields, import_hf, save_module_checkpoint  # noqa: E402
@@ -140,17 +137,7 @@ def test_hybrid_moe_export_loads_without_elr_lightning(tmp_path: Path) -> None:
     model = model_of(dataclasses.replace(moe_arch(hybrid=True), max_seq_len=64))
     out = export_hf(model, ByteTokenizer(), tmp_path / "export")
     assert {"hybrid_elr.py", "delta_rule.py"} <= {p.name for p in out.iterdir()}
-    script, result_path = tmp_path / "remote.py", tmp_path / "result.pt"
-    script.write_text(REMOTE)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    done = subprocess.run(
-        [sys.executable, str(script), str(out), str(result_path)], cwd=tmp_path, env=env, capture_output=True,
-        text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = torch.load(result_path)
-    assert not result["elr_imported"]
+    result = run_remote(out, tmp_path)
     with torch.no_grad():
         for k in (1, 2, 3, 4):
             assert (model(result["ids"], k) - result[f"logits{k}"]).abs().max().item() <= ATOL, k
