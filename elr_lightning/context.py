@@ -12,7 +12,7 @@ handed to every layer, and through it to every token and channel mixer. It carri
 
   - :meth:`LoopContext.cached`: the generation cache (attention keys and values, linear-attention
     recurrent and convolution state), kept across forward calls; a
-    :class:`~elr_lightning.cache.KVCache` policy maps ``(layer, loop)`` to storage;
+    :class:`~elr_lightning.cache_store.KVCache` policy maps ``(layer, loop)`` to storage;
   - :meth:`LoopContext.scratch`: tensors kept for this forward pass only, e.g. the expert routes a
     mixture-of-experts channel mixer computes at loop 1 and replays at loops 2..k;
   - :meth:`LoopContext.add_aux_loss`: auxiliary losses (e.g. a router balance loss), collected by
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from elr_lightning.cache import KVCache, LayerStore
+    from elr_lightning.cache_store import KVCache, LayerStore
 
 
 @dataclass
@@ -93,8 +93,8 @@ class LoopContext:
         """The generation-cache store of ``(layer, self.loop)``, or ``None`` without a cache.
 
         What persists between forward calls: attention keys and values
-        (:meth:`~elr_lightning.cache.LayerStore.update`) and recurrent state
-        (:meth:`~elr_lightning.cache.LayerStore.state` / :meth:`~elr_lightning.cache.LayerStore.set_state`).
+        (:meth:`~elr_lightning.cache_store.LayerStore.update`) and recurrent state
+        (:meth:`~elr_lightning.cache_store.LayerStore.state` / :meth:`~elr_lightning.cache_store.LayerStore.set_state`).
         The policy decides which ``(layer, loop)`` pairs share storage.
         """
         return None if self.cache is None else self.cache.slot(layer, self.loop)

@@ -31,6 +31,11 @@ DEBUG_FLAG = "--debug"
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, FloatingPointError, ArgumentError, LookupError)
 
 
+def is_integer(value: object, minimum: int = 1) -> bool:
+    """Whether ``value`` is an integer >= ``minimum``; ``True`` is not (YAML's ``true`` would pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def debug_requested(argv: list[str]) -> tuple[bool, list[str]]:
     """Whether tracebacks are wanted, and ``argv`` without the ``--debug`` flag.
 

@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
+from elr_lightning.errors import is_integer
 from elr_lightning.model import LoopedLM
 from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
 from elr_lightning.optim import check_lr_scale, param_groups, warmup_cosine
@@ -126,14 +127,16 @@ class ELRModule(LightningModule):
         self.save_hyperparameters()
         arch = ModelConfig() if arch is None else arch
         self.sampler = _checked_sampler(OneLoopOverride(arch.max_loops, 0.15) if sampler is None else sampler, arch)
-        if virtual_ranks < 1:
-            raise ValueError(f"model.init_args.virtual_ranks={virtual_ranks} must be >= 1")
+        if not is_integer(virtual_ranks):
+            raise ValueError(f"model.init_args.virtual_ranks={virtual_ranks!r} must be an integer >= 1")
         self.virtual_ranks = virtual_ranks
-        self.val_loops = list(range(1, arch.max_loops + 1)) if val_loops is None else sorted(set(val_loops))
-        if not self.val_loops or min(self.val_loops) < 1:
+        if val_loops is not None and not (
+            isinstance(val_loops, (list, tuple)) and val_loops and all(map(is_integer, val_loops))
+        ):
             raise ValueError(
-                f"model.init_args.val_loops={val_loops} must be a non-empty list of loop counts >= 1, e.g. [1, 2]"
+                f"model.init_args.val_loops={val_loops!r} must be a non-empty list of integer loop counts >= 1, e.g. [1, 2]"
             )
+        self.val_loops = list(range(1, arch.max_loops + 1)) if val_loops is None else sorted(set(val_loops))
         for name, value, ok, rule in (
             ("lr", lr, lr > 0, "> 0"),
             ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),

@@ -23,8 +23,9 @@ def check_resumed_schedule(
 
     The schedule is a pure function of ``(seed, step, shard, num_shards)`` (DESIGN §4): a resumed
     run with another number of shards per step (data-parallel ranks x ``virtual_ranks``) or
-    another loop seed would silently run other loop counts than the interrupted run. Another
-    planned length only warns: the LR schedule is restored from the checkpoint.
+    another loop seed would silently run other loop counts than the interrupted run. The LR
+    schedule is restored from the checkpoint: a longer planned run is refused (the cosine would
+    rise again after the planned end), a shorter one warns (it stops before the cosine ends).
 
     Args:
         saved: The checkpoint's ``elr.schedule`` entry (``num_shards``, ``seed``, ``total_steps``), or ``None``.
@@ -34,7 +35,7 @@ def check_resumed_schedule(
         seed: This run's loop seed.
 
     Raises:
-        ValueError: Naming the field and the value that keeps the schedule.
+        ValueError: Naming the field and the value that keeps the schedule (or the run length).
     """
     if saved is None:
         return
@@ -58,10 +59,17 @@ def check_resumed_schedule(
             f"this run has {seed}; set model.init_args.loop_seed: {saved['seed']} (or the same seed_everything)"
         )
     planned, total = saved.get("total_steps"), planned_steps(trainer)
-    if planned is not None and total is not None and planned != total:
-        rank_zero_warn(
-            f"the checkpoint's run planned {planned} optimizer steps, this run plans {total}: the LR schedule is "
-            f"restored from the checkpoint, so its cosine still ends at step {planned}"
-            + (" and the LR rises again after it" if total > planned else "")
-            + f"; resume with the checkpoint's trainer.max_steps ({planned} steps) to continue it exactly"
+    if planned is None or total is None or planned == total:
+        return
+    if total > planned:
+        raise ValueError(
+            f"cannot resume with a longer run: the checkpoint's run planned {planned} optimizer steps, this run plans "
+            f"{total}; the LR schedule is restored from the checkpoint, so its cosine would end at step {planned} and "
+            f"rise again after it. Resume with trainer.max_steps: {planned}, or train on as a new run from the "
+            "weights with DelayedMixedDepth(init_from=...) and its own LR schedule"
         )
+    rank_zero_warn(
+        f"the checkpoint's run planned {planned} optimizer steps, this run plans {total}: the LR schedule is restored "
+        f"from the checkpoint, so this run stops before its cosine ends (at step {planned}); resume with the "
+        f"checkpoint's trainer.max_steps ({planned} steps) to continue it exactly"
+    )

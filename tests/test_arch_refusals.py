@@ -103,3 +103,39 @@ def test_backprop_loops_must_be_a_positive_integer(value: object) -> None:
     model = Arch(ModelConfig(vocab_size=VOCAB, d_model=16, n_heads=2, n_in=0, n_out=0), "adaptive", False).build(0)
     with pytest.raises(ValueError, match=rf"backprop_loops={value!r} must be an integer >= 1"):
         model.set_backprop("none", value)
+
+
+GDP_SIZES = ("num_householder", "conv_size", "chunk_size", "num_heads", "head_dim")
+MOE_SIZES = ("num_experts", "top_k", "expert_dim", "shared_expert_dim")
+
+
+@pytest.mark.parametrize("mixer,field", [("gdp", name) for name in GDP_SIZES] + [("moe", name) for name in MOE_SIZES])
+@pytest.mark.parametrize("value", [True, 2.0])
+def test_gdp_and_moe_integer_fields_refuse_true_and_floats(mixer: str, field: str, value: object) -> None:
+    """Regression: ``True`` passed every GDP and MoE size check as 1 (a bool is an int to Python), and
+    ``shared_expert_dim`` took any number >= 0."""
+    from elr_lightning.mixers import GatedDeltaProduct, MoE
+
+    config = ModelConfig(vocab_size=VOCAB, d_model=16, n_heads=2)
+    cls = GatedDeltaProduct if mixer == "gdp" else MoE
+    with pytest.raises(ValueError, match=rf"{field}={value!r} must be"):
+        cls(config, **{field: value})
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"virtual_ranks": True}, r"virtual_ranks=True must be an integer >= 1"),
+        ({"virtual_ranks": 2.0}, r"virtual_ranks=2\.0 must be an integer >= 1"),
+        ({"val_loops": [1, True]}, r"val_loops=\[1, True\] must be a non-empty list of integer"),
+        ({"val_loops": [1.5]}, r"val_loops=\[1\.5\] must be"),
+        ({"val_loops": 2}, r"val_loops=2 must be"),
+        ({"val_loops": []}, r"val_loops=\[\] must be"),
+    ],
+)
+def test_module_counts_are_type_checked(kwargs: dict, message: str) -> None:
+    """Regression: ``virtual_ranks: true`` ran one shard and ``val_loops: [1, 1.5]`` failed mid-validation."""
+    from elr_lightning.module import ELRModule
+
+    with pytest.raises(ValueError, match=message):
+        ELRModule(arch=ModelConfig(vocab_size=VOCAB, d_model=16, n_heads=2, max_loops=2), **kwargs)

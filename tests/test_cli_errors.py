@@ -196,11 +196,21 @@ def test_debug_lets_the_exception_through(workdir: Path, monkeypatch: pytest.Mon
     assert os.environ.get("ELR_DEBUG") == "1"  # exported, so the other ranks a launcher starts see it too
 
 
+def planned_for_four_steps(checkpoint: Path, out: Path) -> Path:
+    """``checkpoint`` (step 2 of a 2-step run) as the checkpoint of a 4-step run stopped at step 2: a longer
+    resume of the run itself is refused (its cosine would rise again past its end)."""
+    state = torch.load(checkpoint, weights_only=False)
+    state["elr"]["schedule"]["total_steps"] = 4
+    torch.save(state, out)
+    return out
+
+
 def test_resuming_or_validating_with_the_checkpoints_own_values_still_works(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(workdir)
-    run([*FIT, "--ckpt_path", "run.ckpt", "--trainer.max_steps", "4", "--trainer.default_root_dir", "resumed"])
+    planned_for_four_steps(workdir / "run.ckpt", workdir / "run4.ckpt")
+    run([*FIT, "--ckpt_path", "run4.ckpt", "--trainer.max_steps", "4", "--trainer.default_root_dir", "resumed"])
     assert torch.load(next((workdir / "resumed" / "checkpoints").glob("*.ckpt")), weights_only=False)["global_step"] == 4
     # validate may differ in what it measures (val_loops), not in the architecture
     run(["validate", "--config", "tiny.yaml", "--ckpt_path", "run.ckpt", "--model.init_args.val_loops", "[1, 2, 3]"])
@@ -215,7 +225,7 @@ def test_ckpt_path_last_resumes_the_newest_last_checkpoint_of_earlier_runs(
     folder.mkdir(parents=True)
     shutil.copy(workdir / "run.ckpt", folder / "last-v1.ckpt")
     os.utime(folder / "last-v1.ckpt", (1, 1))
-    shutil.copy(workdir / "run.ckpt", folder / "last.ckpt")
+    planned_for_four_steps(workdir / "run.ckpt", folder / "last.ckpt")
     run([*FIT, "--ckpt_path", "last", "--trainer.max_steps", "4", "--trainer.default_root_dir", "again"])
     assert f"elr: --ckpt_path last: {os.path.join('again', 'checkpoints', 'last.ckpt')}" in capsys.readouterr().err
     steps = [torch.load(p, weights_only=False)["global_step"] for p in folder.glob("epoch*.ckpt")]

@@ -68,8 +68,8 @@ def in_process(model: LoopedLM) -> ELRForCausalLM:
 def test_export_writes_every_file_with_every_arch_field(exported: tuple[Path, Path]) -> None:
     ckpt, out = exported
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "configuration_elr.py", "generation_config.json", "model.safetensors", "modeling_elr.py",
-        "tokenizer.json", "tokenizer_config.json",
+        "config.json", "configuration_elr.py", "delta_rule.py", "generation_config.json", "hybrid_elr.py",
+        "model.safetensors", "modeling_elr.py", "tokenizer.json", "tokenizer_config.json",
     ]
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "elr" and config["architectures"] == ["ELRForCausalLM"]
@@ -79,7 +79,7 @@ def test_export_writes_every_file_with_every_arch_field(exported: tuple[Path, Pa
     assert (config["n_kv_heads"], config["d_ff"], config["num_hidden_layers"]) == (2, SERVE_ARCH.ff_dim, 1 + 3 * 2 + 1)
     tensors = load_file(out / "model.safetensors")
     assert "lm_head.weight" not in tensors and "model.embed.weight" in tensors  # tied head: HF convention
-    for name in ("modeling_elr.py", "configuration_elr.py"):
+    for name in ("modeling_elr.py", "configuration_elr.py", "hybrid_elr.py", "delta_rule.py"):
         assert not re.search(r"^\s*(from|import)\s+elr_lightning", (out / name).read_text(), re.MULTILINE)
 
 
@@ -113,11 +113,8 @@ REMOTE = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-def test_export_loads_without_elr_lightning_and_matches_logits_and_generate(
-    exported: tuple[Path, Path], tmp_path: Path
-) -> None:
-    ckpt, out = exported
+def run_remote(out: Path, tmp_path: Path) -> dict:
+    """Run :data:`REMOTE` on the export ``out`` in a fresh interpreter without elr_lightning; its results."""
     script, result_path = tmp_path / "remote.py", tmp_path / "result.pt"
     script.write_text(REMOTE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -129,6 +126,15 @@ def test_export_loads_without_elr_lightning_and_matches_logits_and_generate(
     assert done.returncode == 0, done.stderr[-3000:]
     result = torch.load(result_path)
     assert not result["elr_imported"]
+    return result
+
+
+@pytest.mark.slow
+def test_export_loads_without_elr_lightning_and_matches_logits_and_generate(
+    exported: tuple[Path, Path], tmp_path: Path
+) -> None:
+    ckpt, out = exported
+    result = run_remote(out, tmp_path)
     model, _ = load_model(str(ckpt))
     ids = result["ids"]
     assert ids[0].tolist() == list(b"def main(x):")
@@ -203,18 +209,18 @@ def test_bpe_tokenizer_travels_through_the_export(tmp_path: Path) -> None:
 
 
 @dataclasses.dataclass
-class MoEConfig(ModelConfig):
-    """A stand-in for a config with a mixture-of-experts field."""
+class NewFieldConfig(ModelConfig):
+    """A stand-in for a config with a field the modeling file does not know."""
 
-    moe_experts: int = 0
+    new_field: int = 0
 
 
-def test_hybrid_or_moe_models_are_refused() -> None:
+def test_unknown_arch_fields_and_parameters_are_refused() -> None:
     model = perturbed_model(dataclasses.replace(SERVE_ARCH))
-    model.config = MoEConfig(**dataclasses.asdict(SERVE_ARCH), moe_experts=8)
-    with pytest.raises(ValueError, match=r"arch.moe_experts=8.*dense attention models only"):
+    model.config = NewFieldConfig(**dataclasses.asdict(SERVE_ARCH), new_field=8)
+    with pytest.raises(ValueError, match=r"arch.new_field=8.*does not implement this field"):
         hf_config_fields(model)
-    model.config = MoEConfig(**dataclasses.asdict(SERVE_ARCH))  # the default: a dense model, accepted
+    model.config = NewFieldConfig(**dataclasses.asdict(SERVE_ARCH))  # the default: a dense model, accepted
     hf_config_fields(model)
     model.core.layers[0].experts = nn.Linear(4, 4)  # parameters the modeling file does not know
     with pytest.raises(ValueError, match=r"does not know.*core.layers.0.experts"):

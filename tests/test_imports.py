@@ -1,5 +1,5 @@
 """The package's import graph: every module imports in a fresh interpreter, and no two modules import
-each other, directly or around a loop, at module level or inside a function."""
+each other, directly or around a loop, at module level, inside a function or under ``TYPE_CHECKING``."""
 
 from __future__ import annotations
 
@@ -23,26 +23,18 @@ def package_modules() -> dict[str, Path]:
     return found
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
-
-
 def import_graph() -> dict[str, set[str]]:
-    """``module -> package modules it imports`` (anywhere but under ``if TYPE_CHECKING``)."""
+    """``module -> package modules it imports``, anywhere: module level, in a function, under ``TYPE_CHECKING``.
+
+    A type-only import is an edge too: it still says which module knows which, and a circle of them is
+    a circle of modules that cannot be read (or split) one without the other.
+    """
     modules = package_modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        skip = _type_checking_lines(tree)
         edges: set[str] = set()
         for node in ast.walk(tree):
-            if getattr(node, "lineno", None) in skip:
-                continue
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -55,6 +47,17 @@ def import_graph() -> dict[str, set[str]]:
                     break
         graph[name] = edges
     return graph
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -127,3 +130,16 @@ def test_a_module_exports_only_what_it_defines():
     """Every name has one import path: a module's ``__all__`` lists its own definitions."""
     found = reexported_names()
     assert not found, f"re-exported under a second import path: {found}"
+def test_type_only_imports_are_edges() -> None:
+    graph = import_graph()
+    assert "elr_lightning.cache_store" in graph["elr_lightning.context"]  # under TYPE_CHECKING only
+
+
+def test_the_layer_seams_sit_below_the_model_config() -> None:
+    """config -> mixer seams -> loop context -> cache store, never back: the seams and the context do not
+    know the config, which imports the seams to check the mixer classes its patterns name."""
+    graph = import_graph()
+    assert "elr_lightning.mixers.base" in graph["elr_lightning.config"]
+    for low in ("elr_lightning.mixers.base", "elr_lightning.context", "elr_lightning.cache_store"):
+        assert "elr_lightning.config" not in reachable(graph, low) | {low}, low
+    assert reachable(graph, "elr_lightning.cache_store") == set()

@@ -412,3 +412,30 @@ def test_fold_serves_moe_with_constants_and_refuses_weight_copies(loops: int) ->
     torch.testing.assert_close(folded.logits, plain.logits, atol=1e-5, rtol=0)
     with pytest.raises(NotImplementedError, match=r"MoE cannot be folded into copies .* serving_model\(model, k\)"):
         fold_conditioning(model, loops)
+@pytest.mark.slow
+@pytest.mark.parametrize("token", [["attention"], ["gdp"]], ids=["moe", "hybrid_moe"])
+def test_compiled_moe_layers_match_eager_and_count_load_once_under_checkpointing(token: list[str]) -> None:
+    """``compile_layers`` with MoE (and a GDP hybrid): loss and gradients equal eager's, and with
+    activation checkpointing the recomputed loops still count their expert load once."""
+    torch.manual_seed(0)
+    arch = replace(moe_config(tiny_config(vocab_size=256, token_pattern={"rec": token})), route_replay="replay")
+    modules = {}
+    for name, kwargs in (("eager", {}), ("compiled", {"compile_layers": True, "activation_checkpointing": "loop"})):
+        modules[name] = ELRModule(arch=arch, conditioner=None, **kwargs)
+        if name == "compiled":
+            modules[name].load_state_dict(modules["eager"].state_dict())
+        modules[name].configure_model()
+    batch = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    losses, loads, grads = {}, {}, {}
+    for name, module in modules.items():
+        module.train()
+        losses[name] = module.shard_loss(batch, [3])
+        losses[name].backward()
+        layers = [*module.model.input_layers, *module.model.core.layers, *module.model.output_layers]
+        loads[name] = [layer.mlp.end_step(lambda t: t) for layer in layers]
+        grads[name] = module.model.core.layers[0].mlp.w_up.grad
+    torch.testing.assert_close(losses["compiled"], losses["eager"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grads["compiled"], grads["eager"], rtol=1e-3, atol=1e-5)
+    for eager, compiled in zip(loads["eager"], loads["compiled"]):
+        assert eager.sum() > 0
+        torch.testing.assert_close(compiled, eager)

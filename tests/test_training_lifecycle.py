@@ -125,11 +125,14 @@ def test_resuming_with_another_number_of_shards_is_refused_naming_the_fix(tmp_pa
     trainer(4, logger=False, limit_val_batches=1).validate(
         module(virtual_ranks=4), data(tmp_path), ckpt_path=ckpt, weights_only=False
     )
-    # the same loop schedule resumes; a longer run is told that the restored LR schedule ends at step 2
-    resumed = trainer(3, logger=False)
-    with pytest.warns(UserWarning, match=r"planned 2 optimizer steps, this run plans 3: .*rises again"):
-        resumed.fit(module(), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
-    assert resumed.global_step == 3
+    # a longer run is refused before any step (the restored cosine would rise again after step 2) ...
+    longer = trainer(3, logger=False)
+    with pytest.raises(ValueError, match=r"planned 2 optimizer steps, this run plans 3; .*trainer.max_steps: 2"):
+        longer.fit(module(), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
+    # ... and a shorter one warns that it stops before the restored cosine ends
+    shorter = trainer(1, logger=False)
+    with pytest.warns(UserWarning, match=r"planned 2 optimizer steps, this run plans 1: .*stops before its cosine ends"):
+        shorter.fit(module(), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
 
 
 def test_resuming_a_sharded_folder_without_fsdp_names_the_strategy(tmp_path: Path) -> None:

@@ -12,6 +12,11 @@ from transformers import PretrainedConfig
 #: State-update rules the modeling file implements (eq. 2 and the paper's ablation rules).
 STATE_UPDATES = ("adaptive_delta", "fixed_delta", "residual", "replace", "non_recurrent")
 
+#: Token and channel mixers the modeling file implements (``type`` of each ``token_mixers`` /
+#: ``channel_mixers`` entry): softmax attention and Gated DeltaProduct; SwiGLU and mixture of experts.
+TOKEN_MIXERS = ("attention", "gdp")
+CHANNEL_MIXERS = ("swiglu", "moe")
+
 
 class ELRConfig(PretrainedConfig):
     """Architecture of a looped LM: input block, shared recurrent block applied k times, output block.
@@ -47,6 +52,12 @@ class ELRConfig(PretrainedConfig):
         qkv_bias: Biases on the query, key and value projections.
         injection: The recurrent block's input, ``sum`` (s~_i = s_{i-1} + h_in, eq. 2) or ``mean``
             (their mean).
+        token_mixers: The token mixer of each layer in stack order (input, recurrent, output
+            layers, each unique layer once): ``{"type": "attention"}`` or ``{"type": "gdp", ...}``
+            with the Gated DeltaProduct's widths; ``None`` means attention everywhere.
+        channel_mixers: The channel mixer of each layer, as ``token_mixers``: ``{"type": "swiglu"}``
+            or ``{"type": "moe", ...}`` with the experts' sizes and route replay mode; ``None``
+            means SwiGLU everywhere.
     """
 
     model_type = "elr"
@@ -87,6 +98,8 @@ class ELRConfig(PretrainedConfig):
         qk_norm: bool = False,
         qkv_bias: bool = False,
         injection: str = "sum",
+        token_mixers: Optional[list[dict]] = None,
+        channel_mixers: Optional[list[dict]] = None,
         **kwargs,
     ) -> None:
         if state_update not in STATE_UPDATES:
@@ -114,9 +127,23 @@ class ELRConfig(PretrainedConfig):
         self.head_dim = d_model // n_heads if head_dim is None else head_dim
         self.rope_freq_scaling = rope_freq_scaling
         self.qk_norm, self.qkv_bias, self.injection = qk_norm, qkv_bias, injection
+        layers = n_in + n_rec + n_out
+        for name, mixers, types in (
+            ("token_mixers", token_mixers, TOKEN_MIXERS), ("channel_mixers", channel_mixers, CHANNEL_MIXERS)
+        ):
+            if mixers is not None and (len(mixers) != layers or any(m.get("type") not in types for m in mixers)):
+                raise ValueError(f"{name} must hold one mixer of {types} per layer ({layers}), not {mixers!r}")
+        self.token_mixers = token_mixers
+        self.channel_mixers = channel_mixers
         # One cache layer per attention call at k = max_loops (per-loop caching, eq. 1).
         self.num_hidden_layers = n_in + max_loops * n_rec + n_out
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def layer_mixers(self, index: int) -> tuple[dict, dict]:
+        """``(token mixer, channel mixer)`` of layer ``index`` in stack order (input, recurrent, output)."""
+        token = self.token_mixers[index] if self.token_mixers is not None else {"type": "attention"}
+        channel = self.channel_mixers[index] if self.channel_mixers is not None else {"type": "swiglu"}
+        return token, channel
 
     def effective_depth(self, loops: int) -> int:
         """D_eff(k) = n_in + k n_rec + n_out, eq. (1)."""

@@ -9,9 +9,10 @@ trust_remote_code=True)`` loads it with only ``transformers`` installed. An impo
 :class:`~elr_lightning.module.ELRModule` and writes a Lightning checkpoint whose weights equal the
 exported ones bit for bit.
 
-Supported: the dense attention model with any of the library's state-update rules and the eq. 4
-loop conditioning. Anything else (hybrid token mixers, MoE channel mixers, other plug-ins) is
-refused with a message naming what the export does not know yet.
+Supported: dense, hybrid (Gated DeltaProduct token mixers) and mixture-of-experts models (route
+replay as trained) with any of the library's state-update rules and the eq. 4 loop conditioning.
+Other plug-ins (mixers, updates, conditioners of one's own) are refused with a message naming what
+the export does not know.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from torch import Tensor
 
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
+from elr_lightning.layers import Block
+from elr_lightning.mixers import Attention, GatedDeltaProduct, MoE, SwiGLU
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, choose_tokenizer
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
@@ -39,6 +42,9 @@ DENSE_FIELDS = (
     "head_size", "rope_scaling", "qk_norm", "qkv_bias",
 )
 
+#: ``ModelConfig`` fields that choose the mixers; the export reads the built mixers instead (:func:`layer_mixers`).
+MIXER_FIELDS = ("token_pattern", "channel_pattern", "mixers", "route_replay")
+
 #: State-update rules by their name in ``config.json``; matched on the exact class.
 UPDATE_RULES: dict[str, type[StateUpdate]] = {
     "adaptive_delta": AdaptiveDelta,
@@ -48,8 +54,17 @@ UPDATE_RULES: dict[str, type[StateUpdate]] = {
     "non_recurrent": NonRecurrent,
 }
 
-REMOTE_CODE = ("configuration_elr.py", "modeling_elr.py")
+#: The remote code: file name in the export -> its source in the package. ``delta_rule.py`` is the
+#: Gated DeltaProduct recurrence the library trains with, shipped as it is (it imports only torch).
+REMOTE_CODE = {
+    "configuration_elr.py": ("hf", "configuration_elr.py"),
+    "modeling_elr.py": ("hf", "modeling_elr.py"),
+    "hybrid_elr.py": ("hf", "hybrid_elr.py"),
+    "delta_rule.py": ("mixers", "delta_rule.py"),
+}
 _ACTIVE_FLAG = "core.conditioner.active_flag"
+#: The byte tokenizer's pad token in an export: the NUL byte.
+BYTE_PAD_ID = 0
 
 
 def _hf():
@@ -66,7 +81,7 @@ def _hf():
 def _check_dense(config: ModelConfig) -> None:
     defaults = {f.name: f for f in dataclasses.fields(config)}
     for name, value in dataclasses.asdict(config).items():
-        if name in DENSE_FIELDS:
+        if name in DENSE_FIELDS or name in MIXER_FIELDS:
             continue
         f = defaults[name]
         if f.default is not dataclasses.MISSING:
@@ -77,20 +92,55 @@ def _check_dense(config: ModelConfig) -> None:
             default = None
         if value != default:
             raise ValueError(
-                f"arch.{name}={value!r}: the Hugging Face export supports dense attention models only; hybrid "
-                "(linear-attention) and MoE models are refused until the modeling file implements them"
+                f"arch.{name}={value!r}: the Hugging Face modeling file does not implement this field; export a "
+                "model that leaves it at its default"
             )
+
+
+def _mixer_fields(mixer: Any) -> dict[str, Any]:
+    """The ``config.json`` entry of one built mixer (matched on its exact class)."""
+    if type(mixer) is Attention:
+        return {"type": "attention"}
+    if type(mixer) is SwiGLU:
+        return {"type": "swiglu"}
+    if type(mixer) is GatedDeltaProduct:
+        return {
+            "type": "gdp", "num_householder": mixer.n, "num_heads": mixer.heads, "head_dim": mixer.dk,
+            "value_dim": mixer.dv, "conv_size": mixer.conv_size, "allow_neg_eigval": mixer.allow_neg_eigval,
+            "chunk_size": mixer.chunk_size,
+        }
+    if type(mixer) is MoE:
+        return {
+            "type": "moe", "num_experts": mixer.num_experts, "top_k": mixer.top_k, "expert_dim": mixer.expert_dim,
+            "shared_expert_dim": 0 if mixer.shared_down is None else mixer.shared_down.in_features,
+            "replay": mixer.replay,
+        }
+    raise ValueError(
+        f"arch.token_pattern/channel_pattern: the mixer {type(mixer).__name__} has no Hugging Face counterpart; "
+        f"the export supports {', '.join(cls.__name__ for cls in (Attention, GatedDeltaProduct, SwiGLU, MoE))}"
+    )
+
+
+def layer_mixers(model: LoopedLM) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(token_mixers, channel_mixers)`` of ``config.json``: each layer's mixers in stack order.
+
+    Raises:
+        ValueError: A mixer the modeling file does not implement.
+    """
+    layers: list[Block] = [*model.input_layers, *model.core.layers, *model.output_layers]
+    return [_mixer_fields(layer.attn) for layer in layers], [_mixer_fields(layer.mlp) for layer in layers]
 
 
 def hf_config_fields(model: LoopedLM) -> dict[str, Any]:
     """The ``config.json`` fields of ``model``'s export (``ELRConfig`` arguments and ``elr_arch``).
 
     Raises:
-        ValueError: A hybrid or MoE architecture, or a state-update rule or conditioner the
-            modeling file does not implement.
+        ValueError: An architecture field, mixer, state-update rule or conditioner the modeling
+            file does not implement.
     """
     config = model.config
     _check_dense(config)
+    token_mixers, channel_mixers = layer_mixers(model)
     rule = next((name for name, cls in UPDATE_RULES.items() if type(model.update) is cls), None)
     if rule is None:
         raise ValueError(
@@ -129,6 +179,8 @@ def hf_config_fields(model: LoopedLM) -> dict[str, Any]:
         "qk_norm": config.qk_norm,
         "qkv_bias": config.qkv_bias,
         "injection": getattr(model.update, "injection", "sum"),
+        "token_mixers": token_mixers,
+        "channel_mixers": channel_mixers,
         "elr_arch": dataclasses.asdict(config),
     }
 
@@ -176,6 +228,8 @@ def _write_tokenizer(tokenizer: Tokenizer, out: Path, max_seq_len: int) -> None:
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTok.from_str(raw), model_max_length=max_seq_len)
     if eos is not None:
         fast.eos_token = fast.convert_ids_to_tokens(eos)
+    if isinstance(tokenizer, ByteTokenizer):  # batched generate pads; the NUL byte, as elr generate's pad_id
+        fast.pad_token = fast.convert_ids_to_tokens(BYTE_PAD_ID)
     fast.save_pretrained(str(out))
     (out / "tokenizer.json").write_text(raw, encoding="utf-8")  # the training tokenizer's exact file
 
@@ -207,7 +261,7 @@ def export_hf(model: LoopedLM, tokenizer: Tokenizer, out: str | os.PathLike) -> 
     if unknown:
         raise ValueError(
             f"the model has {len(unknown)} parameter(s) the Hugging Face modeling file does not know ({unknown[:4]}); "
-            "hybrid, MoE or custom layers cannot be exported yet"
+            "layers of one's own cannot be exported"
         )
     missing = sorted(set(expected) - set(tensors))
     if missing:
@@ -221,12 +275,15 @@ def export_hf(model: LoopedLM, tokenizer: Tokenizer, out: str | os.PathLike) -> 
     config.architectures = ["ELRForCausalLM"]
     config.dtype = str(model.embed.weight.dtype).removeprefix("torch.")
     config.eos_token_id = tokenizer.eos_id  # generate() stops at EOS, as `elr generate` does
+    config.pad_token_id = BYTE_PAD_ID if isinstance(tokenizer, ByteTokenizer) else None
     config.save_pretrained(str(out))
-    transformers.GenerationConfig(eos_token_id=tokenizer.eos_id).save_pretrained(str(out))
+    transformers.GenerationConfig(eos_token_id=tokenizer.eos_id, pad_token_id=config.pad_token_id).save_pretrained(
+        str(out)
+    )
     st.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    here = Path(__file__).parent
-    for name in REMOTE_CODE:
-        shutil.copyfile(here / name, out / name)
+    package = Path(__file__).parent.parent
+    for name, source in REMOTE_CODE.items():
+        shutil.copyfile(package.joinpath(*source), out / name)
     _write_tokenizer(tokenizer, out, model.config.max_seq_len)
     return out
 

@@ -18,7 +18,7 @@ has no counterpart among the Hugging Face cache classes, which only append.
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_elr import ELRConfig
+from .hybrid_elr import ELRGatedDeltaProduct, ELRMoE, ELRStateLayer
 
 #: The output field of the cache: ``cache`` in recent transformers, ``past_key_values`` before.
 _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
@@ -130,30 +131,60 @@ class ELRModulator(nn.Module):
 
 
 class ELRBlock(nn.Module):
-    """One pre-norm layer; recurrent and output layers carry two modulators when conditioned."""
+    """One pre-norm layer; recurrent and output layers carry two modulators when conditioned.
 
-    def __init__(self, config: ELRConfig, modulated: bool) -> None:
+    The token mixer is attention or Gated DeltaProduct, the channel mixer SwiGLU or a mixture of
+    experts, as ``config.layer_mixers(index)`` says.
+    """
+
+    def __init__(self, config: ELRConfig, modulated: bool, index: int) -> None:
         super().__init__()
+        token, channel = config.layer_mixers(index)
         self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = ELRAttention(config)
+        self.attn = ELRAttention(config) if token["type"] == "attention" else ELRGatedDeltaProduct(
+            config.d_model, config.norm_eps, **{k: v for k, v in token.items() if k != "type"}
+        )
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = ELRMLP(config)
+        self.mlp = ELRMLP(config) if channel["type"] == "swiglu" else ELRMoE(
+            config.d_model, **{k: v for k, v in channel.items() if k != "type"}
+        )
         cond = config.conditioning
         self.attn_mod = ELRModulator(config.d_model, cond["d_cond"], cond["rank"]) if modulated and cond else None
         self.mlp_mod = ELRModulator(config.d_model, cond["d_cond"], cond["rank"]) if modulated and cond else None
 
-    def forward(
-        self, x: Tensor, c: Optional[Tensor], start: int, mask: Optional[Tensor], cache: Optional[Cache], idx: int
-    ) -> Tensor:
-        h = self.attn_norm(x)
-        if c is not None and self.attn_mod is not None:
-            x = x + self.attn_mod.post(self.attn(self.attn_mod.pre(h, c), start, mask, cache, idx), c)
+    def forward(self, x: Tensor, c: Optional[Tensor], call: "_Call", idx: int, loop: int) -> Tensor:
+        """The layer at cache slot ``idx`` (per-loop caching) and loop ``loop`` (0 outside the core)."""
+        if isinstance(self.attn, ELRAttention):
+            def token(h: Tensor) -> Tensor:
+                return self.attn(h, call.start, call.mask, call.cache, idx)
         else:
-            x = x + self.attn(h, start, mask, cache, idx)
-        h = self.mlp_norm(x)
-        if c is not None and self.mlp_mod is not None:
-            return x + self.mlp_mod.post(self.mlp(self.mlp_mod.pre(h, c)), c)
-        return x + self.mlp(h)
+            def token(h: Tensor) -> Tensor:
+                return self.attn(h, call.keep, None if call.cache is None else call.cache.layers[idx])
+        if isinstance(self.mlp, ELRMoE):
+            def channel(h: Tensor) -> Tensor:
+                return self.mlp(h, loop, call.routes.setdefault(id(self), {}))
+        else:
+            channel = self.mlp
+        x = x + self._sublayer(x, self.attn_norm, token, self.attn_mod, c)
+        return x + self._sublayer(x, self.mlp_norm, channel, self.mlp_mod, c)
+
+    @staticmethod
+    def _sublayer(x: Tensor, norm: nn.RMSNorm, f: Any, mod: Optional[ELRModulator], c: Optional[Tensor]) -> Tensor:
+        h = norm(x)
+        if c is not None and mod is not None:
+            return mod.post(f(mod.pre(h, c)), c)
+        return f(h)
+
+
+@dataclasses.dataclass
+class _Call:
+    """What every layer of one forward pass shares: positions, masks, cache and the MoE routes of loop 1."""
+
+    start: int
+    mask: Optional[Tensor]
+    keep: Optional[Tensor]
+    cache: Optional[Cache]
+    routes: dict = dataclasses.field(default_factory=dict)
 
 
 class ELRUpdate(nn.Module):
@@ -207,7 +238,7 @@ class ELRCore(nn.Module):
         super().__init__()
         self.update = ELRUpdate(config)
         self.conditioner = ELRConditioner(**config.conditioning) if config.conditioning else None
-        self.layers = nn.ModuleList(ELRBlock(config, modulated=True) for _ in range(config.n_rec))
+        self.layers = nn.ModuleList(ELRBlock(config, True, config.n_in + j) for j in range(config.n_rec))
 
 
 class ELRPreTrainedModel(PreTrainedModel):
@@ -244,9 +275,10 @@ class ELRModel(ELRPreTrainedModel):
     def __init__(self, config: ELRConfig) -> None:
         super().__init__(config)
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.input_layers = nn.ModuleList(ELRBlock(config, modulated=False) for _ in range(config.n_in))
+        self.input_layers = nn.ModuleList(ELRBlock(config, False, j) for j in range(config.n_in))
         self.core = ELRCore(config)
-        self.output_layers = nn.ModuleList(ELRBlock(config, modulated=True) for _ in range(config.n_out))
+        first_out = config.n_in + config.n_rec
+        self.output_layers = nn.ModuleList(ELRBlock(config, True, first_out + j) for j in range(config.n_out))
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.post_init()
 
@@ -272,6 +304,9 @@ class ELRModel(ELRPreTrainedModel):
         if isinstance(cache, DynamicCache):
             while len(cache.layers) < cfg.effective_depth(loops):  # per-loop caching: one layer per call
                 cache.layers.append(DynamicLayer())
+            for idx, layer in enumerate(self._call_layers(loops)):  # recurrent mixers keep a state instead
+                if isinstance(layer.attn, ELRGatedDeltaProduct) and not isinstance(cache.layers[idx], ELRStateLayer):
+                    cache.layers[idx] = ELRStateLayer()
         mask = None
         if start > 0 or (attention_mask is not None and not bool(attention_mask.all())):
             q_pos = torch.arange(start, start + t, device=input_ids.device)[:, None]
@@ -279,9 +314,11 @@ class ELRModel(ELRPreTrainedModel):
             mask = (k_pos <= q_pos)[None, None]
             if attention_mask is not None:
                 mask = (mask & attention_mask.bool()[:, None, None, :]) | (k_pos == q_pos)[None, None]
+        keep = None if attention_mask is None else attention_mask[:, -t:].bool()
+        call = _Call(start, mask, keep, cache)
         x = self.embed(input_ids)
         for j, layer in enumerate(self.input_layers):
-            x = layer(x, None, start, mask, cache, j)
+            x = layer(x, None, call, j, 0)
         core, h_in = self.core, x
         s, c = h_in, None
         for i in range(1, loops + 1):
@@ -290,12 +327,16 @@ class ELRModel(ELRPreTrainedModel):
             s_tilde = core.update.inject(s, h_in)
             r = s_tilde
             for j, layer in enumerate(core.layers):
-                r = layer(r, c, start, mask, cache, cfg.n_in + (i - 1) * cfg.n_rec + j)
+                r = layer(r, c, call, cfg.n_in + (i - 1) * cfg.n_rec + j, i)
             s = core.update(s, r, s_tilde)
         first_out = cfg.n_in + loops * cfg.n_rec
         for j, layer in enumerate(self.output_layers):
-            s = layer(s, c, start, mask, cache, first_out + j)
+            s = layer(s, c, call, first_out + j, 0)
         return self.norm(s)
+
+    def _call_layers(self, loops: int) -> list[ELRBlock]:
+        """The layer of every call at loop count ``loops``, in cache-slot order (eq. 1)."""
+        return [*self.input_layers, *list(self.core.layers) * loops, *self.output_layers]
 
 
 class ELRForCausalLM(ELRPreTrainedModel, GenerationMixin):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -18,8 +18,17 @@ from torch.func import functional_call
 
 from elr_lightning.context import LoopContext
 
-if TYPE_CHECKING:  # config imports this module to validate mixer classes
-    from elr_lightning.config import ModelConfig
+
+class Architecture(Protocol):
+    """What a mixer is built from: :class:`~elr_lightning.config.ModelConfig` (or any config with its fields).
+
+    The seams sit below the model config, which imports them to check the classes its patterns
+    name; so this module names the config by the fields every mixer may read, not by importing it.
+    """
+
+    d_model: int
+    n_heads: int
+    norm_eps: float
 
 
 @dataclass(frozen=True)
@@ -97,7 +106,7 @@ class _Mixer(nn.Module):
     #: by the exit gate.
     fold_outputs: tuple[str, ...] = ()
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: Architecture) -> None:
         super().__init__()
         self.config = config
 

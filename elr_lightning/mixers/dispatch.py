@@ -94,7 +94,9 @@ def grouped_mm_supported(x: Tensor, weight: Tensor, dtype: Optional[torch.dtype]
 
     It needs this torch to have it, floating tensors of one dtype (or an autocast ``dtype`` both are
     cast to), rows aligned to 16 bytes (the inner and outer widths a multiple of 16 bytes in
-    ``dtype``), and on CUDA bf16 on a Hopper-class device (compute capability 9.0 or later).
+    ``dtype``), and on CUDA bf16 on a Hopper-class device (compute capability 9.0 or later). Under
+    ``torch.compile`` (``compile_layers``) bf16 on the CPU too: the compiler's shape function of
+    ``torch._grouped_mm`` refuses other dtypes, though the eager CPU kernel takes them.
     """
     dtype = compute_dtype(x) if dtype is None else dtype
     if not hasattr(torch, "_grouped_mm") or not dtype.is_floating_point or not weight.dtype.is_floating_point:
@@ -106,7 +108,7 @@ def grouped_mm_supported(x: Tensor, weight: Tensor, dtype: Optional[torch.dtype]
         return False
     if x.device.type == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return x.device.type == "cpu"
+    return x.device.type == "cpu" and (dtype == torch.bfloat16 or not torch.compiler.is_compiling())
 
 
 def grouped_matmul(x: Tensor, weight: Tensor, plan: DispatchPlan, grouped: bool) -> Tensor:

@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext
+from elr_lightning.errors import is_integer
 from elr_lightning.mixers.base import CacheBytes, TokenMixer
 from elr_lightning.mixers.delta_rule import KERNELS, delta_product, l2_normalize
 from elr_lightning.roles import set_role
@@ -57,8 +58,10 @@ class GatedDeltaProduct(TokenMixer):
         kernels: str = "auto",
     ) -> None:
         super().__init__(config)
-        for name, value in (("num_householder", num_householder), ("conv_size", conv_size), ("chunk_size", chunk_size)):
-            if not isinstance(value, int) or value < 1:
+        sizes = {"num_householder": num_householder, "conv_size": conv_size, "chunk_size": chunk_size}
+        sizes.update((k, v) for k, v in (("num_heads", num_heads), ("head_dim", head_dim)) if v is not None)
+        for name, value in sizes.items():
+            if not is_integer(value):
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} must be one of {KERNELS}")

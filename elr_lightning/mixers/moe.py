@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from elr_lightning.config import ROUTE_REPLAY, ModelConfig
 from elr_lightning.context import LoopContext
+from elr_lightning.errors import is_integer
 from elr_lightning.mixers.base import ChannelMixer
 from elr_lightning.mixers.dispatch import (
     DISPATCH,
@@ -95,13 +96,15 @@ class MoE(ChannelMixer):
         dispatch: str = "auto",
     ) -> None:
         super().__init__(config)
-        if not isinstance(num_experts, int) or num_experts < 1:
+        if not is_integer(num_experts):
             raise ValueError(f"num_experts={num_experts!r} must be an integer >= 1; give the layer at least one expert")
-        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        if not is_integer(top_k) or top_k > num_experts:
             raise ValueError(f"top_k={top_k!r} must be in 1..num_experts={num_experts}; lower top_k or add experts")
         expert_dim = max(1, config.ff_dim // top_k) if expert_dim is None else expert_dim
-        if not isinstance(expert_dim, int) or expert_dim < 1 or shared_expert_dim < 0:
-            raise ValueError(f"expert_dim={expert_dim!r} must be >= 1 and shared_expert_dim={shared_expert_dim} >= 0")
+        if not is_integer(expert_dim):
+            raise ValueError(f"expert_dim={expert_dim!r} must be an integer >= 1")
+        if not is_integer(shared_expert_dim, 0):
+            raise ValueError(f"shared_expert_dim={shared_expert_dim!r} must be an integer >= 0 (0: no shared expert)")
         if aux_loss_coef < 0:
             raise ValueError(f"aux_loss_coef={aux_loss_coef} must be >= 0 (0 turns the balance loss off)")
         if balance_rate < 0:
