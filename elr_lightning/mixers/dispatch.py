@@ -106,6 +106,8 @@ def grouped_mm_supported(x: Tensor, weight: Tensor, dtype: Optional[torch.dtype]
         return False
     if x.device.type == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:  # its meta kernel, which compile traces, takes bf16 only
+        return False
     return x.device.type == "cpu"
 
 
