@@ -16,6 +16,7 @@ from torch._dynamo.testing import CompileCounter
 from conftest import tiny_config
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.model import LoopedLM
+from elr_lightning.module import ELRModule
 from test_gdp import hybrid_config
 from test_moe import moe_config
 
@@ -103,3 +104,12 @@ def test_moe_in_bf16_is_one_graph_per_k() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         explained = torch._dynamo.explain(m)(ids(), 2, aux_losses=UserDict())
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_module_compiles_the_whole_model_and_refuses_both_compile_switches() -> None:
+    module = ELRModule(tiny_config(), compile_model=True)
+    module.configure_model()
+    assert module.model._compiled_call_impl is not None
+    assert all(layer._compiled_call_impl is None for layer in module.all_layers())
+    with pytest.raises(ValueError, match="compile_layers and compile_model"):
+        ELRModule(tiny_config(), compile_layers=True, compile_model=True)
