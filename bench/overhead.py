@@ -29,7 +29,7 @@ compiled copy of every case in the same rounds and prints compiled over eager)::
     python bench/overhead.py --d_model 512 --n_heads 8 --layers 1 2 1 --batch 32 --short --compile both
     python bench/overhead.py --arch moe --d_model 128 --layers 1 2 1 --short --compile both
 
-``--arch hybrid`` alternates GatedDeltaProduct and attention in every block; ``--arch moe`` makes every
+``--arch hybrid`` is the hybrid quickstart's pattern (GatedDeltaProduct in, GDP and attention shared, attention out); ``--arch moe`` makes every
 channel mixer a top-2-of-8 mixture of experts of the dense d_ff's active width. ``--short`` keeps
 the baseline and the conditioned model at k = 1 and K.
 
@@ -57,7 +57,7 @@ from elr_lightning.optim import param_groups
 #: ``--arch``: the mixers of every layer besides the defaults (attention, SwiGLU).
 ARCHS = {
     "attention": {},
-    "hybrid": {"token_pattern": ["gdp", "attention"],
+    "hybrid": {"token_pattern": {"in": ["gdp"], "rec": ["gdp", "attention"], "out": ["attention"]},
                "mixers": {"gdp": {"class_path": "elr_lightning.mixers.GatedDeltaProduct"}}},
     "moe": {"channel_pattern": ["moe"], "mixers": {"moe": {"class_path": "elr_lightning.mixers.MoE"}}},
 }  # fmt: skip
