@@ -13,7 +13,13 @@ The width, heads, vocabulary and sequence length of GPT-0.5B (d = 1152, 18 heads
 4. whether a training step makes a host sync (``torch.cuda.set_sync_debug_mode("error")``);
 5. fla's gated delta-product kernels against the PyTorch chunked path on the same bf16 inputs
    (B = 2, T = 512, 4 heads of 64, n = 2): relative differences of the outputs, final state and
-   every input gradient, and the forward-plus-backward time of each.
+   every input gradient, and the forward-plus-backward time of each;
+6. the conditioning ratio: the bf16 k = 1 training step of the conditioned model over the same
+   model without a conditioner, eager and with the whole looped forward compiled
+   (``LoopedLM.compile()``, as ``ELRModule(compile_model=True)``), per-round ratios over
+   interleaved rounds (target <= 1.03);
+7. the MoE expert dispatch: ``torch._grouped_mm`` against the per-expert loop on the same bf16
+   tokens (8 experts, top-2), forward plus backward, and their relative difference.
 
 Writes ``bench/results/gpu.json`` after every section (a run stopped by the time limit keeps what
 it measured). Figures are from this run only.
@@ -48,6 +54,7 @@ from elr_lightning.flops import train_flops_per_token
 from elr_lightning.cache import CACHE_POLICIES
 from elr_lightning.generation import stream_generate
 from elr_lightning.mixers.delta_rule import delta_product, fla_unsupported
+from elr_lightning.mixers.dispatch import expert_swiglu, grouped_mm_supported, plan_dispatch
 from elr_lightning.model import LoopedLM
 from elr_lightning.optim import param_groups
 
@@ -257,6 +264,72 @@ def fla_check(args) -> dict:
     return row
 
 
+def conditioning_ratio(cfg, args, batch) -> dict:
+    """Conditioned over unconditioned k = 1 train step, eager and compiled, per-round ratios."""
+    device = batch.device
+    torch.manual_seed(0)
+    models = {"plain": LoopedLM(cfg).to(device), "conditioned": build(cfg, args, False)}
+    steps = {}
+    for mode in ("eager", "compiled"):
+        for name, model in models.items():
+            run = model if mode == "eager" else torch.compile(model, backend=args.compile_backend)
+            optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
+            steps[name, mode] = (run, optimizer)
+    times = {key: [] for key in steps}
+    for r in range(args.warmup + args.steps):
+        for key in (list(steps) if r % 2 else list(reversed(steps))):
+            synchronize(device)
+            start = time.perf_counter()
+            train_step(*steps[key], batch, 1)
+            synchronize(device)
+            if r >= args.warmup:
+                times[key].append(time.perf_counter() - start)
+    row = {}
+    for mode in ("eager", "compiled"):
+        ratios = [c / p for c, p in zip(times["conditioned", mode], times["plain", mode])]
+        row[mode] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                     "plain_step_s": statistics.median(times["plain", mode])}
+        print(f"conditioning {mode:<8} k=1 conditioned / plain step {row[mode]['median']:.3f} "
+              f"({row[mode]['min']:.3f}-{row[mode]['max']:.3f}; target <= 1.03)", flush=True)
+    eager, compiled = row["eager"]["plain_step_s"], row["compiled"]["plain_step_s"]
+    row["compiled_over_eager_plain"] = compiled / eager
+    del models, steps
+    empty_cache(device)
+    return row
+
+
+def moe_dispatch(args) -> dict:
+    """``torch._grouped_mm`` against the per-expert loop: one MoE layer's expert SwiGLU, forward and backward."""
+    device = torch.device(args.device)
+    gen = torch.Generator(device).manual_seed(0)
+    n, d, f, e = args.batch * args.seq_len, args.d_model, args.d_model, 8
+    x = torch.randn(n, d, device=device, generator=gen).bfloat16().requires_grad_()
+    w_up = (torch.randn(e, d, 2 * f, device=device, generator=gen) * d**-0.5).bfloat16().requires_grad_()
+    w_down = (torch.randn(e, f, d, device=device, generator=gen) * f**-0.5).bfloat16().requires_grad_()
+    if not grouped_mm_supported(x, w_up):
+        why = f"torch._grouped_mm does not run here ({device.type}, bf16)"
+        print(f"moe dispatch not measured: {why}", flush=True)
+        return {"not_measured": why}
+    plan = plan_dispatch(torch.randint(0, e, (n, 2), device=device, generator=gen), e)
+    runs = {}
+    for grouped in (True, False):
+        times = []
+        for _ in range(3):
+            synchronize(device)
+            start = time.perf_counter()
+            y = expert_swiglu(x, w_up, w_down, plan, grouped)
+            grads = torch.autograd.grad(y.float().square().mean(), (x, w_up, w_down))
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        runs[grouped] = ([t.float() for t in (y, *grads)], min(times[1:]))
+    rel = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(runs[True][0], runs[False][0]))
+    row = {"tokens": n, "grouped_s": runs[True][1], "loop_s": runs[False][1], "speedup": runs[False][1] / runs[True][1],
+           "max_rel_diff": rel}
+    print(f"moe dispatch grouped vs loop: {row['grouped_s'] * 1e3:.1f} ms vs {row['loop_s'] * 1e3:.1f} ms "
+          f"({row['speedup']:.1f}x), max rel diff {rel:.2e}", flush=True)
+    return row
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="torch device; anything but cuda is a smoke run")
@@ -302,6 +375,8 @@ def main() -> None:
         "memory": lambda: memory(cfg, args, batch),
         "decode": lambda: decode(cfg, args),
         "fla": lambda: fla_check(args),
+        "conditioning": lambda: conditioning_ratio(cfg, args, batch),
+        "moe_dispatch": lambda: moe_dispatch(args),
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     for section, measure in sections.items():

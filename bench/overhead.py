@@ -17,6 +17,22 @@ memory lies).
     python bench/overhead.py                       # prints a table, writes bench/results/overhead.json
     python bench/overhead.py --precision bf16 --d_model 512
 
+Direct use of ``LoopedLM`` with a default ``LoopConditioner()`` at k = 1 against a plain model of the
+same 4 layers (the case of issue 23: d = 256, 1/2/1 layers, d_ff = 1024, batch 8 x 256, fp32)::
+
+    python bench/overhead.py --layers 1 2 1 --d_ff 1024 --short
+
+The conditioning target (<= 1.03x) is meant at d = 512 and 8,192 tokens per step, eager and with
+the whole looped forward compiled (``--compile model``; ``--compile both`` times the eager and the
+compiled copy of every case in the same rounds and prints compiled over eager)::
+
+    python bench/overhead.py --d_model 512 --n_heads 8 --layers 1 2 1 --batch 32 --short --compile both
+    python bench/overhead.py --arch moe --d_model 128 --layers 1 2 1 --short --compile both
+
+``--arch hybrid`` is the hybrid quickstart's pattern (GatedDeltaProduct in, GDP and attention shared, attention out); ``--arch moe`` makes every
+channel mixer a top-2-of-8 mixture of experts of the dense d_ff's active width. ``--short`` keeps
+the baseline and the conditioned model at k = 1 and K.
+
 Targets (issue: foundation): ELR at k = 1 within 1.03x of the baseline; step time at k over step
 time at k = 1 within 1.00 +- 0.05 of D_eff(k) / D_eff(1).
 """
@@ -38,16 +54,27 @@ from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
 from elr_lightning.optim import param_groups
 
+#: ``--arch``: the mixers of every layer besides the defaults (attention, SwiGLU).
+ARCHS = {
+    "attention": {},
+    "hybrid": {"token_pattern": {"in": ["gdp"], "rec": ["gdp", "attention"], "out": ["attention"]},
+               "mixers": {"gdp": {"class_path": "elr_lightning.mixers.GatedDeltaProduct"}}},
+    "moe": {"channel_pattern": ["moe"], "mixers": {"moe": {"class_path": "elr_lightning.mixers.MoE"}}},
+}  # fmt: skip
 
-def make_step(model: LoopedLM, batch: torch.Tensor, loops: int, precision: str, conditioning: bool = True):
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4)
+
+def make_step(
+    model, batch: torch.Tensor, loops: int, precision: str, conditioning: bool = True, source: LoopedLM | None = None
+):
+    source = model if source is None else source
+    optimizer = torch.optim.AdamW(param_groups(source, 0.1), lr=1e-4)
     autocast = (
         torch.autocast(batch.device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
     )
 
     def step() -> tuple[float, float]:
-        if model.conditioner is not None:
-            model.conditioner.set_active(conditioning)
+        if source.conditioner is not None:
+            source.conditioner.set_active(conditioning)
         start, start_cpu = time.perf_counter(), time.process_time()
         with autocast:
             logits = model(batch[:, :-1], loops)
@@ -71,29 +98,53 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--compile", action="store_true", help="torch.compile every layer (as compile_layers)")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="attention")
+    parser.add_argument("--d_ff", type=int, default=None, help="SwiGLU width (default 8/3 d)")
+    parser.add_argument("--compile", choices=["none", "layers", "model", "both"], default="none",
+                        help="layers: every layer (compile_layers); model: the whole looped forward "
+                             "(compile_model); both: eager and compiled-model copies of every case")
+    parser.add_argument("--short", action="store_true", help="only the baseline and conditioned k = 1 and K")
     parser.add_argument("--out", default="bench/results/overhead.json")
     args = parser.parse_args()
 
     torch.set_flush_denormal(True)
     torch.manual_seed(0)
     n_in, n_rec, n_out = args.layers
+    extra = dict(ARCHS[args.arch])
+    d_ff = args.d_ff or ModelConfig(d_model=args.d_model, n_heads=args.n_heads).ff_dim
+    if args.arch == "moe":  # top-2 of 8 experts of half the dense width: the dense model's active FLOPs
+        moe = {"num_experts": 8, "top_k": 2, "expert_dim": d_ff // 2}
+        extra["mixers"] = {"moe": {**extra["mixers"]["moe"], "init_args": moe}}
     cfg = ModelConfig(
         vocab_size=256, d_model=args.d_model, n_heads=args.n_heads, n_in=n_in, n_rec=n_rec, n_out=n_out,
-        max_seq_len=args.seq_len, max_loops=args.max_loops,
+        max_seq_len=args.seq_len, max_loops=args.max_loops, d_ff=args.d_ff, **extra,
     )
     batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1))
     baseline, gate_only, conditioned = LoopedLM.baseline(cfg), LoopedLM(cfg), LoopedLM(cfg, conditioner=LoopConditioner())
-    if args.compile:
+    if args.compile == "layers":
         for model in (baseline, gate_only, conditioned):
             for layer in [*model.input_layers, *model.core.layers, *model.output_layers]:
                 layer.compile()
+    elif args.compile == "model":
+        for model in (baseline, gate_only, conditioned):
+            model.compile()
     cases = {"baseline k=1": make_step(baseline, batch, 1, args.precision)}
-    cases["baseline k=1 (a copy)"] = make_step(LoopedLM.baseline(cfg), batch, 1, args.precision)
-    cases["elr k=1 (gate only)"] = make_step(gate_only, batch, 1, args.precision)
-    cases["elr k=1 (conditioning off)"] = make_step(conditioned, batch, 1, args.precision, conditioning=False)
-    for k in range(1, cfg.max_loops + 1):
+    if not args.short:
+        cases["baseline k=1 (a copy)"] = make_step(LoopedLM.baseline(cfg), batch, 1, args.precision)
+        cases["elr k=1 (gate only)"] = make_step(gate_only, batch, 1, args.precision)
+        cases["elr k=1 (conditioning off)"] = make_step(conditioned, batch, 1, args.precision, conditioning=False)
+    for k in range(1, cfg.max_loops + 1) if not args.short else sorted({1, cfg.max_loops}):
         cases[f"elr k={k} (conditioned)"] = make_step(conditioned, batch, k, args.precision)
+    if args.compile == "both":  # the same models' weights, through torch.compile of the whole forward
+        compiled = {id(m): torch.compile(m) for m in (baseline, conditioned)}
+        for name in list(cases):
+            model = baseline if name.startswith("baseline") and "copy" not in name else conditioned
+            if "copy" in name or "gate only" in name:
+                continue
+            k = int(name.split("k=")[1].split()[0])
+            cases[f"{name} compiled"] = make_step(
+                compiled[id(model)], batch, k, args.precision, conditioning="off" not in name, source=model
+            )
 
     load_before = os.getloadavg()
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -112,26 +163,34 @@ def main() -> None:
         ratios = [t / b for t, b in zip(clock[name], clock[base])]
         return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
-    k1 = median["elr k=1 (conditioned)"]
     rows = []
-    print(f"{'case':<26}{'ms/step':>10}{'vs baseline':>13}{'cpu vs base':>13}{'vs k=1':>9}{'D_eff pred':>12}"
-          f"{'meas/pred':>11}")
+    print(f"{'case':<36}{'ms/step':>10}{'vs baseline':>13}{'cpu vs base':>13}{'vs k=1':>9}{'D_eff pred':>12}"
+          f"{'meas/pred':>11}{'compiled/eager cpu':>20}")
     for name, t in median.items():
+        suffix = " compiled" if name.endswith(" compiled") else ""
+        base = "baseline k=1" + suffix
         row = {
             "case": name, "ms_per_step": 1e3 * t, "cpu_ms_per_step": 1e3 * statistics.median(cpu_times[name]),
-            "ratio_vs_baseline": per_round(name)["median"], "cpu_ratio_vs_baseline": per_round(name, cpu_times)["median"],
+            "ratio_vs_baseline": per_round(name, times, base)["median"],
+            "cpu_ratio_vs_baseline": per_round(name, cpu_times, base)["median"],
             "wall_s": times[name], "cpu_s": cpu_times[name],
         }
         if "conditioned" in name:
             k = int(name.split("k=")[1].split()[0])
+            k1 = median["elr k=1 (conditioned)" + suffix]
             predicted = cfg.effective_depth(k) / cfg.effective_depth(1)
             row.update(loops=k, ratio_vs_k1=t / k1, predicted_ratio=predicted, measured_over_predicted=t / k1 / predicted)
+        if suffix:
+            row["cpu_compiled_over_eager"] = per_round(name, cpu_times, name[: -len(suffix)])
         rows.append(row)
         extra = (
             f"{row['ratio_vs_k1']:>9.3f}{row['predicted_ratio']:>12.3f}{row['measured_over_predicted']:>11.3f}"
-            if "loops" in row else ""
+            if "loops" in row else " " * 32
         )
-        print(f"{name:<26}{1e3 * t:>10.1f}{row['ratio_vs_baseline']:>13.3f}{row['cpu_ratio_vs_baseline']:>13.3f}{extra}")
+        if suffix:
+            c = row["cpu_compiled_over_eager"]
+            extra += f"{c['median']:>10.3f} ({c['min']:.2f}-{c['max']:.2f})"
+        print(f"{name:<36}{1e3 * t:>10.1f}{row['ratio_vs_baseline']:>13.3f}{row['cpu_ratio_vs_baseline']:>13.3f}{extra}")
     result = {
         "config": vars(args),
         "threads": torch.get_num_threads(),
@@ -139,24 +198,21 @@ def main() -> None:
         "rows": rows,
         "load_average_before": load_before,
         "load_average_after": load_after,
-        "elr_k1_gate_only_over_baseline": per_round("elr k=1 (gate only)"),
-        "elr_k1_conditioned_over_baseline": per_round("elr k=1 (conditioned)"),
-        "elr_k1_gate_only_over_baseline_cpu": per_round("elr k=1 (gate only)", cpu_times),
-        "elr_k1_conditioned_over_baseline_cpu": per_round("elr k=1 (conditioned)", cpu_times),
-        "baseline_copy_over_baseline_cpu": per_round("baseline k=1 (a copy)", cpu_times),
-        "conditioning_on_over_off_cpu": per_round("elr k=1 (conditioned)", cpu_times, "elr k=1 (conditioning off)"),
     }
-    print(f"\nELR k=1 / baseline, per-round ratios over {args.rounds} rounds: median (range); target <= 1.03 conditioned")
-    for label in ("gate_only", "conditioned"):
-        wall, cpu = result[f"elr_k1_{label}_over_baseline"], result[f"elr_k1_{label}_over_baseline_cpu"]
-        print(f"  {label:<12} wall {wall['median']:.3f} ({wall['min']:.3f}-{wall['max']:.3f})"
-              f"   cpu {cpu['median']:.3f} ({cpu['min']:.3f}-{cpu['max']:.3f})")
-    for label, key in (
-        ("eq. 4 alone: the conditioned model, conditioning on / off", "conditioning_on_over_off_cpu"),
-        ("noise floor: a second copy of the baseline / the baseline", "baseline_copy_over_baseline_cpu"),
-    ):
-        cpu = result[key]
-        print(f"  {label}: cpu {cpu['median']:.3f} ({cpu['min']:.3f}-{cpu['max']:.3f})")
+    ratios = {  # key: (case, base case)
+        "elr_k1_gate_only_over_baseline": ("elr k=1 (gate only)", "baseline k=1"),
+        "elr_k1_conditioned_over_baseline": ("elr k=1 (conditioned)", "baseline k=1"),
+        "elr_k1_conditioned_over_baseline_compiled": ("elr k=1 (conditioned) compiled", "baseline k=1 compiled"),
+        "baseline_copy_over_baseline": ("baseline k=1 (a copy)", "baseline k=1"),
+        "conditioning_on_over_off": ("elr k=1 (conditioned)", "elr k=1 (conditioning off)"),
+    }
+    print(f"\nper-round ratios over {args.rounds} rounds: median (range); target <= 1.03 for conditioned k = 1")
+    for key, (name, base) in ratios.items():
+        if name in cases and base in cases:
+            wall, cpu = per_round(name, times, base), per_round(name, cpu_times, base)
+            result[key], result[f"{key}_cpu"] = wall, cpu
+            print(f"  {name} / {base}: wall {wall['median']:.3f} ({wall['min']:.3f}-{wall['max']:.3f})"
+                  f"   cpu {cpu['median']:.3f} ({cpu['min']:.3f}-{cpu['max']:.3f})")
     print(f"load average (1, 5, 15 min): before {load_before}, after {load_after}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

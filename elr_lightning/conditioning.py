@@ -101,11 +101,13 @@ class FiLMAdapterModulator(Modulator):
             set_module_role(head, init="zeros")
 
     def pre(self, h: Tensor, c: Tensor) -> Tensor:
+        """Eq. (4): ``x~ = (1 + lambda(c)) * h + mu(c)``, then ``x^ = x~ + A (g(c) * B x~)``."""
         scale, shift = self.film(c).chunk(2, dim=-1)
-        h = torch.addcmul(shift, h, 1 + scale)  # one pass over h instead of two
+        h = (1 + scale) * h + shift
         return h + self.up(self.g(c) * self.down(h))
 
     def post(self, y: Tensor, c: Tensor) -> Tensor:
+        """Eq. (4): the exit gate ``(1 + omega(c)) * y``."""
         return (1 + self.omega(c)) * y
 
     @override

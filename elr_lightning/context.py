@@ -25,7 +25,6 @@ first, then the recurrent layers, then the output layers, each unique layer once
 from __future__ import annotations
 
 import dataclasses
-from collections import UserDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -58,6 +57,19 @@ class Positions:
     offset: int = 0
 
 
+class _Stores:
+    """The scratch stores and auxiliary losses one forward pass shares across its loop views.
+
+    A plain object, not a dict: FSDP2 copies dict (and dataclass) arguments of a sharded module's
+    forward when it moves them to the device, and the copies of a context must share one store.
+    Not a ``collections.UserDict`` either: ``torch.compile`` cannot build one inside a graph.
+    """
+
+    def __init__(self) -> None:
+        self.scratch: dict[tuple[int, int], dict[str, Any]] = {}
+        self.aux: dict[str, Tensor] = {}
+
+
 @dataclass
 class LoopContext:
     """Everything a layer may need about the current forward pass and loop (see the module docstring).
@@ -80,10 +92,7 @@ class LoopContext:
     loop: int = 0
     cond: Optional[Tensor] = None
     cache: Optional["KVCache"] = None
-    # UserDict, not dict: FSDP2 copies dict (and dataclass) arguments of a sharded module's forward when
-    # it moves them to the device; the copies of this context must share one store.
-    _scratch: UserDict[tuple[int, int], dict[str, Any]] = field(default_factory=UserDict, repr=False)
-    _aux: UserDict[str, Tensor] = field(default_factory=UserDict, repr=False)
+    _stores: "_Stores" = field(default_factory=lambda: _Stores(), repr=False)
 
     def at(self, loop: int, cond: Optional[Tensor]) -> "LoopContext":
         """The view of this context at loop ``loop`` with context ``cond``; stores are shared."""
@@ -105,13 +114,14 @@ class LoopContext:
         A mixer may write at one loop and read at a later one, e.g. routes computed at
         ``scratch(layer, 1)`` and replayed at loops 2..k. Gradients flow through stored tensors.
         """
-        return self._scratch.setdefault((layer, self.loop if loop is None else loop), {})
+        return self._stores.scratch.setdefault((layer, self.loop if loop is None else loop), {})
 
     def add_aux_loss(self, name: str, value: Tensor) -> None:
         """Add ``value`` to the auxiliary loss ``name`` of this forward pass (summed over layers and loops)."""
-        self._aux[name] = value if name not in self._aux else self._aux[name] + value
+        aux = self._stores.aux
+        aux[name] = value if name not in aux else aux[name] + value
 
     @property
     def aux_losses(self) -> dict[str, Tensor]:
         """The auxiliary losses added so far, by name."""
-        return dict(self._aux)
+        return dict(self._stores.aux)

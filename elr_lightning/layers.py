@@ -90,6 +90,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp: ChannelMixer = config.build_mixer(channel or default_channel)
         self.attn_mod, self.mlp_mod = modulators if modulators is not None else (None, None)
+        #: Fold eq. 4 into the weights per loop (fast) instead of the reference form on the activations.
+        self.fold_conditioning = True
 
     def forward(self, x: Tensor, ctx: LoopContext) -> Tensor:
         """Apply the layer at ``ctx``'s loop; ``ctx.cond`` is c_i, or ``None`` for the plain layer."""
@@ -101,13 +103,18 @@ class Block(nn.Module):
     ) -> Tensor:
         """The residual branch ``f(norm(x))``, modulated under ``ctx.cond`` (eq. 4).
 
-        A modulator with a :meth:`Modulator.modulation` is folded: its scale into the norm's
-        weight and its shift added in place to the norm's output, the adapter and gate by
-        the mixer (:meth:`~elr_lightning.mixers.TokenMixer.modulated`).
+        The reference form applies the modulator's ``pre`` and ``post`` to the activations, as eq. 4
+        reads. The fast form (while :attr:`fold_conditioning`, the default) folds a modulator with a
+        :meth:`Modulator.modulation`: its scale into the norm's weight and its shift added in place to
+        the norm's output, the adapter and gate by the mixer
+        (:meth:`~elr_lightning.mixers.TokenMixer.modulated`). Both compute the same function
+        (``tests/test_eq4_forms.py``).
         """
         c = ctx.cond
         if c is None or mod is None:
             return mixer(norm(x), ctx, self.index)
+        if not self.fold_conditioning:
+            return mod.post(mixer(mod.pre(norm(x), c), ctx, self.index), c)  # eq. 4 as the paper writes it
         try:
             scale, shift, terms = mod.modulation(c)
         except NotImplementedError:

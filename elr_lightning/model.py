@@ -83,6 +83,15 @@ class LoopedLM(LoopedForward):
             raise ValueError(f"backprop_loops={backprop_loops!r} must be an integer >= 1, or null for all loops")
         self.core.checkpointing, self.core.backprop_loops = activation_checkpointing, backprop_loops
 
+    def set_conditioning_form(self, folded: bool = True) -> None:
+        """Run eq. 4 folded into the weights per loop (``True``, fast) or as the paper writes it on the activations.
+
+        The two forms compute the same function and gradients (to round-off); the reference form
+        is the one to read and to test a new fast form against.
+        """
+        for block in [*self.core.layers, *self.output_layers]:
+            block.fold_conditioning = bool(folded)
+
     @property
     def update(self) -> StateUpdate:
         """The state-update rule."""

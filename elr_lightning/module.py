@@ -92,6 +92,9 @@ class ELRModule(LightningModule):
         min_lr_ratio: Final LR as a fraction of ``lr``.
         loop_seed: Seed of the loop schedule; ``None`` takes the run's ``seed_everything`` value.
         compile_layers: ``torch.compile`` every layer (one graph serves every k).
+        compile_model: ``torch.compile`` the whole looped forward (``LoopedLM.compile()``): one graph
+            per k and mode, the k-loop unrolled in it; dynamo's ``recompile_limit`` (8) bounds the
+            graphs kept. Not together with ``compile_layers``.
         meta_init: Build the model on the meta device (no memory); ``OneLoopOverrideFSDPStrategy``
             then shards it, materialises each rank's shard and initialises it. For models too
             large to build in full on every rank's host. Needs a strategy whose
@@ -119,6 +122,7 @@ class ELRModule(LightningModule):
         min_lr_ratio: float = 0.1,
         loop_seed: Optional[int] = None,
         compile_layers: bool = False,
+        compile_model: bool = False,
         meta_init: bool = False,
         activation_checkpointing: str = "none",
         backprop_loops: Optional[int] = None,
@@ -145,6 +149,8 @@ class ELRModule(LightningModule):
         ):
             if not ok:
                 raise ValueError(f"model.init_args.{name}={value} must be {rule}")
+        if compile_layers and compile_model:
+            raise ValueError("model.init_args.compile_layers and compile_model are both true; set one of them")
         check_lr_scale(lr_scale)
         # Plug-in objects are copied: the caller's (or, on load, the unpickled hparams') instances may
         # share storage with other tensors, and the model's init routine writes into what it owns.
@@ -278,6 +284,8 @@ class ELRModule(LightningModule):
         if self.hparams.compile_layers:
             for layer in self.all_layers():
                 layer.compile()
+        if self.hparams.get("compile_model", False):
+            self.model.compile()
 
     def all_layers(self) -> list[nn.Module]:
         """Every transformer layer: input, recurrent and output."""

@@ -100,12 +100,12 @@ class AdaptiveDelta(StateUpdate):
 
     def forward(self, s_prev: Tensor, r: Tensor, s_tilde: Tensor) -> Tensor:
         beta = self.beta(s_tilde)
-        if self.training:
+        if self.training and not torch.compiler.is_compiling():  # a side effect a checkpointed graph refuses
             self._beta_mean = beta.detach().float().mean()
         return torch.lerp(s_prev, r.to(s_prev.dtype), beta.to(s_prev.dtype))  # s + beta (r - s), one op
 
     def metrics(self) -> dict[str, Tensor]:
-        """``beta_mean``: mean step size of the last training forward."""
+        """``beta_mean``: mean step size of the last eager training forward (not kept under ``torch.compile``)."""
         return {"beta_mean": self._beta_mean}
 
 

@@ -49,7 +49,11 @@ def test_cpu_smoke_run_writes_every_section(tmp_path: Path) -> None:
                          env=env_without_cuda(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result) == {"config", "device", "torch", "sync_check", "train", "memory", "decode", "fla", "wall_s"}
+    assert set(result) == {"config", "device", "torch", "sync_check", "train", "memory", "decode", "fla",
+                           "conditioning", "moe_dispatch", "wall_s"}
+    for mode in ("eager", "compiled"):
+        assert positive(result["conditioning"][mode]["median"]), result["conditioning"]
+    assert result["moe_dispatch"]["max_rel_diff"] < 0.05 and positive(result["moe_dispatch"]["speedup"])
     loops = result["config"]["max_loops"]
     assert loops == 2 and result["config"]["d_model"] == 64 and result["device"].startswith("cpu")
     assert [(r["compile_layers"], r["loops"]) for r in result["train"]] == [

@@ -1,11 +1,12 @@
 """Trainer callbacks of the ELR recipe: delayed mixed depth, zero-init heads, eq. (5) accounting, safe
-checkpoints, TensorBoard loop plots."""
+checkpoints, TensorBoard loop plots, throughput and MFU."""
 
 from elr_lightning.callbacks.atomic_checkpoint import AtomicModelCheckpoint
 from elr_lightning.callbacks.compute_accounting import ComputeAccounting
 from elr_lightning.callbacks.delayed_mixed_depth import DelayedMixedDepth, DelayedSampler
 from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
 from elr_lightning.callbacks.loop_plots import LoopCountPlots
+from elr_lightning.callbacks.throughput import TrainingThroughput
 from elr_lightning.callbacks.zero_init_conditioning import ZeroInitConditioning
 
 __all__ = [
@@ -15,5 +16,6 @@ __all__ = [
     "DelayedSampler",
     "ExclusiveSaveConfig",
     "LoopCountPlots",
+    "TrainingThroughput",
     "ZeroInitConditioning",
 ]

@@ -6,12 +6,39 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+from torch import Tensor
 from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from elr_lightning.callbacks.delayed_mixed_depth import DelayedMixedDepth, DelayedSampler
 from elr_lightning.flops import compute_multiplier, flops_multiplier, train_flops_per_token
+
+
+def _adapter_rank(pl_module: "pl.LightningModule") -> int:
+    return int(getattr(pl_module.model.conditioner, "rank", 0))
+
+
+def step_flops(pl_module: "pl.LightningModule", batch: Tensor, schedule: list[int]) -> tuple[float, float]:
+    """Training FLOPs of one micro-batch over all shards of the step on all ranks, and the same at k = 1.
+
+    Each shard of ``schedule`` (the k of every shard, :meth:`~elr_lightning.ELRModule.step_schedule`)
+    counts ``rows x T x train_flops_per_token(arch, k)`` (k-aware; a mixture of experts counts its
+    active experts), with the conditioning adapters while conditioning is on. The second figure
+    counts every shard at k = 1 without conditioning.
+    """
+    arch = pl_module.arch
+    seq_len = batch.shape[1] - 1
+    rows = [len(part) for part in torch.arange(batch.shape[0]).tensor_split(pl_module.virtual_ranks)]
+    gate = any(p.ndim >= 2 for p in pl_module.model.update.parameters())
+    conditioner = pl_module.model.conditioner
+    rank = _adapter_rank(pl_module) if conditioner is not None and conditioner.active else 0
+    flops = baseline = 0.0
+    for shard, k in enumerate(schedule):
+        tokens = rows[shard % len(rows)] * seq_len
+        flops += tokens * train_flops_per_token(arch, k, seq_len, gate=gate, adapter_rank=rank)
+        baseline += tokens * train_flops_per_token(arch, 1, seq_len, gate=gate)
+    return flops, baseline
 
 
 class ComputeAccounting(Callback):
@@ -49,25 +76,14 @@ class ComputeAccounting(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        arch = pl_module.arch
-        seq_len = batch.shape[1] - 1
-        rows = [len(part) for part in torch.arange(batch.shape[0]).tensor_split(pl_module.virtual_ranks)]
-        gate = any(p.ndim >= 2 for p in pl_module.model.update.parameters())
-        conditioner = pl_module.model.conditioner
-        rank = self._adapter_rank(pl_module) if conditioner is not None and conditioner.active else 0
-        for shard, k in enumerate(self._schedule):
-            tokens = rows[shard % len(rows)] * seq_len
-            self.flops += tokens * train_flops_per_token(arch, k, seq_len, gate=gate, adapter_rank=rank)
-            self.baseline_flops += tokens * train_flops_per_token(arch, 1, seq_len, gate=gate)
+        flops, baseline = step_flops(pl_module, batch, self._schedule)
+        self.flops += flops
+        self.baseline_flops += baseline
         if self._mixed:
             self.mixed_loops += sum(self._schedule)
             self.mixed_shards += len(self._schedule)
         pl_module.log("train/flops", self.flops)
         pl_module.log("train/compute_multiplier", self.multiplier)
-
-    @staticmethod
-    def _adapter_rank(pl_module: "pl.LightningModule") -> int:
-        return int(getattr(pl_module.model.conditioner, "rank", 0))
 
     @property
     def multiplier(self) -> float:
@@ -91,7 +107,7 @@ class ComputeAccounting(Callback):
         else:
             return None
         conditioner = pl_module.model.conditioner
-        rank = self._adapter_rank(pl_module) if conditioner is not None else 0
+        rank = _adapter_rank(pl_module) if conditioner is not None else 0
         gate = any(p.ndim >= 2 for p in pl_module.model.update.parameters())
         seq_len = getattr(getattr(trainer, "datamodule", None), "seq_len", None)
         return {
