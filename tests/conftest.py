@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterator
 
 import lightning.pytorch as pl
@@ -91,3 +92,12 @@ def switch_module(conditioner: bool = True, lr: float = 3e-3, **arch: Any) -> EL
         warmup_steps=2,
         lr=lr,
     )
+
+
+def fit_two_steps(module: pl.LightningModule, data: pl.LightningDataModule, path: Path) -> Path:
+    """Train ``module`` 2 steps on ``data`` on the CPU, quietly and without validation, and save it at ``path``."""
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    trainer.save_checkpoint(path)
+    return path

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 
 pytest.importorskip("lm_eval")
 
 from _bpe import stdlib_text  # noqa: E402
+from conftest import fit_two_steps  # noqa: E402
 from elr_lightning.cli import main  # noqa: E402
 from elr_lightning.conditioning import LoopConditioner  # noqa: E402
 from elr_lightning.config import ModelConfig  # noqa: E402
@@ -39,11 +39,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     data = TextDataModule(sources=[str(corpus)], seq_len=32, batch_size=4, cache_dir=str(root / "cache"))
     torch.manual_seed(0)
     module = ELRModule(arch=ARCH, conditioner=LoopConditioner(d_cond=8, rank=2), warmup_steps=0)
-    trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
-    trainer.fit(module, datamodule=data)
-    path = root / "tiny.ckpt"
-    trainer.save_checkpoint(path)
+    path = fit_two_steps(module, data, root / "tiny.ckpt")
     return path
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from lightning.pytorch import Trainer
 
+from conftest import fit_two_steps
 from elr_lightning.ablate import run_ablation
 from elr_lightning.cli import main, run
 from elr_lightning.config import ModelConfig
@@ -49,11 +49,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                    sources=[str(text)], seq_len=32, batch_size=4, cache_dir=str(root / "cache"))  # fmt: skip
     torch.manual_seed(0)
     module = ELRModule(arch=ARCH, warmup_steps=0)
-    trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
-    trainer.fit(module, datamodule=data)
-    path = root / "tiny.ckpt"
-    trainer.save_checkpoint(path)
+    path = fit_two_steps(module, data, root / "tiny.ckpt")
     return path
 
 

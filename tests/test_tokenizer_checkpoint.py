@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from lightning.pytorch import Trainer
 
 from _bpe import stdlib_text, train_bpe
+from conftest import fit_two_steps
 from elr_lightning.cli import main, run
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import TextDataModule
@@ -52,11 +52,7 @@ def bpe_checkpoint(tmp_path_factory: pytest.TempPathFactory, bpe_path: Path) -> 
                           cache_dir=str(root / "cache"), val_batches=1)  # fmt: skip
     torch.manual_seed(0)
     module = ELRModule(arch=ARCH, warmup_steps=0)
-    trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
-    trainer.fit(module, datamodule=data)
-    path = root / "bpe.ckpt"
-    trainer.save_checkpoint(path)
+    path = fit_two_steps(module, data, root / "bpe.ckpt")
     fingerprint = data.tokenizer.fingerprint()
     tok_path.unlink()  # the checkpoint must not need the file
     return path, fingerprint
