@@ -294,12 +294,19 @@ class ELRModule(LightningModule):
 
     # ---- training ----------------------------------------------------------------------------
     def shard_loss(
-        self, batch: Tensor, loops: list[int], aux_losses: Optional[dict[str, Tensor]] = None
+        self,
+        batch: Tensor,
+        loops: list[int],
+        aux_losses: Optional[dict[str, Tensor]] = None,
+        update_stats: Optional[dict[str, Tensor]] = None,
     ) -> Tensor:
         """Token-mean cross-entropy of ``batch`` ``[B, T + 1]`` split into ``len(loops)`` shards.
 
         ``aux_losses``, if given, receives the mixers' auxiliary losses (e.g. ``moe_aux_loss``), each
-        the shards' mean weighted by their sequences, like the cross-entropy.
+        the shards' mean weighted by their sequences, like the cross-entropy. ``update_stats``, if
+        given, receives the state-update rule's ``metrics()`` read right after each shard's forward
+        (activation checkpointing recomputes the loops in backward, after the read), weighted the
+        same way: with equal-length sequences, a token-weighted mean over the shards.
         """
         if batch.shape[0] < len(loops):
             raise ValueError(
@@ -316,6 +323,10 @@ class ELRModule(LightningModule):
                 for name, value in aux.items():
                     weighted = value * (shard.shape[0] / batch.shape[0])
                     aux_losses[name] = aux_losses[name] + weighted if name in aux_losses else weighted
+            if update_stats is not None:
+                for name, value in self.model.update.metrics().items():
+                    weighted = value * (shard.shape[0] / batch.shape[0])
+                    update_stats[name] = update_stats[name] + weighted if name in update_stats else weighted
         return total / (batch.shape[0] * (batch.shape[1] - 1))
 
     @override
@@ -323,7 +334,9 @@ class ELRModule(LightningModule):
         schedule = self.step_schedule()
         loops = schedule[self.local_shards()]
         aux: dict[str, Tensor] = {}
-        loss = self.shard_loss(batch, loops, aux)
+        # Compiled, the update rule keeps no statistics (updates.py): log none rather than a stale one.
+        stats: Optional[dict[str, Tensor]] = None if self.hparams.get("compile_model", False) else {}
+        loss = self.shard_loss(batch, loops, aux, stats)
         loss = loss + sum(aux.values(), start=torch.zeros_like(loss))
         for name, value in aux.items():  # a copy: syncing under some strategies reduces in place
             self.log(f"train/{name}", self._step_mean(name, value), sync_dist=True)
@@ -340,9 +353,24 @@ class ELRModule(LightningModule):
         self.log("train/loss", self._step_mean("loss", loss), prog_bar=True, sync_dist=True)
         self.log("train/loops_mean", sum(schedule) / len(schedule))
         self.log("train/p1", sum(k == 1 for k in schedule) / len(schedule))
-        for name, value in self.model.update.metrics().items():
-            self.log(f"train/{name}", value)
+        self._log_update_stats(stats or {})
         return loss
+
+    def _log_update_stats(self, stats: dict[str, Tensor]) -> None:
+        """Log the update rule's statistics as the mean over the step's shards, micro-batches and ranks.
+
+        Each rank's value is the token-weighted mean over its shards (:meth:`shard_loss`) and the
+        step's micro-batches (:meth:`_step_mean`); ranks count equally. Only on the steps Lightning
+        logs (every rank takes them alike) are the ranks averaged by one small all-reduce; the other
+        steps log the rank-local value, which Lightning never writes, without a collective.
+        """
+        trainer, every = self.trainer, self.trainer.log_every_n_steps
+        logs = bool(trainer.fast_dev_run) or (every > 0 and (trainer.global_step + 1) % every == 0)
+        for name, value in stats.items():
+            mean = self._step_mean(f"update/{name}", value)
+            if logs:
+                mean = trainer.strategy.reduce(mean.to(self.device), reduce_op="mean")
+            self.log(f"train/{name}", mean)
 
     def _step_mean(self, name: str, value: Tensor) -> Tensor:
         """Mean of ``value`` over the micro-batches of the current optimizer step run so far (detached).

@@ -118,6 +118,25 @@ def test_fit_logs_every_promised_tag(tmp_path):
     assert "val/loss_k4" in events.Tags()["scalars"]
 
 
+def test_beta_mean_is_the_mean_over_the_steps_shards(tmp_path):
+    """``train/beta_mean`` averages every shard's forward of the step (equal shards), not the last one's."""
+    module = ELRModule(arch=tiny_config(vocab_size=256), sampler=OneLoopOverride(4, 0.5), virtual_ranks=2)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        module.model.update.gate.weight.normal_(0.0, 0.5)
+    per_forward: list[torch.Tensor] = []
+
+    def record(model, args, out):
+        if model.training:
+            per_forward.append(model.update.metrics()["beta_mean"].clone())
+
+    module.model.register_forward_hook(record)
+    trainer = _trainer(tmp_path, steps=1, limit_val_batches=0)
+    trainer.fit(module, datamodule=_tiny_data(tmp_path))
+    assert len(per_forward) == 2 and not torch.isclose(per_forward[0], per_forward[1])
+    torch.testing.assert_close(trainer.callback_metrics["train/beta_mean"], (per_forward[0] + per_forward[1]) / 2)
+
+
 def test_nan_loss_is_a_clear_error(tmp_path):
     module = ELRModule(arch=tiny_config(vocab_size=256), sampler=FixedLoops(1))
     with torch.no_grad():
