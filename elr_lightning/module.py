@@ -7,7 +7,7 @@ import math
 from collections import UserDict
 import os
 import warnings
-from typing import Any, MutableMapping, Optional
+from typing import Any, Mapping, MutableMapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,12 @@ def _checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:
             "raise arch.max_loops (the loop budget K) or lower the sampler's"
         )
     return sampler
+
+
+def _add_weighted(into: dict[str, Tensor], values: Mapping[str, Tensor], weight: float) -> None:
+    """Add ``weight * value`` to ``into[name]`` (absent: zero) for every ``name, value`` of ``values``."""
+    for name, value in values.items():
+        into[name] = into[name] + value * weight if name in into else value * weight
 
 
 def loop_gains(losses: dict[int, float], max_loops: int) -> dict[str, float]:
@@ -319,14 +325,11 @@ class ELRModule(LightningModule):
             aux: UserDict[str, Tensor] = UserDict()
             logits = self(shard[:, :-1], k, aux_losses=aux)
             total = total + F.cross_entropy(logits.flatten(0, 1).float(), shard[:, 1:].flatten(), reduction="sum")
+            weight = shard.shape[0] / batch.shape[0]
             if aux_losses is not None:
-                for name, value in aux.items():
-                    weighted = value * (shard.shape[0] / batch.shape[0])
-                    aux_losses[name] = aux_losses[name] + weighted if name in aux_losses else weighted
+                _add_weighted(aux_losses, aux, weight)
             if update_stats is not None:
-                for name, value in self.model.update.metrics().items():
-                    weighted = value * (shard.shape[0] / batch.shape[0])
-                    update_stats[name] = update_stats[name] + weighted if name in update_stats else weighted
+                _add_weighted(update_stats, self.model.update.metrics(), weight)
         return total / (batch.shape[0] * (batch.shape[1] - 1))
 
     @override

@@ -174,7 +174,9 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     (that rank's loss is NaN at that step; the result is then ``{"rank", "error", "step"}``). The result also holds the
     per-micro-batch ``losses`` and, from the start of training, the ``initial`` state and the
     optimizer ``groups`` (``{name: {"weight_decay", "params"}}``) and this rank's ``expert_loads``
-    per step and MoE layer, and ``dtypes``: what :func:`probe_forward_dtypes` saw (sorted lists).
+    per step and MoE layer, ``dtypes``: what :func:`probe_forward_dtypes` saw (sorted lists),
+    ``betas`` (``[step, beta_mean]`` after each training forward) and ``beta_logged`` (the last step's
+    ``train/beta_mean``; the last step is a logging step).
     """
     backprop = {key: case[key] for key in ("activation_checkpointing", "backprop_loops") if key in case}
     module = tiny_module(
@@ -199,7 +201,8 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         max_steps=spec["steps"],
         accumulate_grad_batches=case.get("accumulate", 1),
         precision=case.get("precision", "32-true"),
-        log_every_n_steps=1 if "nan_rank" in case else 50,  # the loss is checked on logging steps
+        # the loss is checked on logging steps; the last step logs, so train/beta_mean is reduced there
+        log_every_n_steps=1 if "nan_rank" in case else spec["steps"],
         limit_val_batches=0,
         num_sanity_val_steps=0,
         logger=False,
@@ -207,6 +210,12 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
+    )
+    betas: list[list[float]] = []  # [optimizer step, beta_mean] after each training forward on this rank
+    module.model.register_forward_hook(
+        lambda model, args, out: betas.append([trainer.global_step, float(model.update.metrics()["beta_mean"])])
+        if model.training
+        else None
     )
     if "nan_rank" in case:  # this rank's loss turns NaN at that step, the other ranks' stays finite
         shard_loss = module.shard_loss
@@ -233,6 +242,8 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         "initial": record.initial,
         "groups": record.groups,
         "expert_loads": record.expert_loads,
+        "betas": betas,
+        "beta_logged": float(trainer.callback_metrics["train/beta_mean"]),
         "rank": trainer.global_rank,
         "fsdp_units": units,
         "dtypes": {key: sorted(value) for key, value in record.dtypes.items()},

@@ -154,6 +154,15 @@ def assert_moe_ranks_routed_apart(name: str, ranks: list[dict[str, Any]], refere
     assert biases and all(reference["state"][k].abs().sum() > 0 for k in biases)
 
 
+def assert_beta_mean_is_the_mean_over_shards_and_ranks(ranks: list[dict[str, Any]], reference: dict[str, Any]) -> None:
+    """Every rank logs the last step's mean over all its shards and ranks' forwards, as one process does."""
+    last = [beta for r in ranks for step, beta in r["betas"] if step == STEPS - 1]
+    assert len(last) == WORLD * CASES["v2"]["virtual_ranks"] and len(set(last)) > 1
+    for result in ranks:
+        assert result["beta_logged"] == pytest.approx(sum(last) / len(last), rel=1e-5)
+    assert reference["beta_logged"] == pytest.approx(sum(last) / len(last), rel=1e-5)
+
+
 def assert_checkpoint_has_tokenizer(path: Path) -> None:
     """The data module's tokenizer is in the checkpoint a multi-process run saved (one file or a DCP folder)."""
     if path.is_dir():  # FSDP's distributed checkpoint: everything but tensors is in the metadata file
@@ -169,6 +178,7 @@ def test_ddp_two_processes_match_one_process_with_virtual_ranks(corpus, referenc
         assert_matches_reference(name, results[name], references[name])
     assert results["v1"][0]["fsdp_units"] == []
     assert_checkpoint_has_tokenizer(tmp_path / "ddp" / "v1.ckpt")
+    assert_beta_mean_is_the_mean_over_shards_and_ranks(results["v2"], references["v2"])
 
 
 @pytest.mark.slow
