@@ -76,7 +76,7 @@ def test_training_step_reads_nothing_back(arch, backprop, device: str, monkeypat
         arch=arch, sampler=FixedLoops(3), conditioner=LoopConditioner(d_cond=8, rank=2), virtual_ranks=2, **backprop
     ).to(device)
     module._trainer = SimpleNamespace(
-        global_rank=0, world_size=1, global_step=1, log_every_n_steps=50, strategy=SimpleNamespace()
+        global_rank=0, world_size=1, global_step=1, log_every_n_steps=50, fast_dev_run=False, strategy=SimpleNamespace()
     )
     logged: dict[str, object] = {}
     monkeypatch.setattr(module, "log", lambda name, value, **kwargs: logged.__setitem__(name, value))
