@@ -212,9 +212,9 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         callbacks=callbacks,
     )
     betas: list[list[float]] = []  # [optimizer step, beta_mean] after each training forward on this rank
-    module.model.register_forward_hook(
+    module.model.register_forward_hook(  # training forwards only, not the strategies' meta-device probes
         lambda model, args, out: betas.append([trainer.global_step, float(model.update.metrics()["beta_mean"])])
-        if model.training
+        if model.training and not out.is_meta
         else None
     )
     if "nan_rank" in case:  # this rank's loss turns NaN at that step, the other ranks' stays finite
