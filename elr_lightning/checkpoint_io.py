@@ -7,22 +7,99 @@ temporary file beside the target, ``fsync`` s it, ``os.replace`` s it over the t
 POSIX) and ``fsync`` s the folder: after a crash the path holds the old checkpoint or the new one,
 never a mix. The checks that a loaded checkpoint fits its model (:func:`state_dict_differences`) and
 that a checkpoint about to be written is finite (:func:`non_finite_tensors`) live here too.
+
+Every loader of the library reads checkpoints with ``torch.load(..., weights_only=True)``, which runs
+no code from the file, through :func:`weights_only_first`. Only a file written before plug-ins were
+saved as their ``class_path`` + ``init_args`` (:mod:`elr_lightning.plugin_config`) is unpickled with
+``weights_only=False``, after a warning: load such a file only if you trust it, and convert it once
+with :func:`upgrade_checkpoint`.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import re
 import uuid
 import warnings
 import zipfile
-from typing import IO, Any, Callable, Optional
+from typing import IO, Any, Callable, Optional, TypeVar
 
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
+
+from elr_lightning.plugin_config import plain_hyperparameters
+
+T = TypeVar("T")
+_warned_old_format = False
+
+
+def _refused_global(err: BaseException) -> Optional[str]:
+    """The global that ``torch.load(..., weights_only=True)`` refused, or ``None`` for any other error."""
+    if not isinstance(err, pickle.UnpicklingError) or "Weights only load failed" not in str(err):
+        return None
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+    return found.group(1) if found else "an object"
+
+
+def weights_only_first(load: Callable[[bool], T], path: str) -> T:
+    """``load(True)``, where ``load(weights_only)`` reads ``path`` with ``torch.load(..., weights_only=...)``.
+
+    ``weights_only=True`` runs no code from the file. A file it refuses (written before plug-ins were
+    saved as their ``class_path`` + ``init_args``: they are pickled objects) is read by ``load(False)``
+    instead, which unpickles arbitrary objects, after a warning (once per process) that names the
+    file and how to convert it (:func:`upgrade_checkpoint`). Every other error is raised as it is.
+    """
+    global _warned_old_format
+    try:
+        return load(True)
+    except Exception as err:
+        refused = _refused_global(err)
+        if refused is None:
+            raise
+    if not _warned_old_format:
+        _warned_old_format = True
+        rank_zero_warn(
+            f"checkpoint {str(path)!r} holds {refused}, which torch.load(weights_only=True) refuses: it was written "
+            "before elr-lightning saved plug-ins as class_path + init_args. Loading it with weights_only=False, "
+            "which runs code from the file: do so only for checkpoints you trust. Convert it once with "
+            "elr_lightning.checkpoint_io.upgrade_checkpoint(old, new)"
+        )
+    return load(False)
+
+
+def upgrade_checkpoint(src: str, dst: str) -> None:
+    """Rewrite an old checkpoint file so that it loads with ``torch.load(..., weights_only=True)``.
+
+    Reads ``src`` with ``weights_only=False`` (trust it), turns its hyperparameters into plain data
+    (plug-ins as ``class_path`` + ``init_args``, see :func:`~elr_lightning.plugin_config.plain_value`) and
+    writes ``dst`` atomically; ``src`` is left as it is.
+
+    Raises:
+        PluginConfigError: A plug-in whose constructor arguments cannot be recovered, naming the field.
+        ValueError: ``src`` holds objects outside the hyperparameters that still need ``weights_only=False``.
+    """
+    checkpoint = torch.load(src, map_location="cpu", weights_only=False)
+    if isinstance(checkpoint, dict) and "hyper_parameters" in checkpoint:
+        checkpoint["hyper_parameters"] = plain_hyperparameters(checkpoint["hyper_parameters"])
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as err:
+        refused = _refused_global(err)
+        if refused is None:
+            raise
+        raise ValueError(
+            f"checkpoint {src!r} still holds {refused} outside its hyperparameters after the upgrade; "
+            "save that entry (a callback's state, ...) as tensors and plain data"
+        ) from err
+    write_atomically(dst, lambda f: f.write(buffer.getvalue()))
 
 
 class CorruptCheckpointError(RuntimeError, ValueError):
@@ -131,7 +208,7 @@ def read_sharded_checkpoint(folder: str, weights: bool = True) -> dict[str, Any]
     meta = os.path.join(folder, "meta.pt")
     if not is_sharded_checkpoint(folder) or not os.path.isfile(meta):
         raise ValueError(f"{folder!r} is not a sharded Lightning checkpoint (it needs .metadata and meta.pt)")
-    checkpoint = torch.load(meta, map_location="cpu", weights_only=False)
+    checkpoint = weights_only_first(lambda w: torch.load(meta, map_location="cpu", weights_only=w), meta)
     if not weights:
         return checkpoint
     reader = dcp.FileSystemReader(folder)
@@ -229,6 +306,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     archive, raises :class:`CorruptCheckpointError` naming the file, its size and the fix, instead
     of torch's ``PytorchStreamReader failed reading zip archive``. A sharded checkpoint folder (which
     this plugin cannot load) is refused naming the strategy that resumes it.
+    Without an explicit ``weights_only`` (Lightning's default ``None``), a file is read with
+    ``weights_only=True``, an old-format one with ``False`` after a warning (:func:`weights_only_first`).
 
     :class:`~elr_lightning.callbacks.AtomicModelCheckpoint` installs this plugin by itself; add it
     by hand (``trainer.plugins``) to cover other writers such as ``trainer.save_checkpoint``.
@@ -267,7 +346,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if local_file and self.verify and not is_intact(str(path)):
             raise _corrupt(str(path), "its records fail their CRC check or the archive is incomplete")
         try:
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            if weights_only is not None:
+                return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return weights_only_first(
+                lambda w: super(AtomicCheckpointIO, self).load_checkpoint(path, map_location=map_location, weights_only=w),
+                str(path),
+            )
         except Exception as err:
             if not local_file or is_intact(str(path)):
                 raise

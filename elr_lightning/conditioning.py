@@ -12,10 +12,11 @@ from typing_extensions import override
 
 from elr_lightning.layers import Modulator
 from elr_lightning.mixers import Modulation
+from elr_lightning.plugin_config import RecordsInitArgs
 from elr_lightning.roles import set_module_role
 
 
-class Conditioner(nn.Module):
+class Conditioner(nn.Module, metaclass=RecordsInitArgs):
     """Seam contract for loop conditioning.
 
     A conditioner owns the context network and builds the per-sublayer :class:`Modulator` s that the

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from elr_lightning.cache import KVCache, PolicyLike
-from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
+from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, weights_only_first
 from elr_lightning.decode import AdaptiveDepth, Decoder, Depth, budget
 from elr_lightning.serving import FoldedLM
 from elr_lightning.model import LoopedLM
@@ -389,9 +389,12 @@ def generate(
 def load_model(ckpt_path: str, map_location: Union[str, torch.device] = "cpu") -> tuple[LoopedLM, ELRModule]:
     """Load a Lightning checkpoint of an :class:`ELRModule` (or subclass) for generation.
 
-    Checkpoints are treated as trusted files: they are unpickled with ``weights_only=False``,
-    because a module built in Python keeps its plug-ins (state update, conditioner) as objects in
-    its hyperparameters. Only load checkpoints you made or trust.
+    Checkpoints are read with ``weights_only=True``: no code from the file runs, beyond importing
+    the modules its hyperparameters name and building the plug-ins (subclasses of the seams' base
+    classes) that they describe. A checkpoint written before plug-ins were saved as their
+    ``class_path`` + ``init_args`` holds pickled objects: it is unpickled with ``weights_only=False``
+    after a warning (:func:`~elr_lightning.checkpoint_io.weights_only_first`); load such a file only
+    if you made or trust it.
 
     Args:
         ckpt_path: Path of a ``.ckpt`` file written by ``elr fit`` or ``Trainer.save_checkpoint``, or of a
@@ -413,7 +416,9 @@ def load_model(ckpt_path: str, map_location: Union[str, torch.device] = "cpu") -
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"checkpoint {ckpt_path!r} does not exist")
     try:
-        raw = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+        raw = weights_only_first(
+            lambda w: torch.load(ckpt_path, map_location="cpu", weights_only=w, mmap=True), ckpt_path
+        )
     except Exception as err:  # torch.load raises many types (pickle, zip, EOF) for a bad file
         raise ValueError(f"checkpoint {ckpt_path!r} is not a readable PyTorch checkpoint ({err})") from err
     if not isinstance(raw, dict) or "state_dict" not in raw or "hyper_parameters" not in raw:
@@ -425,8 +430,11 @@ def load_model(ckpt_path: str, map_location: Union[str, torch.device] = "cpu") -
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*is an instance of `nn.Module`.*")
-            module = ELRModule.load_from_checkpoint(
-                ckpt_path, map_location=map_location, weights_only=False, meta_init=False  # real weights to load into
+            module = weights_only_first(
+                lambda w: ELRModule.load_from_checkpoint(
+                    ckpt_path, map_location=map_location, weights_only=w, meta_init=False  # real weights to load into
+                ),
+                ckpt_path,
             )
     except Exception as err:  # hparams that no longer match the module's signature, missing keys, ...
         raise ValueError(f"checkpoint {ckpt_path!r} could not be rebuilt as an ELRModule ({err})") from err

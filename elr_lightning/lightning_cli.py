@@ -16,7 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
 from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
-from elr_lightning.checkpoint_io import verify_checkpoint_path
+from elr_lightning.checkpoint_io import verify_checkpoint_path, weights_only_first
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import resolve_sources
 from elr_lightning.module import ARCH_FREE_FIELDS, ELRModule
@@ -72,7 +72,10 @@ class ELRCLI(LightningCLI):
         if not os.path.isfile(str(ckpt_path)):
             return
         path = str(ckpt_path)  # mmap: only the small hparams entries are read; legacy files cannot be mapped
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(path))
+        mmap = zipfile.is_zipfile(path)
+        checkpoint = weights_only_first(
+            lambda w: torch.load(path, map_location="cpu", weights_only=w, mmap=mmap), path
+        )
         model = config.get("model")
         mine = model.get("init_args") if model is not None and "init_args" in model else model
         problems = checkpoint_conflicts(checkpoint, mine.as_dict() if mine is not None else {}, subcommand)

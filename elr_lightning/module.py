@@ -12,45 +12,33 @@ from typing import Any, Mapping, MutableMapping, Optional
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
-from elr_lightning.errors import is_integer
 from elr_lightning.model import LoopedLM
 from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
-from elr_lightning.optim import check_lr_scale, param_groups, warmup_cosine
+from elr_lightning.module_checks import check_data_fits, check_meta_init, check_module_args, checked_sampler
+from elr_lightning.optim import param_groups, warmup_cosine
 from elr_lightning.parameter_usage import check_plain_ddp
+from elr_lightning.plugin_config import PluginConfigError, build_plugin, plain_hyperparameters
 from elr_lightning.resume import check_resumed_schedule, planned_steps
 from elr_lightning.roles import copy_with_roles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, tokenizer_state
+from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats
 from elr_lightning.updates import StateUpdate
 
-# Plug-ins stay in the hparams on purpose: under LightningCLI they are stored as their config, so
+# Plug-ins stay in the hparams on purpose, as their class_path + init_args (plugin_config.py), so
 # ``load_from_checkpoint`` rebuilds them. Lightning's advice to ignore them would break that.
 warnings.filterwarnings("ignore", message=r"Attribute '(update|conditioner)' is an instance of `nn.Module`")
 
 
 #: ``arch`` fields that a checkpoint may differ in: they set the init, the RoPE table's length or route replay only.
 ARCH_FREE_FIELDS = ("init_std", "max_seq_len", "route_replay")
-
-
-def _checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:
-    if sampler.max_loops > arch.max_loops:
-        raise ValueError(
-            f"sampler.max_loops={sampler.max_loops} exceeds arch.max_loops={arch.max_loops}; "
-            "raise arch.max_loops (the loop budget K) or lower the sampler's"
-        )
-    return sampler
-
-
-def _add_weighted(into: dict[str, Tensor], values: Mapping[str, Tensor], weight: float) -> None:
-    """Add ``weight * value`` to ``into[name]`` (absent: zero) for every ``name, value`` of ``values``."""
-    for name, value in values.items():
-        into[name] = into[name] + value * weight if name in into else value * weight
 
 
 def loop_gains(losses: dict[int, float], max_loops: int) -> dict[str, float]:
@@ -84,6 +72,14 @@ class ELRModule(LightningModule):
         update: State-update rule; ``AdaptiveDelta()`` (eq. 2) by default.
         sampler: Loop sampler; ``OneLoopOverride(arch.max_loops, 0.15)`` (eq. 3) by default.
         conditioner: Loop conditioning (eq. 4), or ``None`` for none.
+
+            The hyperparameters (and so every checkpoint) hold ``arch`` as the dict of its fields and
+            each plug-in as ``{"class_path": ..., "init_args": {...}}``
+            (:func:`~elr_lightning.plugin_config.plugin_config`), so checkpoints load with
+            ``torch.load(..., weights_only=True)``; these four arguments accept that form too
+            (:func:`~elr_lightning.plugin_config.build_plugin`). A plug-in that cannot be described
+            (its class defined in ``__main__``, a tensor argument, ...) is warned about here and
+            refused, naming the field and the fix, when a checkpoint is saved.
         virtual_ranks: Shards per local batch, each with its own k (>= 1).
         val_loops: Loop counts to validate at; ``1..arch.max_loops`` by default. Values above
             ``arch.max_loops`` test extrapolation.
@@ -135,31 +131,24 @@ class ELRModule(LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        arch = ModelConfig() if arch is None else arch
-        self.sampler = _checked_sampler(OneLoopOverride(arch.max_loops, 0.15) if sampler is None else sampler, arch)
-        if not is_integer(virtual_ranks):
-            raise ValueError(f"model.init_args.virtual_ranks={virtual_ranks!r} must be an integer >= 1")
+        try:
+            self.hparams.update(plain_hyperparameters(self.hparams))
+        except PluginConfigError as err:
+            rank_zero_warn(f"{err}. Until then, checkpoints of this module cannot be saved")
+        arch = ModelConfig() if arch is None else ModelConfig(**arch) if isinstance(arch, Mapping) else arch
+        update = build_plugin(update, StateUpdate, "model.init_args.update")
+        sampler = build_plugin(sampler, LoopSampler, "model.init_args.sampler")
+        conditioner = build_plugin(conditioner, Conditioner, "model.init_args.conditioner")
+        check_module_args(
+            virtual_ranks=virtual_ranks, val_loops=val_loops, lr=lr, lr_scale=lr_scale, weight_decay=weight_decay,
+            warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, compile_layers=compile_layers,
+            compile_model=compile_model,
+        )
+        self.sampler = checked_sampler(OneLoopOverride(arch.max_loops, 0.15) if sampler is None else sampler, arch)
         self.virtual_ranks = virtual_ranks
-        if val_loops is not None and not (
-            isinstance(val_loops, (list, tuple)) and val_loops and all(map(is_integer, val_loops))
-        ):
-            raise ValueError(
-                f"model.init_args.val_loops={val_loops!r} must be a non-empty list of integer loop counts >= 1, e.g. [1, 2]"
-            )
         self.val_loops = list(range(1, arch.max_loops + 1)) if val_loops is None else sorted(set(val_loops))
-        for name, value, ok, rule in (
-            ("lr", lr, lr > 0, "> 0"),
-            ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
-            ("warmup_steps", warmup_steps, warmup_steps >= 0, ">= 0"),
-            ("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]"),
-        ):
-            if not ok:
-                raise ValueError(f"model.init_args.{name}={value} must be {rule}")
-        if compile_layers and compile_model:
-            raise ValueError("model.init_args.compile_layers and compile_model are both true; set one of them")
-        check_lr_scale(lr_scale)
-        # Plug-in objects are copied: the caller's (or, on load, the unpickled hparams') instances may
-        # share storage with other tensors, and the model's init routine writes into what it owns.
+        # Plug-in objects are copied: the caller's (or an old checkpoint's unpickled) instances may share
+        # storage with other tensors, and the model's init routine writes into what it owns.
         update, conditioner = copy_with_roles(update), copy_with_roles(conditioner)
         if meta_init:  # only the model: metrics and buffers below stay real
             with torch.device("meta"):
@@ -177,8 +166,7 @@ class ELRModule(LightningModule):
         self.tokenizer: Optional[Tokenizer] = None
         #: Per-expert load of each routed layer at the last logging step (see :meth:`on_before_optimizer_step`).
         self.expert_loads: dict[int, Tensor] = {}
-        # name -> (optimizer step, sum, count) of the micro-batches of that step (see _step_mean)
-        self._step_sums: dict[str, tuple[int, Tensor, int]] = {}
+        self._step_means = StepMeans()
 
     @property
     def arch(self) -> ModelConfig:
@@ -228,7 +216,7 @@ class ELRModule(LightningModule):
         Raises:
             ValueError: ``sampler.max_loops`` exceeds the loop budget ``arch.max_loops``.
         """
-        self.sampler = _checked_sampler(sampler, self.arch)
+        self.sampler = checked_sampler(sampler, self.arch)
 
     def step_schedule(self, step: Optional[int] = None) -> list[int]:
         """The k of every shard (all ranks) at optimizer step ``step`` (default: the current one)."""
@@ -247,38 +235,14 @@ class ELRModule(LightningModule):
     # ---- lifecycle ---------------------------------------------------------------------------
     @override
     def setup(self, stage: str) -> None:
-        if self.hparams.meta_init and not getattr(self.trainer.strategy, "materializes_meta_models", False):
-            # Lightning's teardown moves the module to the CPU, which fails on meta tensors and would
-            # bury this error; uninitialised memory is never touched, so this costs no RAM.
-            self.model.to_empty(device="cpu")
-            raise ValueError(
-                f"model.init_args.meta_init: true needs OneLoopOverrideFSDPStrategy (it materialises and "
-                f"initialises the sharded model); this run uses {type(self.trainer.strategy).__name__}. "
-                "Set trainer.strategy to it or meta_init: false"
-            )
+        check_meta_init(self)
         if stage == "fit":
             check_plain_ddp(self.trainer.strategy, self.model)
         datamodule = getattr(self.trainer, "datamodule", None)
+        check_data_fits(datamodule, self.arch, self.virtual_ranks, stage)
         tokenizer = getattr(datamodule, "tokenizer", None)
-        if tokenizer is not None and tokenizer.vocab_size > self.arch.vocab_size:
-            raise ValueError(
-                f"the tokenizer's vocabulary ({tokenizer.vocab_size}) is larger than arch.vocab_size="
-                f"{self.arch.vocab_size}; set model.init_args.arch.vocab_size >= {tokenizer.vocab_size}"
-            )
         if tokenizer is not None:
             self.tokenizer = tokenizer
-        batch_size = getattr(datamodule, "batch_size", None)
-        if stage == "fit" and isinstance(batch_size, int) and batch_size < self.virtual_ranks:
-            raise ValueError(
-                f"model.init_args.virtual_ranks={self.virtual_ranks} is larger than data.batch_size={batch_size}: "
-                "each virtual rank needs at least one sequence; raise data.batch_size or lower virtual_ranks"
-            )
-        seq_len = getattr(datamodule, "seq_len", None)
-        if seq_len is not None and seq_len > self.arch.max_seq_len:
-            raise ValueError(
-                f"data.seq_len={seq_len} exceeds arch.max_seq_len={self.arch.max_seq_len} (the RoPE "
-                "table); raise arch.max_seq_len or lower data.seq_len"
-            )
         token_bytes = getattr(datamodule, "token_bytes", None)
         if token_bytes is not None:
             padded = torch.zeros(self.arch.vocab_size)
@@ -327,9 +291,9 @@ class ELRModule(LightningModule):
             total = total + F.cross_entropy(logits.flatten(0, 1).float(), shard[:, 1:].flatten(), reduction="sum")
             weight = shard.shape[0] / batch.shape[0]
             if aux_losses is not None:
-                _add_weighted(aux_losses, aux, weight)
+                add_weighted(aux_losses, aux, weight)
             if update_stats is not None:
-                _add_weighted(update_stats, self.model.update.metrics(), weight)
+                add_weighted(update_stats, self.model.update.metrics(), weight)
         return total / (batch.shape[0] * (batch.shape[1] - 1))
 
     @override
@@ -342,7 +306,7 @@ class ELRModule(LightningModule):
         loss = self.shard_loss(batch, loops, aux, stats)
         loss = loss + sum(aux.values(), start=torch.zeros_like(loss))
         for name, value in aux.items():  # a copy: syncing under some strategies reduces in place
-            self.log(f"train/{name}", self._step_mean(name, value), sync_dist=True)
+            self.log(f"train/{name}", self._step_means(name, value, self.trainer.global_step), sync_dist=True)
         # Reading the loss stalls the device: check it on the steps that log it anyway. Every rank
         # takes part, so a rank-local NaN stops all ranks together, not at the collective timeout.
         if self.trainer.global_step % self.trainer.log_every_n_steps == 0:
@@ -353,43 +317,11 @@ class ELRModule(LightningModule):
                     f"train/loss {where} at step {self.trainer.global_step} (loops {loops}); "
                     "lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
                 )
-        self.log("train/loss", self._step_mean("loss", loss), prog_bar=True, sync_dist=True)
+        self.log("train/loss", self._step_means("loss", loss, self.trainer.global_step), prog_bar=True, sync_dist=True)
         self.log("train/loops_mean", sum(schedule) / len(schedule))
         self.log("train/p1", sum(k == 1 for k in schedule) / len(schedule))
-        self._log_update_stats(stats or {})
+        log_update_stats(self, stats or {}, self._step_means)
         return loss
-
-    def _log_update_stats(self, stats: dict[str, Tensor]) -> None:
-        """Log the update rule's statistics as the mean over the step's shards, micro-batches and ranks.
-
-        Each rank's value is the token-weighted mean over its shards (:meth:`shard_loss`) and the
-        step's micro-batches (:meth:`_step_mean`); ranks count equally. Only on the steps Lightning
-        logs (every rank takes them alike) are the ranks averaged by one small all-reduce; the other
-        steps log the rank-local value, which Lightning never writes, without a collective.
-        """
-        trainer, every = self.trainer, self.trainer.log_every_n_steps
-        logs = bool(trainer.fast_dev_run) or (every > 0 and (trainer.global_step + 1) % every == 0)
-        for name, value in stats.items():
-            mean = self._step_mean(f"update/{name}", value)
-            if logs:
-                mean = trainer.strategy.reduce(mean.to(self.device), reduce_op="mean")
-            self.log(f"train/{name}", mean)
-
-    def _step_mean(self, name: str, value: Tensor) -> Tensor:
-        """Mean of ``value`` over the micro-batches of the current optimizer step run so far (detached).
-
-        Lightning logs a step's metrics after its last micro-batch only, with the value logged last;
-        logging this running mean makes ``train/loss`` the token mean over all shards of the step
-        under gradient accumulation too (every micro-batch holds the same number of tokens).
-        """
-        step = self.trainer.global_step
-        value = value.detach().float()
-        saved = self._step_sums.get(name)
-        if saved is None or saved[0] != step:
-            saved = (step, torch.zeros_like(value), 0)
-        total, count = saved[1] + value, saved[2] + 1
-        self._step_sums[name] = (step, total, count)
-        return total / count
 
     @override
     def on_train_start(self) -> None:
@@ -480,15 +412,22 @@ class ELRModule(LightningModule):
     # ---- checkpoints -------------------------------------------------------------------------
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Record the architecture; refuse to save non-finite weights or optimizer state.
+        """Record the architecture; refuse to save non-finite weights or plug-ins that are not plain data.
 
         An update that makes the weights non-finite is only seen by the next forward pass; a
         checkpoint saved in between would replace (with ``save_top_k: 1``, delete) the last good one.
         Every rank checks its own tensors and all agree, so no file is written and every rank stops.
 
+        The hyperparameters are saved as plain data (:func:`~elr_lightning.plugin_config.plain_value`),
+        so the file loads with ``torch.load(..., weights_only=True)``.
+
         Raises:
             FloatingPointError: Naming the first non-finite tensors.
+            PluginConfigError: A plug-in cannot be saved as its ``class_path`` and ``init_args``, naming the
+                field and the fix. Nothing is written; the last checkpoint is kept.
         """
+        if "hyper_parameters" in checkpoint:
+            checkpoint["hyper_parameters"] = plain_hyperparameters(checkpoint["hyper_parameters"])
         bad = non_finite_tensors(checkpoint)
         attached = self._trainer is not None  # also called outside a run, e.g. by ``elr import``
         if not (self.trainer.strategy.reduce_boolean_decision(not bad, all=True) if attached else not bad):

@@ -13,13 +13,15 @@ from typing import Optional
 
 from typing_extensions import override
 
+from elr_lightning.plugin_config import RecordsInitArgs, own_attributes
+
 
 def step_rng(seed: int, step: int, stream: str = "") -> random.Random:
     """A generator that depends only on ``(seed, step, stream)`` (string seeds hash with SHA-512)."""
     return random.Random(f"elr:{seed}:{step}:{stream}")
 
 
-class LoopSampler:
+class LoopSampler(metaclass=RecordsInitArgs):
     """Seam contract for a loop sampler.
 
     Subclasses implement :meth:`schedule`, a pure function of its arguments returning one k in
@@ -41,7 +43,7 @@ class LoopSampler:
         return self.schedule(seed, step, num_shards)[shard]
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        args = ", ".join(f"{k}={v!r}" for k, v in own_attributes(self).items())
         return f"{type(self).__name__}({args})"
 
 

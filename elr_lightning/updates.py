@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from elr_lightning.plugin_config import RecordsInitArgs
 from elr_lightning.roles import set_module_role, set_role
 
 
-class StateUpdate(nn.Module):
+class StateUpdate(nn.Module, metaclass=RecordsInitArgs):
     """Seam contract for a state-update rule.
 
     The model drives a rule through one forward pass at loop count k as::

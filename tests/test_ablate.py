@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
 import yaml
 from typing_extensions import override
 
@@ -152,6 +153,8 @@ def test_ablate_subset_report_skip_and_resume(tmp_path):
     resumed = run_ablation(config, out2, arms=["elr"], steps=STEPS, log=lines.append)
     assert any("resuming from" in line and "last.ckpt" in line for line in lines)
     assert resumed[0]["loss"] == pytest.approx(results[0]["loss"], abs=1e-6)
+    (last,) = (tmp_path / "out2" / "runs").glob("elr-s0/**/last.ckpt")
+    assert torch.load(last, weights_only=True)["global_step"] == STEPS  # no pickled object in an ablation's checkpoint
     saved = json.loads((tmp_path / "out2" / "results.json").read_text())
     assert saved["runs"][0]["arm"] == "elr"
 

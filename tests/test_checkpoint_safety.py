@@ -57,10 +57,10 @@ def test_non_finite_weights_never_replace_the_last_good_checkpoint(tmp_path: Pat
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert files == ["epoch=0-step=1.ckpt", "last.ckpt"]
     for name in files:
-        saved = torch.load(tmp_path / "ckpt" / name, weights_only=False)
+        saved = torch.load(tmp_path / "ckpt" / name, weights_only=True)
         assert saved["global_step"] == 1
         assert all(torch.isfinite(v).all() for v in saved["state_dict"].values() if v.is_floating_point())
-    ELRModule.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    ELRModule.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
 
 
 def test_every_shipped_config_writes_checkpoints_atomically() -> None:

@@ -199,7 +199,7 @@ def test_debug_lets_the_exception_through(workdir: Path, monkeypatch: pytest.Mon
 def planned_for_four_steps(checkpoint: Path, out: Path) -> Path:
     """``checkpoint`` (step 2 of a 2-step run) as the checkpoint of a 4-step run stopped at step 2: a longer
     resume of the run itself is refused (its cosine would rise again past its end)."""
-    state = torch.load(checkpoint, weights_only=False)
+    state = torch.load(checkpoint, weights_only=True)
     state["elr"]["schedule"]["total_steps"] = 4
     torch.save(state, out)
     return out
@@ -211,7 +211,7 @@ def test_resuming_or_validating_with_the_checkpoints_own_values_still_works(
     monkeypatch.chdir(workdir)
     planned_for_four_steps(workdir / "run.ckpt", workdir / "run4.ckpt")
     run([*FIT, "--ckpt_path", "run4.ckpt", "--trainer.max_steps", "4", "--trainer.default_root_dir", "resumed"])
-    assert torch.load(next((workdir / "resumed" / "checkpoints").glob("*.ckpt")), weights_only=False)["global_step"] == 4
+    assert torch.load(next((workdir / "resumed" / "checkpoints").glob("*.ckpt")), weights_only=True)["global_step"] == 4
     # validate may differ in what it measures (val_loops), not in the architecture
     run(["validate", "--config", "tiny.yaml", "--ckpt_path", "run.ckpt", "--model.init_args.val_loops", "[1, 2, 3]"])
 
@@ -228,7 +228,7 @@ def test_ckpt_path_last_resumes_the_newest_last_checkpoint_of_earlier_runs(
     planned_for_four_steps(workdir / "run.ckpt", folder / "last.ckpt")
     run([*FIT, "--ckpt_path", "last", "--trainer.max_steps", "4", "--trainer.default_root_dir", "again"])
     assert f"elr: --ckpt_path last: {os.path.join('again', 'checkpoints', 'last.ckpt')}" in capsys.readouterr().err
-    steps = [torch.load(p, weights_only=False)["global_step"] for p in folder.glob("epoch*.ckpt")]
+    steps = [torch.load(p, weights_only=True)["global_step"] for p in folder.glob("epoch*.ckpt")]
     assert steps == [4]
 
 

@@ -273,7 +273,7 @@ def test_load_model_round_trip(checkpoint: tuple[Path, ELRModule]) -> None:
 
 def test_load_model_of_a_meta_init_run_has_real_weights(checkpoint: tuple[Path, ELRModule], tmp_path: Path) -> None:
     path, trained = checkpoint
-    raw = torch.load(path, weights_only=False)
+    raw = torch.load(path, weights_only=True)
     raw["hyper_parameters"]["meta_init"] = True  # as saved by an FSDP run with meta_init: true
     meta_path = tmp_path / "meta.ckpt"
     torch.save(raw, meta_path)

@@ -156,7 +156,7 @@ def test_round_trip_is_bit_for_bit(exported: tuple[Path, Path], tmp_path: Path) 
     ckpt, out = exported
     back = tmp_path / "back.ckpt"
     main(["import", "--hf", str(out), "--out", str(back)])
-    before, after = torch.load(ckpt, weights_only=False), torch.load(back, weights_only=False)
+    before, after = torch.load(ckpt, weights_only=True), torch.load(back, weights_only=True)
     assert before["state_dict"].keys() == after["state_dict"].keys()
     for name, tensor in before["state_dict"].items():
         assert tensor.dtype == after["state_dict"][name].dtype and torch.equal(tensor, after["state_dict"][name]), name

@@ -87,7 +87,7 @@ def test_a_killed_two_process_mixture_run_resumes_with_the_same_losses(tmp_path:
     finally:
         kill_all(procs)
     last = killed.parent / "ckpt" / "last.ckpt"
-    resumed_from = torch.load(last, weights_only=False)["global_step"]
+    resumed_from = torch.load(last, weights_only=True)["global_step"]
     assert KILL_AFTER <= resumed_from < STEPS, resumed_from
     procs = start(killed, last)
     try:

@@ -143,7 +143,7 @@ def test_shipped_reasoning_config_trains_a_few_steps(tmp_path: Path):
          "--data.init_args.examples_per_level", "20", "--data.init_args.text_bytes", "20000",
          "--data.init_args.cache_dir", str(tmp_path / "cache"), "--data.init_args.val_batches", "1"])  # fmt: skip
     (last,) = tmp_path.glob("**/last.ckpt")
-    saved = torch.load(last, map_location="cpu", weights_only=False)
+    saved = torch.load(last, map_location="cpu", weights_only=True)
     assert saved["global_step"] == 2 and saved["datamodule_hyper_parameters"]["reasoning_tasks"]["hops"] == "1-4"
 
 

@@ -50,7 +50,7 @@ def fit(module: ELRModule, tmp_path: Path, max_steps: int, ckpt_path: Optional[s
         callbacks=callbacks,
     )
     data = TextDataModule(seq_len=16, batch_size=4, max_bytes=20000, cache_dir=str(tmp_path / "cache"))
-    trainer.fit(module, data, ckpt_path=ckpt_path, weights_only=False)
+    trainer.fit(module, data, ckpt_path=ckpt_path, weights_only=True)
     return trainer
 
 
@@ -75,7 +75,7 @@ def test_heads_into_a_model_without_them_and_back_are_refused(saved, tmp_path):
         fit(make_module(conditioner=False), tmp_path / "b", max_steps=3, ckpt_path=str(saved))
     relaxed = make_module(conditioner=False)
     relaxed.strict_loading = False
-    relaxed.on_load_checkpoint(torch.load(saved, weights_only=False))
+    relaxed.on_load_checkpoint(torch.load(saved, weights_only=True))
     fit(make_module(conditioner=False), tmp_path / "plain", max_steps=1)
     plain = tmp_path / "plain" / "ckpt" / "last.ckpt"
     with pytest.raises(ValueError, match=r"this model has \d+ conditioning tensor\(s\) the checkpoint lacks"):
@@ -92,7 +92,7 @@ def test_a_truncated_checkpoint_is_refused_clearly(saved, tmp_path):
     flipped[len(data) // 2] ^= 0xFF
     broken.write_bytes(bytes(flipped))
     with pytest.raises(CorruptCheckpointError, match="broken.ckpt"):
-        AtomicCheckpointIO().load_checkpoint(broken, weights_only=False)
+        AtomicCheckpointIO().load_checkpoint(broken, weights_only=True)
 
 
 def test_a_write_cut_short_leaves_the_old_checkpoint_intact(saved, monkeypatch):
@@ -130,7 +130,7 @@ def test_last_link_survives_the_removal_of_its_target(tmp_path):
     last, target = tmp_path / "ckpt" / "last.ckpt", tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
     assert not last.is_symlink() and os.path.samefile(last, target)
     target.unlink()  # what top-k bookkeeping does just before relinking
-    assert torch.load(last, weights_only=False)["global_step"] == 3
+    assert torch.load(last, weights_only=True)["global_step"] == 3
 
 
 # ---- a real run killed twice and resumed -------------------------------------------------------
@@ -374,7 +374,7 @@ def test_a_run_killed_before_and_after_the_switch_resumes_exactly(tmp_path):
     for i, kill in enumerate(kills):
         proc = launch(killed, last if i else None)
         kill_after(proc, killed.parent, kill, delay=rng.uniform(0.0, 0.2))
-        resumed_from.append(torch.load(last, weights_only=False)["global_step"])
+        resumed_from.append(torch.load(last, weights_only=True)["global_step"])
     finish(launch(killed, last))
     assert resumed_from[0] < switch < resumed_from[1], resumed_from
 

@@ -180,7 +180,7 @@ def test_export_of_a_retrofit_loads_in_transformers_at_any_loops(tiny: dict[str,
         for p in [*model.update.parameters(), *model.parameters_with_role("conditioning")]:
             p.add_(0.05 * torch.randn_like(p))
     ckpt = tmp_path / "perturbed.ckpt"
-    raw = torch.load(tmp_path / "r" / "retrofit.ckpt", weights_only=False)
+    raw = torch.load(tmp_path / "r" / "retrofit.ckpt", weights_only=True)
     raw["state_dict"] = {f"model.{k}": v for k, v in model.state_dict().items()}
     torch.save(raw, ckpt)
     run(["export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "hf")])

@@ -49,8 +49,8 @@ def test_retrofitted_qwen3_trains_under_ddp_on_two_processes(tmp_path: Path) -> 
                 os.killpg(proc.pid, signal.SIGKILL)
     assert "newly initialised: none" in logs[0]  # every weight, gate and heads included, came from the retrofit
     assert "k = 1 until step 2" in logs[0]
-    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
-    start = torch.load(tmp_path / "r" / "retrofit.ckpt", weights_only=False)["state_dict"]
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    start = torch.load(tmp_path / "r" / "retrofit.ckpt", weights_only=True)["state_dict"]
     assert last["global_step"] == STEPS
     trained = last["state_dict"]
     assert all(torch.isfinite(v).all() for v in trained.values() if v.is_floating_point())

@@ -118,7 +118,7 @@ def test_serving_uses_the_checkpoint_tokenizer_and_detokenises_bpe(tmp_path: Pat
     bpe = HFTokenizer(str(train_bpe(tmp_path / "bpe.json", vocab_size=300)))
     path = tmp_path / "bpe.ckpt"
     write_checkpoint(path, dataclasses.replace(SERVE_ARCH, vocab_size=320), tokenizer=bpe)
-    raw = torch.load(path, weights_only=False)
+    raw = torch.load(path, weights_only=True)
     tokenizer = serving_tokenizer(raw, None, checkpoint_arch(raw, str(path)))
     assert tokenizer.fingerprint() == bpe.fingerprint() and tokenizer.eos_id is not None
     assert isinstance(serving_tokenizer(raw, "byte", checkpoint_arch(raw, str(path))), ByteTokenizer)

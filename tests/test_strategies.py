@@ -167,7 +167,7 @@ def assert_checkpoint_has_tokenizer(path: Path) -> None:
     """The data module's tokenizer is in the checkpoint a multi-process run saved (one file or a DCP folder)."""
     if path.is_dir():  # FSDP's distributed checkpoint: everything but tensors is in the metadata file
         path = path / "meta.pt"
-    saved = checkpoint_tokenizer(torch.load(path, weights_only=False))
+    saved = checkpoint_tokenizer(torch.load(path, weights_only=True))
     assert isinstance(saved, ByteTokenizer)
 
 

@@ -95,7 +95,7 @@ def test_bad_states_are_refused() -> None:
 
 def test_fit_saves_the_tokenizer_and_load_restores_it(bpe_checkpoint: tuple[Path, str]) -> None:
     path, fingerprint = bpe_checkpoint
-    raw = torch.load(path, weights_only=False)
+    raw = torch.load(path, weights_only=True)
     saved = checkpoint_tokenizer(raw)
     assert isinstance(saved, HFTokenizer) and saved.fingerprint() == fingerprint and saved.vocab_size == VOCAB
     _, module = load_model(str(path))
@@ -105,7 +105,7 @@ def test_fit_saves_the_tokenizer_and_load_restores_it(bpe_checkpoint: tuple[Path
 def test_old_checkpoint_has_no_tokenizer_and_generate_falls_back_to_bytes(
     bpe_checkpoint: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    raw = torch.load(bpe_checkpoint[0], weights_only=False)
+    raw = torch.load(bpe_checkpoint[0], weights_only=True)
     del raw["elr"]["tokenizer"]
     assert checkpoint_tokenizer(raw) is None and checkpoint_tokenizer({"state_dict": {}}) is None
     old = tmp_path / "old.ckpt"

@@ -116,23 +116,23 @@ def fitted_checkpoint(tmp_path: Path, virtual_ranks: int = 2, loop_seed: int = 7
 
 def test_resuming_with_another_number_of_shards_is_refused_naming_the_fix(tmp_path: Path) -> None:
     ckpt = fitted_checkpoint(tmp_path, virtual_ranks=2)
-    assert torch.load(ckpt, weights_only=False)["elr"]["schedule"] == {"num_shards": 2, "seed": 7, "total_steps": 2}
+    assert torch.load(ckpt, weights_only=True)["elr"]["schedule"] == {"num_shards": 2, "seed": 7, "total_steps": 2}
     with pytest.raises(ValueError, match=r"trained with 2 shards per step, this run has 4 .*virtual_ranks: 2"):
-        trainer(4, logger=False).fit(module(virtual_ranks=4), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
+        trainer(4, logger=False).fit(module(virtual_ranks=4), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=True)
     with pytest.raises(ValueError, match=r"loop seed 7, this run has 8; set model.init_args.loop_seed: 7"):
-        trainer(4, logger=False).fit(module(loop_seed=8), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
+        trainer(4, logger=False).fit(module(loop_seed=8), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=True)
     # evaluating the checkpoint does not depend on the training schedule
     trainer(4, logger=False, limit_val_batches=1).validate(
-        module(virtual_ranks=4), data(tmp_path), ckpt_path=ckpt, weights_only=False
+        module(virtual_ranks=4), data(tmp_path), ckpt_path=ckpt, weights_only=True
     )
     # a longer run is refused before any step (the restored cosine would rise again after step 2) ...
     longer = trainer(3, logger=False)
     with pytest.raises(ValueError, match=r"planned 2 optimizer steps, this run plans 3; .*trainer.max_steps: 2"):
-        longer.fit(module(), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
+        longer.fit(module(), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=True)
     # ... and a shorter one warns that it stops before the restored cosine ends
     shorter = trainer(1, logger=False)
     with pytest.warns(UserWarning, match=r"planned 2 optimizer steps, this run plans 1: .*stops before its cosine ends"):
-        shorter.fit(module(), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=False)
+        shorter.fit(module(), datamodule=data(tmp_path), ckpt_path=ckpt, weights_only=True)
 
 
 def test_resuming_a_sharded_folder_without_fsdp_names_the_strategy(tmp_path: Path) -> None:
@@ -144,7 +144,7 @@ def test_resuming_a_sharded_folder_without_fsdp_names_the_strategy(tmp_path: Pat
     (folder / "meta.pt").write_bytes(b"")
     run = trainer(4, logger=False, enable_checkpointing=True, callbacks=[AtomicModelCheckpoint(dirpath=tmp_path / "c")])
     with pytest.raises(ValueError, match=r"sharded checkpoint folder .*OneLoopOverrideFSDPStrategy"):
-        run.fit(module(), datamodule=data(tmp_path), ckpt_path=folder, weights_only=False)
+        run.fit(module(), datamodule=data(tmp_path), ckpt_path=folder, weights_only=True)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from elr_lightning.callbacks.switch import DEFAULT_SWITCH_FRACTION, SwitchCallback, SwitchPoint
+from elr_lightning.checkpoint_io import weights_only_first
 from elr_lightning.sampling import LoopSampler
 
 
@@ -67,8 +68,9 @@ def load_weights_where_present(model: nn.Module, path: str) -> list[str]:
     initialisation (``LoopedLM.init_weights``: zero gate and heads, so the new parts start as in a
     fresh model).
 
-    The file is unpickled with ``weights_only=False``, like every checkpoint this library reads:
-    name only files you trust.
+    The file is read with ``weights_only=True``, like every checkpoint this library reads; only an
+    old-format checkpoint (pickled plug-ins) is unpickled with ``weights_only=False``, after a
+    warning (:func:`~elr_lightning.checkpoint_io.weights_only_first`): name such a file only if you trust it.
 
     Args:
         model: The looped model (``ELRModule.model``).
@@ -99,7 +101,8 @@ def checked_weights(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
     Raises:
         ValueError: The file has tensors ``model`` lacks, or tensors of another shape.
     """
-    state = _normalised_state_dict(torch.load(path, map_location="cpu", weights_only=False, mmap=True), path)
+    raw = weights_only_first(lambda w: torch.load(path, map_location="cpu", weights_only=w, mmap=True), path)
+    state = _normalised_state_dict(raw, path)
     own = model.state_dict()
     unexpected = sorted(set(state) - set(own))
     mismatched = sorted(

@@ -10,7 +10,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
+from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, weights_only_first
 from elr_lightning.config import ModelConfig
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, choose_tokenizer
 
@@ -86,7 +86,9 @@ def serve_command(argv: list[str]) -> None:
     if is_sharded_checkpoint(args.ckpt_path):
         raw = read_sharded_checkpoint(args.ckpt_path, weights=False)
     elif os.path.isfile(args.ckpt_path):
-        raw = torch.load(args.ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+        raw = weights_only_first(
+            lambda w: torch.load(args.ckpt_path, map_location="cpu", weights_only=w, mmap=True), args.ckpt_path
+        )
     else:
         raise FileNotFoundError(f"--ckpt_path {args.ckpt_path!r} does not exist")
     if not isinstance(raw, Mapping):

@@ -1,0 +1,59 @@
+"""What :class:`~elr_lightning.module.ELRModule` logs per optimizer step: means over shards, micro-batches and ranks."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+
+def add_weighted(into: dict[str, Tensor], values: Mapping[str, Tensor], weight: float) -> None:
+    """Add ``weight * value`` to ``into[name]`` (absent: zero) for every ``name, value`` of ``values``."""
+    for name, value in values.items():
+        into[name] = into[name] + value * weight if name in into else value * weight
+
+
+class StepMeans:
+    """Per name, the mean of the values given over the micro-batches of the current optimizer step (detached).
+
+    Lightning logs a step's metrics after its last micro-batch only, with the value logged last;
+    logging this running mean makes ``train/loss`` the token mean over all shards of the step
+    under gradient accumulation too (every micro-batch holds the same number of tokens).
+    """
+
+    def __init__(self) -> None:
+        # name -> (optimizer step, sum, count) of the micro-batches of that step
+        self._sums: dict[str, tuple[int, Tensor, int]] = {}
+
+    def __call__(self, name: str, value: Tensor, step: int) -> Tensor:
+        """Add ``value`` to ``name``'s sum of optimizer step ``step`` (a new step starts afresh); its mean so far."""
+        value = value.detach().float()
+        saved = self._sums.get(name)
+        if saved is None or saved[0] != step:
+            saved = (step, torch.zeros_like(value), 0)
+        total, count = saved[1] + value, saved[2] + 1
+        self._sums[name] = (step, total, count)
+        return total / count
+
+
+def log_update_stats(module: Any, stats: Mapping[str, Tensor], means: StepMeans) -> None:
+    """Log the update rule's statistics as the mean over the step's shards, micro-batches and ranks.
+
+    Each rank's value is the token-weighted mean over its shards (``ELRModule.shard_loss``) and the
+    step's micro-batches (``means``); ranks count equally. Only on the steps Lightning logs (every
+    rank takes them alike) are the ranks averaged by one small all-reduce; the other steps log the
+    rank-local value, which Lightning never writes, without a collective.
+
+    Args:
+        module: The training ``LightningModule``; logs ``train/<name>``.
+        stats: The rule's statistics of this micro-batch, by name.
+        means: The module's running means of the step.
+    """
+    trainer, every = module.trainer, module.trainer.log_every_n_steps
+    logs = bool(trainer.fast_dev_run) or (every > 0 and (trainer.global_step + 1) % every == 0)
+    for name, value in stats.items():
+        mean = means(f"update/{name}", value, trainer.global_step)
+        if logs:
+            mean = trainer.strategy.reduce(mean.to(module.device), reduce_op="mean")
+        module.log(f"train/{name}", mean)

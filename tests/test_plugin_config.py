@@ -1,0 +1,196 @@
+"""Plug-ins saved as ``class_path`` + ``init_args``: checkpoints load with ``weights_only=True``, old ones still load."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+import elr_lightning.checkpoint_io as checkpoint_io
+from elr_lightning.callbacks.delayed_mixed_depth import DelayedSampler
+from elr_lightning.checkpoint_io import upgrade_checkpoint
+from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.generation import load_model
+from elr_lightning.hf.export import save_module_checkpoint
+from elr_lightning.module import ELRModule
+from elr_lightning.plugin_config import PluginConfigError, build_plugin, plugin_config
+from elr_lightning.sampling import LoopSampler, OneLoopOverride, Synchronized
+from elr_lightning.tokenizers import ByteTokenizer
+from elr_lightning.updates import FixedDelta, StateUpdate
+
+from conftest import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+class ScaledDelta(FixedDelta):
+    """A user's own rule in their own module: a keyword-only argument beside the parent's."""
+
+    def __init__(self, beta: float = 0.5, *, scale: float = 1.0) -> None:
+        super().__init__(beta)
+        self.scale = scale
+
+    def forward(self, s_prev: Tensor, r: Tensor, s_tilde: Tensor) -> Tensor:
+        return super().forward(s_prev, r, s_tilde) * self.scale
+
+
+class EveryOther(LoopSampler):
+    """A user's sampler that takes another plug-in: k = 1 on odd steps, else ``inner``'s."""
+
+    def __init__(self, inner: LoopSampler, note: Optional[list[str]] = None) -> None:
+        self.inner, self.note, self.max_loops = inner, note, inner.max_loops
+
+    def schedule(self, seed: int, step: int, num_shards: int) -> list[int]:
+        return [1] * num_shards if step % 2 else self.inner.schedule(seed, step, num_shards)
+
+
+class TensorArgument(StateUpdate):
+    """A rule that takes a tensor, which a config cannot hold."""
+
+    def __init__(self, scale: Tensor) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, s_prev: Tensor, r: Tensor, s_tilde: Tensor) -> Tensor:
+        return r * self.scale
+
+
+def _logits(module: ELRModule) -> dict[int, Tensor]:
+    with torch.no_grad():
+        return {k: module.model.eval()(IDS, k) for k in (1, 3)}
+
+
+def _perturbed(module: ELRModule) -> ELRModule:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return module
+
+
+def test_a_fit_checkpoint_loads_with_weights_only_and_rebuilds_every_plugin(tmp_path: Path) -> None:
+    """Trainer.fit with a nested sampler, a conditioner, a user's rule and a tokenizer: no pickled object."""
+    torch.manual_seed(0)
+    sampler = DelayedSampler(EveryOther(OneLoopOverride(4, 0.5), note=["a"]), switch_step=1)
+    module = ELRModule(
+        arch=tiny_config(), update=ScaledDelta(0.3, scale=0.9), sampler=sampler,
+        conditioner=LoopConditioner(d_cond=8, rank=2, n_freqs=2), betas=(0.9, 0.99),
+    )
+    module.tokenizer = ByteTokenizer()
+    trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, DataLoader(torch.randint(0, 64, (4, 9)), batch_size=4))
+    _perturbed(module)
+    trainer.save_checkpoint(tmp_path / "fit.ckpt")
+
+    raw = torch.load(tmp_path / "fit.ckpt", weights_only=True)
+    hp = raw["hyper_parameters"]
+    assert hp["update"] == {"class_path": f"{__name__}.ScaledDelta", "init_args": {"beta": 0.3, "scale": 0.9}}
+    assert hp["sampler"]["init_args"]["after"] == {
+        "class_path": f"{__name__}.EveryOther",
+        "init_args": {"inner": {"class_path": "elr_lightning.sampling.OneLoopOverride",
+                                "init_args": {"max_loops": 4, "override_fraction": 0.5}}, "note": ["a"]},
+    }  # fmt: skip
+    assert hp["arch"]["d_model"] == 32 and hp["betas"] == [0.9, 0.99]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no old-format fallback
+        loaded = ELRModule.load_from_checkpoint(tmp_path / "fit.ckpt", weights_only=True)
+    assert type(loaded.model.update) is ScaledDelta and loaded.model.update.scale == 0.9
+    assert isinstance(loaded.sampler.after, EveryOther) and loaded.sampler.after.inner.override_fraction == 0.5
+    assert [loaded.sampler.schedule(0, s, 4) for s in range(4)] == [sampler.schedule(0, s, 4) for s in range(4)]
+    assert isinstance(loaded.tokenizer, ByteTokenizer)
+    for k, logits in _logits(module).items():
+        torch.testing.assert_close(_logits(loaded)[k], logits, rtol=0, atol=0)
+
+
+def test_build_plugin_builds_only_subclasses_of_the_seam() -> None:
+    config = plugin_config(ScaledDelta(scale=2.0), "update")
+    assert build_plugin(config, StateUpdate, "model.init_args.update").scale == 2.0
+    with pytest.raises(ValueError, match=r"model.init_args.sampler: .* does not describe a LoopSampler"):
+        build_plugin(config, LoopSampler, "model.init_args.sampler")
+
+
+def test_a_plugin_that_cannot_be_described_warns_at_construction_and_is_refused_at_save(tmp_path: Path) -> None:
+    class Local(FixedDelta):
+        pass
+
+    with pytest.warns(UserWarning, match=r"model.init_args.update: .*Local is defined in a function.*top level"):
+        module = ELRModule(arch=tiny_config(), update=Local())
+    with pytest.raises(PluginConfigError, match=r"model.init_args.update: .*Local is defined in a function"):
+        save_module_checkpoint(module, tmp_path / "x.ckpt")
+    assert not (tmp_path / "x.ckpt").exists()
+    with pytest.warns(UserWarning, match=r"model.init_args.update.init_args.scale is a Tensor.*state_dict"):
+        ELRModule(arch=tiny_config(), update=TensorArgument(torch.ones(())))
+
+
+def test_an_unrecorded_plugin_is_read_back_from_its_attributes_only_when_they_rebuild_it() -> None:
+    old = FixedDelta.__new__(FixedDelta)  # as unpickled from an old checkpoint: no recorded arguments
+    old.__dict__.update(FixedDelta(0.25).__dict__)
+    del old.__dict__["_elr_init_args"]
+    assert plugin_config(old, "update") == {"class_path": "elr_lightning.updates.FixedDelta", "init_args": {"beta": 0.25}}
+    odd = Synchronized.__new__(Synchronized)
+    odd.__dict__.update(max_loops=3, weights=[1.0, 1.0, 1.0])  # weights its constructor would normalise
+    with pytest.raises(PluginConfigError, match=r"sampler: Synchronized rebuilt from the attributes .* differs in weights"):
+        plugin_config(odd, "sampler")
+    half = DelayedSampler.__new__(DelayedSampler)
+    half.__dict__.update(switch_step=2)  # no ``after``
+    with pytest.raises(PluginConfigError, match=r"sampler: the constructor arguments of DelayedSampler cannot be"):
+        plugin_config(half, "sampler")
+
+
+def _old_format_checkpoint(path: Path, tmp_path: Path) -> ELRModule:
+    """A checkpoint as the code before class_path + init_args wrote it: the plug-ins pickled as objects."""
+    module = _perturbed(ELRModule(
+        arch=tiny_config(), update=FixedDelta(0.3), conditioner=LoopConditioner(d_cond=8, rank=2, n_freqs=2),
+        sampler=DelayedSampler(OneLoopOverride(4, 0.25), switch_step=3),
+    ))  # fmt: skip
+    save_module_checkpoint(module, tmp_path / "new.ckpt")
+    raw = torch.load(tmp_path / "new.ckpt", weights_only=True)
+    old_objects = {}
+    for name, value in module.hparams.items():
+        if isinstance(value, dict) and "class_path" in value:
+            old_objects[name] = build_plugin(value, {"update": StateUpdate, "sampler": LoopSampler}.get(
+                name, LoopConditioner), name)  # fmt: skip
+    for plugin in old_objects.values():  # unpickled objects carry no recorded arguments
+        for obj in (plugin, getattr(plugin, "after", None)):
+            if obj is not None:
+                vars(obj).pop("_elr_init_args")
+    raw["hyper_parameters"].update(old_objects, arch=module.arch)
+    torch.save(raw, path)
+    return module
+
+
+def test_an_old_format_checkpoint_loads_after_one_warning_and_upgrades(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = tmp_path / "old.ckpt"
+    module = _old_format_checkpoint(old, tmp_path)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        torch.load(old, weights_only=True)
+    monkeypatch.setattr(checkpoint_io, "_warned_old_format", False)
+    with pytest.warns(UserWarning, match=r"old.ckpt' holds elr_lightning\..* weights_only=True.*upgrade_checkpoint"):
+        _, loaded = load_model(str(old))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning is given once per process
+        load_model(str(old))
+    assert loaded.model.update.beta == 0.3 and loaded.sampler.switch_step == 3
+    for k, logits in _logits(module).items():
+        torch.testing.assert_close(_logits(loaded)[k], logits, rtol=0, atol=0)
+
+    upgrade_checkpoint(str(old), str(tmp_path / "upgraded.ckpt"))
+    raw = torch.load(tmp_path / "upgraded.ckpt", weights_only=True)
+    assert raw["hyper_parameters"]["sampler"]["init_args"]["after"]["init_args"]["override_fraction"] == 0.25
+    monkeypatch.setattr(checkpoint_io, "_warned_old_format", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, upgraded = load_model(str(tmp_path / "upgraded.ckpt"))
+    for k, logits in _logits(module).items():
+        torch.testing.assert_close(_logits(upgraded)[k], logits, rtol=0, atol=0)
