@@ -176,7 +176,7 @@ def test_an_old_format_checkpoint_loads_after_one_warning_and_upgrades(
     with pytest.raises(Exception, match="Weights only load failed"):
         torch.load(old, weights_only=True)
     monkeypatch.setattr(checkpoint_io, "_warned_old_format", False)
-    with pytest.warns(UserWarning, match=r"old.ckpt' holds elr_lightning\..* weights_only=True.*upgrade_checkpoint"):
+    with pytest.warns(UserWarning, match=r"old.ckpt' holds elr_lightning\..* weights_only=False.*upgrade_checkpoint"):
         _, loaded = load_model(str(old))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the warning is given once per process
