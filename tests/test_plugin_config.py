@@ -13,8 +13,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 import elr_lightning.checkpoint_io as checkpoint_io
-from elr_lightning.callbacks.delayed_mixed_depth import DelayedSampler
-from elr_lightning.checkpoint_io import upgrade_checkpoint
+from elr_lightning.callbacks.delayed_mixed_depth import DelayedSampler, load_weights_where_present
+from elr_lightning.checkpoint_io import AtomicCheckpointIO, upgrade_checkpoint
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.generation import load_model
 from elr_lightning.hf.export import save_module_checkpoint
@@ -182,6 +182,10 @@ def test_an_old_format_checkpoint_loads_after_one_warning_and_upgrades(
         warnings.simplefilter("error")  # the warning is given once per process
         load_model(str(old))
     assert loaded.model.update.beta == 0.3 and loaded.sampler.switch_step == 3
+    resumed = AtomicCheckpointIO().load_checkpoint(old)  # Lightning's default weights_only=None, as when resuming
+    assert isinstance(resumed["hyper_parameters"]["update"], FixedDelta)
+    fresh = ELRModule(arch=tiny_config(), update=FixedDelta(0.3), conditioner=LoopConditioner(d_cond=8, rank=2, n_freqs=2))
+    assert load_weights_where_present(fresh.model, str(old)) == []  # DelayedMixedDepth(init_from=...)
     for k, logits in _logits(module).items():
         torch.testing.assert_close(_logits(loaded)[k], logits, rtol=0, atol=0)
 
