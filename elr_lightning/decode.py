@@ -249,13 +249,14 @@ class Decoder:
             c = self._row_context(i, budgets[:m] if isinstance(at, slice) else [budgets[r] for r in active.tolist()], h_in)
             s_prev = state[at]
             s = _loop_rows(core, s_prev, h_in[at], sub.context(i, budgets[0]), c)
-            state[at] = s
             checks = [j for j, r in enumerate(active.tolist()) if adaptive[r] and i < budgets[r]]
+            if checks:  # measured before the write below: on a prefix, s_prev is a view of state
+                check = torch.tensor(checks)
+                change = (s - s_prev).norm(dim=-1)[:, -1] / s_prev.norm(dim=-1)[:, -1].clamp_min(1e-12)
+                change = change.float().cpu()[check]
+            state[at] = s
             if not checks:
                 continue
-            check = torch.tensor(checks)
-            change = (s - s_prev).norm(dim=-1)[:, -1] / s_prev.norm(dim=-1)[:, -1].clamp_min(1e-12)
-            change = change.float().cpu()[check]
             by_kl = [j for j in checks if kl[active[j]]]
             if by_kl:
                 logp = self._log_probs(rows, state, active[by_kl], c_out)

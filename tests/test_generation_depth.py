@@ -119,6 +119,23 @@ def test_tokens_leave_after_one_loop_and_per_loop_fills_the_skipped_loops(criter
             assert not torch.equal(store.k[0, :, :3], first.k[0, :, :3])  # the prompt ran every loop
 
 
+@pytest.mark.parametrize("criterion", ["kl", "delta"])
+def test_a_tiny_threshold_never_exits_beside_other_rows(criterion: str) -> None:
+    """Each loop changes the state and the distribution, so a threshold of 1e-9 keeps every token at the budget.
+
+    Beside a fixed-k row, each loop runs on a prefix of the rows (views of the state): the change
+    must be measured against the state before the loop, not the one the loop just wrote.
+    """
+    model = perturbed_model(GQA_CONFIG)
+    decoder = Decoder(model, 2, 8, "per_loop")
+    depths = [AdaptiveDepth(K, 1e-9, criterion), 1]
+    last = [decoder.prefill(i, torch.tensor([5, 6, 7]), d) for i, d in enumerate(depths)]
+    for _ in range(3):
+        logits, used = decoder.step([0, 1], torch.stack([x.argmax() for x in last]), depths)
+        assert used.tolist() == [K, 1]
+        last = list(logits)
+
+
 def test_depth_arguments_are_checked_naming_the_field() -> None:
     model = perturbed_model(GQA_CONFIG)
     with pytest.raises(ValueError, match="loops='fast' must be an integer >= 1 or 'auto'"):
