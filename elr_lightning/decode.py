@@ -10,10 +10,11 @@ loop counts:
 * rows all at one k run the recurrent and output blocks at k with its conditioning constants
   computed once (:func:`~elr_lightning.serving.serving_model`), exactly as :meth:`Decoder.prefill`
   and :func:`~elr_lightning.generation.generate` do;
-* otherwise loop i runs once, on the rows whose k reaches it, gathered and scattered back, each
-  row under its own context c_i(i, k, K) (eq. 4's operands computed once per (sublayer, i, k) and
-  stacked per row): a step costs sum(k) row-loops, not max(k) x rows (DESIGN §7), and a row's
-  logits equal those of its k alone to fp32 round-off;
+* otherwise loop i runs once, on the rows whose k reaches it, each row under its own context
+  c_i(i, k, K) (eq. 4's operands computed once per (sublayer, i, k) and stacked per row): a step
+  costs sum(k) row-loops, not max(k) x rows (DESIGN §7), and a row's logits equal those of its k
+  alone to fp32 round-off. The rows are put in order of budget once per step, so the rows of loop
+  i are a prefix of the batch and run as views; only rows thinned by adaptive exits are gathered;
 * an :class:`AdaptiveDepth` row runs under the contexts of its budget K_max and leaves after loop
   i once its exit criterion holds (:data:`EXIT_CRITERIA`); fewer rows run each later loop.
 
@@ -25,8 +26,9 @@ not copied: a skipped loop's state simply does not absorb the token. Under ``las
 store per layer already holds the exit loop's entry. A prompt prefilled in one pass runs at the
 full budget K_max; only tokens decoded one at a time choose their depth.
 
-A mixture-of-experts layer replays loop 1's routes while the rows of a loop are those of loop 1;
-under adaptive depth, a loop whose rows shrank routes its rows again.
+A mixture-of-experts layer replays loop 1's routes in a step whose rows are all at one k (the
+model's own forward); in a step that mixes depths each loop runs under a context of its own and
+routes its rows again, so with route replay a row's logits there are not those of its k alone.
 """
 
 from __future__ import annotations
