@@ -10,7 +10,14 @@ below the fixed-k line, linearly interpolated at its mean loops; the table print
 (negative: adaptive is better at equal mean compute). Under ``per_loop`` the fixed-k points equal
 the model's cache-free validation loss.
 
-Writes ``bench/results/adaptive.json`` and ``bench/results/adaptive.png``.
+The same depths are scored on the local harness tasks (``elr_local``: ``elr_line_end`` accuracy,
+``elr_complete_line`` exact match; ``--limit`` documents each, ``--limit 0`` skips them) through
+the ``elr eval`` adapter (:class:`~elr_lightning.eval.ELRLM`, ``loops=auto`` for the adaptive
+points): their average against the mean loops per scored continuation token (the first token of a
+continuation runs at the budget, as the prefilled context does; generated tokens are not counted),
+with the same gap to the fixed-k line (positive: adaptive is better). Needs the ``eval`` extra.
+
+Writes ``bench/results/adaptive.json`` and ``bench/results/adaptive.png`` (loss above, accuracy below).
 
     python bench/adaptive.py --ckpt_path quickstart=runs/quickstart/version_0/checkpoints/last.ckpt \\
         --ckpt_path hybrid=runs/quickstart_hybrid/version_0/checkpoints/last.ckpt
@@ -53,8 +60,45 @@ def teacher_forced(model: LoopedLM, batches: list[torch.Tensor], depth: Depth, p
     return total / count, float(torch.cat(loops).float().mean())
 
 
+def local_accuracy(model: LoopedLM, module: Any, depths: list[tuple[str, Any, Depth]], args: argparse.Namespace) -> list[dict]:
+    """Per depth, the ``elr_local`` scores, their average and the mean loops per scored token."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from elr_lightning.eval import LOCAL_GROUP, TASKS_DIR, ELRLM
+    from elr_lightning.eval.command import auto_label, summarize
+    from elr_lightning.tokenizers import choose_tokenizer
+
+    manager = TaskManager(include_path=[TASKS_DIR], include_defaults=False,
+                          metadata={"data_dir": args.data_dir} if args.data_dir else {})  # fmt: skip
+    tokenizer = choose_tokenizer(module.tokenizer, None, model.config.vocab_size)
+    lm = ELRLM.from_model(model, tokenizer, kv_cache=args.kv_cache, batch_size=args.batch_size)
+    per_k: dict[int, dict] = {}
+    adaptive: dict[str, tuple[dict, dict]] = {}
+    for kind, value, depth in depths:
+        lm.loops = depth if kind == "fixed" else "auto"
+        if kind != "fixed":
+            lm.threshold, lm.exit_criterion, lm.auto_loops, lm.auto_tokens = value, kind, 0, 0
+        results = simple_evaluate(model=lm, tasks=[LOCAL_GROUP], task_manager=manager, limit=args.limit,
+                                  random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)  # fmt: skip
+        if kind == "fixed":
+            per_k[value] = results
+        else:
+            adaptive[auto_label(kind, value)] = (results, {"max_loops": depth.max_loops, "mean_loops": lm.mean_loops()})
+    summary = summarize(per_k, adaptive)
+    out = []
+    for kind, value, _ in depths:
+        if kind == "fixed":
+            scores = {name: t["scores"][value] for name, t in summary["tasks"].items()}
+            out.append({"scores": scores, "average": summary["average"][value], "mean_loops": float(value)})
+        else:
+            point = summary["adaptive"][auto_label(kind, value)]
+            out.append({"scores": point["scores"], "average": point["average"], "mean_loops": point["mean_loops"]})
+    return out
+
+
 def evaluate(name: str, ckpt: str, args: argparse.Namespace) -> dict[str, Any]:
-    model, _ = load_model(ckpt)
+    model, module = load_model(ckpt)
     data = TextDataModule(seq_len=args.seq_len, batch_size=args.batch_size, val_batches=args.batches)
     data.setup("validate")
     batches = [b for _, b in zip(range(args.batches), data.val_dataloader())]
@@ -68,30 +112,54 @@ def evaluate(name: str, ckpt: str, args: argparse.Namespace) -> dict[str, Any]:
         points.append({"kind": kind, "value": value, "loss": loss, "mean_loops": mean_loops})
         print(f"{name:10s} {kind:6s} {value!s:>8s}  loss {loss:.4f}  loops/token {mean_loops:.3f}  "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
+    if args.limit:
+        start = time.perf_counter()
+        for p, acc in zip(points, local_accuracy(model, module, depths, args)):
+            p["accuracy"] = acc
+        print(f"{name:10s} elr_local accuracy at {len(depths)} depths ({time.perf_counter() - start:.0f} s)", flush=True)
     fixed = sorted((p["mean_loops"], p["loss"]) for p in points if p["kind"] == "fixed")
+    fixed_acc = sorted((p["accuracy"]["mean_loops"], p["accuracy"]["average"]) for p in points if p["kind"] == "fixed" and "accuracy" in p)
     for p in points:
         if p["kind"] != "fixed":
             p["fixed_loss_at_same_loops"] = float(np.interp(p["mean_loops"], *zip(*fixed)))
             p["gap"] = p["loss"] - p["fixed_loss_at_same_loops"]
+            acc = p.get("accuracy")
+            if acc and acc["mean_loops"] is not None:
+                acc["fixed_at_same_loops"] = float(np.interp(acc["mean_loops"], *zip(*fixed_acc)))
+                acc["gap"] = acc["average"] - acc["fixed_at_same_loops"]
     return {"ckpt": ckpt, "max_loops": K, "tokens": sum(b.numel() - b.shape[0] for b in batches), "points": points}
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
+    """Loss (top row) and, where measured, ``elr_local`` average accuracy (bottom row) against mean loops per token."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
-    for ax, (name, result) in zip(axes[0], results.items()):
-        for kind, style in (("fixed", "o-"), ("kl", "s--"), ("delta", "^:")):
-            pts = sorted((p["mean_loops"], p["loss"]) for p in result["points"] if p["kind"] == kind)
-            if pts:
-                ax.plot(*zip(*pts), style, label="fixed k" if kind == "fixed" else f"auto ({kind})")
-        ax.set(title=name, xlabel="mean loops per token", ylabel="validation loss (nats/token)")
-        ax.legend()
+    panels = [("loss", "validation loss (nats/token)")]
+    if any("accuracy" in p for r in results.values() for p in r["points"]):
+        panels.append(("accuracy", "elr_local average score"))
+    fig, axes = plt.subplots(len(panels), len(results), figsize=(5 * len(results), 4 * len(panels)), squeeze=False)
+    for col, (name, result) in enumerate(results.items()):
+        for row, (metric, ylabel) in enumerate(panels):
+            ax = axes[row][col]
+            for kind, style in (("fixed", "o-"), ("kl", "s--"), ("delta", "^:")):
+                pts = sorted(_xy(p, metric) for p in result["points"] if p["kind"] == kind and _xy(p, metric) is not None)
+                if pts:
+                    ax.plot(*zip(*pts), style, label="fixed k" if kind == "fixed" else f"auto ({kind})")
+            ax.set(title=name, xlabel="mean loops per token", ylabel=ylabel)
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _xy(point: dict[str, Any], metric: str) -> Any:
+    """``(mean loops, value)`` of a point's loss or accuracy, or ``None`` where not measured."""
+    if metric == "loss":
+        return point["mean_loops"], point["loss"]
+    acc = point.get("accuracy")
+    return None if acc is None or acc["mean_loops"] is None else (acc["mean_loops"], acc["average"])
 
 
 def main() -> None:
@@ -103,6 +171,8 @@ def main() -> None:
     parser.add_argument("--kv_cache", default="per_loop", choices=["per_loop", "last_loop"])
     parser.add_argument("--kl", type=float, nargs="*", default=[1e-3, 1e-2, 3e-2, 0.1], help="KL thresholds.")
     parser.add_argument("--delta", type=float, nargs="*", default=[0.1, 0.3, 0.5, 1.0], help="Delta thresholds.")
+    parser.add_argument("--limit", type=int, default=100, help="elr_local documents per task per depth (0: no accuracy).")
+    parser.add_argument("--data_dir", default=None, help="elr_local task data (built there if missing).")
     parser.add_argument("--out", default="bench/results/adaptive.json")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -116,6 +186,15 @@ def main() -> None:
             depth = f"k={p['value']}" if p["kind"] == "fixed" else f"{p['kind']} {p['value']:g}"
             extra = f"{p['fixed_loss_at_same_loops']:20.4f} {p['gap']:+8.4f}" if "gap" in p else ""
             print(f"{name:10s} {depth:14s} {p['mean_loops']:11.3f} {p['loss']:8.4f} {extra}")
+    if args.limit:
+        print(f"\n{'model':10s} {'depth':14s} {'loops/token':>11s} {'elr_local':>9s} {'fixed at same loops':>20s} {'gap':>8s}  per task")
+        for name, result in results.items():
+            for p in result["points"]:
+                depth, acc = f"k={p['value']}" if p["kind"] == "fixed" else f"{p['kind']} {p['value']:g}", p["accuracy"]
+                loops = "-" if acc["mean_loops"] is None else f"{acc['mean_loops']:.3f}"
+                extra = f"{acc['fixed_at_same_loops']:20.4f} {acc['gap']:+8.4f}" if "gap" in acc else f"{'':29s}"
+                tasks = ", ".join(f"{t} {v:.3f}" for t, v in acc["scores"].items())
+                print(f"{name:10s} {depth:14s} {loops:>11s} {acc['average']:9.4f} {extra}  {tasks}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}

@@ -10,10 +10,11 @@ loop counts:
 * rows all at one k run the recurrent and output blocks at k with its conditioning constants
   computed once (:func:`~elr_lightning.serving.serving_model`), exactly as :meth:`Decoder.prefill`
   and :func:`~elr_lightning.generation.generate` do;
-* otherwise loop i runs once, on the rows whose k reaches it, gathered and scattered back, each
-  row under its own context c_i(i, k, K) (eq. 4's operands computed once per (sublayer, i, k) and
-  stacked per row): a step costs sum(k) row-loops, not max(k) x rows (DESIGN §7), and a row's
-  logits equal those of its k alone to fp32 round-off;
+* otherwise loop i runs once, on the rows whose k reaches it, each row under its own context
+  c_i(i, k, K) (eq. 4's operands computed once per (sublayer, i, k) and stacked per row): a step
+  costs sum(k) row-loops, not max(k) x rows (DESIGN §7), and a row's logits equal those of its k
+  alone to fp32 round-off. The rows are put in order of budget once per step, so the rows of loop
+  i are a prefix of the batch and run as views; only rows thinned by adaptive exits are gathered;
 * an :class:`AdaptiveDepth` row runs under the contexts of its budget K_max and leaves after loop
   i once its exit criterion holds (:data:`EXIT_CRITERIA`); fewer rows run each later loop.
 
@@ -25,13 +26,15 @@ not copied: a skipped loop's state simply does not absorb the token. Under ``las
 store per layer already holds the exit loop's entry. A prompt prefilled in one pass runs at the
 full budget K_max; only tokens decoded one at a time choose their depth.
 
-A mixture-of-experts layer replays loop 1's routes while the rows of a loop are those of loop 1;
-under adaptive depth, a loop whose rows shrank routes its rows again.
+A mixture-of-experts layer replays loop 1's routes in a step whose rows are all at one k (the
+model's own forward); in a step that mixes depths each loop runs under a context of its own and
+routes its rows again, so with route replay a row's logits there are not those of its k alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -44,7 +47,7 @@ from elr_lightning.cache import KVCache, PolicyLike, resolve_policy
 from elr_lightning.context import LoopContext, Positions
 from elr_lightning.core import check_loops
 from elr_lightning.model import LoopedLM
-from elr_lightning.serving import FoldedLM, serving_model
+from elr_lightning.serving import FoldedLM, _split_constants, serving_model
 
 #: Exit criteria of :class:`AdaptiveDepth`, by name: what changed between loop i - 1 and loop i.
 #:
@@ -188,23 +191,40 @@ class Decoder:
         self.cache.offset = max(self.lengths)
         return logits, used
 
-    def _cond(self, loop: int, budgets: list[int], like: Tensor) -> _RowContext:
-        """Per-row context c_i(i, k_row, K) (eq. 4), each (i, k) computed once per decoder."""
+    def _row_context(self, loop: int, budgets: list[int], like: Tensor) -> Optional[_RowContext]:
+        """Per-row context (eq. 4) of loop ``loop`` >= 1, c_i(i, k_row, K), or of the output block (``loop`` 0),
+        c_k(k_row, k_row, K); each (i, k) computed once per decoder. ``None`` without active conditioning."""
         conditioner = self.model.conditioner
         if conditioner is None or not conditioner.active:
-            return _RowContext(None)
+            return None
         for k in set(budgets):
             if (loop, k) not in self._contexts:
-                self._contexts[(loop, k)] = conditioner(loop, k, self.model.config.max_loops, like)
-        cond = torch.stack([self._contexts[(loop, k)] for k in budgets])[:, None]
-        return _RowContext(cond, loop, tuple(budgets), self._contexts, self._constants)
+                self._contexts[(loop, k)] = conditioner(loop or k, k, self.model.config.max_loops, like)
+        return _RowContext(loop, tuple(budgets), self._contexts, self._constants)
 
     def _looped(self, rows: "_Rows", h_in: Tensor, depths: list[Depth]) -> tuple[Tensor, Tensor]:
         """Loop i once over the rows still needing it, each under its own context; adaptive rows may leave.
 
         The model's own layers run with a per-row context (the conditioner's heads per row rather
         than constants per k), so a row's logits equal those of its k alone to fp32 round-off.
+
+        The rows are put in order of budget, deepest first, once per step, so that the rows of loop
+        i are a prefix of the batch: each loop then runs on views (state, input, positions, cache
+        rows), and only a loop whose rows are not a prefix (after adaptive exits) gathers and
+        scatters them.
         """
+        budgets = [budget(d) for d in depths]
+        order = sorted(range(len(depths)), key=lambda r: -budgets[r])
+        if order == list(range(len(depths))):
+            return self._looped_sorted(rows, h_in, depths)
+        perm = torch.tensor(order, device=h_in.device)
+        out, used = self._looped_sorted(rows.subset(perm), h_in[perm], [depths[r] for r in order])
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(len(order), device=perm.device)
+        return out[back], used[back.cpu()]
+
+    def _looped_sorted(self, rows: "_Rows", h_in: Tensor, depths: list[Depth]) -> tuple[Tensor, Tensor]:
+        """:meth:`_looped` over rows in order of budget, deepest first."""
         core, n = self.model.core, h_in.shape[0]
         budgets = [budget(d) for d in depths]
         adaptive = [isinstance(d, AdaptiveDepth) for d in depths]
@@ -213,27 +233,32 @@ class Decoder:
         state = core.update.init(h_in).clone()  # written row by row below; init may return h_in itself
         used = torch.tensor(budgets)
         left = torch.ones(n, dtype=torch.bool)  # not exited
-        c_out = self._cond_out(budgets, h_in)
+        c_out = self._row_context(0, budgets, h_in)
         prev_logp: dict[int, Tensor] = {}
         if bool(kl.any()):
             idx = kl.nonzero().squeeze(-1)
             prev_logp = dict(zip(idx.tolist(), self._log_probs(rows, state, idx, c_out)))
-        for i in range(1, max(budgets) + 1):
+        for i in range(1, budgets[0] + 1):
             active = (left & (used >= i)).nonzero().squeeze(-1)
-            if active.numel() == 0:
+            m = active.numel()
+            if m == 0:
                 break
-            sub = rows.subset(active.to(h_in.device))
-            c = self._cond(i, [budgets[r] for r in active.tolist()], h_in)
-            dev_active = active.to(h_in.device)
-            s_prev = state[dev_active]
-            s = _loop_rows(core, s_prev, h_in[dev_active], sub.context(i, max(budgets)), c)
-            state[dev_active] = s
+            if int(active[-1]) == m - 1:  # a prefix: views
+                sub, at = rows.prefix(m), slice(0, m)
+            else:
+                at = active.to(h_in.device)
+                sub = rows.subset(at)
+            c = self._row_context(i, budgets[:m] if isinstance(at, slice) else [budgets[r] for r in active.tolist()], h_in)
+            s_prev = state[at]
+            s = _loop_rows(core, s_prev, h_in[at], sub.context(i, budgets[0]), c)
             checks = [j for j, r in enumerate(active.tolist()) if adaptive[r] and i < budgets[r]]
+            if checks:  # measured before the write below: on a prefix, s_prev is a view of state
+                check = torch.tensor(checks)
+                change = (s - s_prev).norm(dim=-1)[:, -1] / s_prev.norm(dim=-1)[:, -1].clamp_min(1e-12)
+                change = change.float().cpu()[check]
+            state[at] = s
             if not checks:
                 continue
-            check = torch.tensor(checks)
-            change = (s - s_prev).norm(dim=-1)[:, -1] / s_prev.norm(dim=-1)[:, -1].clamp_min(1e-12)
-            change = change.float().cpu()[check]
             by_kl = [j for j in checks if kl[active[j]]]
             if by_kl:
                 logp = self._log_probs(rows, state, active[by_kl], c_out)
@@ -247,25 +272,12 @@ class Decoder:
                 used[leave], left[leave] = i, False
                 for e in leave.tolist():
                     self.cache.fill_skipped(rows.rows[e : e + 1], rows.pos[e : e + 1], self.rec_layers, i, budgets[e])
-        return _output_rows(self.model, state, rows.context(0, max(budgets)), c_out), used
+        return _output_rows(self.model, state, rows.context(0, budgets[0]), c_out), used
 
-    def _cond_out(self, budgets: list[int], like: Tensor) -> _RowContext:
-        """Per-row context of the output block: c_k(k, k, K) of each row's budget (stored as loop 0)."""
-        conditioner = self.model.conditioner
-        if conditioner is None or not conditioner.active:
-            return _RowContext(None)
-        for k in set(budgets):
-            if (0, k) not in self._contexts:
-                self._contexts[(0, k)] = conditioner(k, k, self.model.config.max_loops, like)
-        cond = torch.stack([self._contexts[(0, k)] for k in budgets])[:, None]
-        return _RowContext(cond, 0, tuple(budgets), self._contexts, self._constants)
-
-    def _log_probs(self, rows: "_Rows", state: Tensor, idx: Tensor, c_out: _RowContext) -> Tensor:
+    def _log_probs(self, rows: "_Rows", state: Tensor, idx: Tensor, c_out: Optional[_RowContext]) -> Tensor:
         """Next-token log-probabilities ``[m, V]`` of rows ``idx`` read out from ``state`` through the output block."""
         sub = rows.subset(idx.to(state.device))
-        cond = c_out if c_out.cond is None else _RowContext(
-            c_out.cond[idx], 0, tuple(c_out.ks[j] for j in idx.tolist()), c_out.contexts, c_out.cache
-        )
+        cond = None if c_out is None else _RowContext(0, tuple(c_out.ks[j] for j in idx.tolist()), c_out.contexts, c_out.cache)
         out = _output_rows(self.model, state[idx.to(state.device)], sub.context(0, 1), cond)
         return self.model.head(self.model.norm(out))[:, -1].float().log_softmax(-1)
 
@@ -277,8 +289,11 @@ def _output(runner: Union[LoopedLM, FoldedLM], s: Tensor, ctx: LoopContext) -> T
 
 
 class _RowConstants:
-    """Eq. (4)'s operands per sublayer, stacked per row of a step: ``(weight, shift, up, down, gate)``.
+    """Eq. (4)'s operands per sublayer in the split form, stacked per row of a step, and the stacked contexts.
 
+    The split form is :class:`~elr_lightning.serving.ConditionedBlock`'s on the CPU (the norm's
+    per-token scalar taken after the pre-map), so a row runs the op sequence of its k decoded alone:
+    ``(u, down^T, up^T, shift, root_eps, gate)``, each but ``root_eps`` with a leading row axis.
     Each (sublayer, i, k) is computed once from the modulator's ``modulation`` (the conditioner's
     heads do not run per token); the stack for a step's row pattern is kept while the pattern
     recurs. Modulators without ``modulation`` get ``None`` and run through ``pre`` and ``post``.
@@ -286,69 +301,81 @@ class _RowConstants:
 
     def __init__(self) -> None:
         self.single: dict[tuple[int, int, int], Optional[tuple]] = {}
-        self.stacked: dict[tuple[int, int, tuple[int, ...]], Optional[tuple]] = {}
+        self.stacked: dict[tuple, Optional[tuple]] = {}
 
     def get(self, norm: nn.RMSNorm, mod: nn.Module, loop: int, ks: tuple[int, ...], contexts: dict) -> Optional[tuple]:
+        """The stacked operands of sublayer ``(norm, mod)`` at ``loop`` for rows of budgets ``ks``, or ``None``."""
         key = (id(mod), loop, ks)
         if key not in self.stacked:
-            if len(self.stacked) > 512:
-                self.stacked.clear()
             parts = [self._one(norm, mod, loop, k, contexts[(loop, k)]) for k in ks]
             if any(p is None for p in parts):
-                self.stacked[key] = None
+                stacked = None
             else:
-                weight, shift, up, down, gate = zip(*parts)
-                self.stacked[key] = (
-                    torch.stack(weight)[:, None], torch.stack(shift)[:, None],
-                    None if up[0] is None else torch.stack(up), down[0], torch.stack(gate)[:, None],
+                u, down, up, shift, root_eps, gate = zip(*parts)
+                stacked = (
+                    torch.stack(u)[:, None], torch.stack(down).transpose(1, 2).contiguous(),
+                    torch.stack(up).transpose(1, 2).contiguous(), torch.stack(shift)[:, None], root_eps[0],
+                    torch.stack(gate)[:, None],
                 )  # fmt: skip
+            self._keep(key, stacked)
         return self.stacked[key]
+
+    def cond(self, loop: int, ks: tuple[int, ...], contexts: dict) -> Tensor:
+        """The contexts ``[n, 1, d_cond]`` of rows of budgets ``ks`` at ``loop``."""
+        key = ("cond", loop, ks)
+        if key not in self.stacked:
+            self._keep(key, torch.stack([contexts[(loop, k)] for k in ks])[:, None])
+        return self.stacked[key]
+
+    def _keep(self, key: tuple, value: Optional[Union[tuple, Tensor]]) -> None:
+        if len(self.stacked) > 512:
+            self.stacked.clear()
+        self.stacked[key] = value
 
     def _one(self, norm: nn.RMSNorm, mod: nn.Module, loop: int, k: int, c: Tensor) -> Optional[tuple]:
         key = (id(mod), loop, k)
         if key not in self.single:
             try:
-                scale, shift, terms = mod.modulation(c)
+                self.single[key] = _split_constants(norm, mod, c)
             except NotImplementedError:
                 self.single[key] = None
-            else:
-                weight = scale if norm.weight is None else norm.weight * scale
-                self.single[key] = (weight, shift, terms.up, terms.down, terms.gate)
         return self.single[key]
 
 
-def _block_rows(block: nn.Module, x: Tensor, ctx: LoopContext, rows: "_RowContext") -> Tensor:
-    """A :class:`~elr_lightning.layers.Block` with its own context per row (eq. 4)."""
+def _block_rows(block: nn.Module, x: Tensor, ctx: LoopContext, rows: Optional["_RowContext"]) -> Tensor:
+    """A :class:`~elr_lightning.layers.Block` with its own context per row (eq. 4), one token per row."""
     for norm, mixer, mod in ((block.attn_norm, block.attn, block.attn_mod), (block.mlp_norm, block.mlp, block.mlp_mod)):
-        consts = None if rows.cond is None or mod is None else rows.constants(norm, mod)
-        if rows.cond is None or mod is None:
+        consts = None if rows is None or mod is None else rows.constants(norm, mod)
+        if rows is None or mod is None:
             x = x + mixer(norm(x), ctx, block.index)
         elif consts is None:  # a modulator without a constant form: its heads per row
-            x = x + mod.post(mixer(mod.pre(norm(x), rows.cond), ctx, block.index), rows.cond)
-        else:
-            weight, shift, up, down, gate = consts
-            h = torch.addcmul(shift, F.rms_norm(x, norm.normalized_shape, None, norm.eps), weight)
-            if up is not None:
-                h = h + torch.matmul(h @ down.T, up.transpose(1, 2))
+            cond = rows.cond()
+            x = x + mod.post(mixer(mod.pre(norm(x), cond), ctx, block.index), cond)
+        else:  # serving's split form (``_split_residual``), each row with its own operands
+            u, down_t, up_t, shift, root_eps, gate = consts
+            y = torch.baddbmm(x * u, torch.bmm(x, down_t), up_t)
+            h = torch.addcdiv(shift, y, torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), root_eps))
             x = torch.addcmul(x, mixer(h, ctx, block.index), gate)
     return x
 
 
 @dataclass
 class _RowContext:
-    """Per-row conditioning of one loop: the contexts ``cond`` ``[n, 1, d_cond]`` and how to get constants."""
+    """Per-row conditioning of one loop (0: the output block): each row's budget, and where the operands are kept."""
 
-    cond: Optional[Tensor]
-    loop: int = 0
-    ks: tuple[int, ...] = ()
-    contexts: Optional[dict] = None
-    cache: Optional[_RowConstants] = None
+    loop: int
+    ks: tuple[int, ...]
+    contexts: dict
+    cache: _RowConstants
 
     def constants(self, norm: nn.RMSNorm, mod: nn.Module) -> Optional[tuple]:
         return self.cache.get(norm, mod, self.loop, self.ks, self.contexts)
 
+    def cond(self) -> Tensor:
+        return self.cache.cond(self.loop, self.ks, self.contexts)
 
-def _loop_rows(core: nn.Module, s: Tensor, h_in: Tensor, ctx: LoopContext, rows: _RowContext) -> Tensor:
+
+def _loop_rows(core: nn.Module, s: Tensor, h_in: Tensor, ctx: LoopContext, rows: Optional[_RowContext]) -> Tensor:
     """:meth:`~elr_lightning.core.RecurrentCore.loop` with a context per row."""
     s_tilde = core.update.inject(s, h_in)
     r = s_tilde
@@ -357,7 +384,7 @@ def _loop_rows(core: nn.Module, s: Tensor, h_in: Tensor, ctx: LoopContext, rows:
     return core.update(s, r, s_tilde)
 
 
-def _output_rows(model: LoopedLM, s: Tensor, ctx: LoopContext, rows: _RowContext) -> Tensor:
+def _output_rows(model: LoopedLM, s: Tensor, ctx: LoopContext, rows: Optional[_RowContext]) -> Tensor:
     for block in model.output_layers:
         s = _block_rows(block, s, ctx, rows)
     return s
@@ -376,6 +403,15 @@ class _Rows:
     def subset(self, idx: Tensor) -> "_Rows":
         """The rows at ``idx`` of these."""
         return _Rows(self.model, self.cache, self.rows[idx], self.pos[idx], self.end)
+
+    def prefix(self, m: int) -> "_Rows":
+        """The first ``m`` of these rows, as views of their tables."""
+        if m == self.rows.numel():
+            return self
+        sub = copy.copy(self)
+        sub.rows, sub.pos, sub.cos, sub.sin, sub.mask = (t[:m] for t in (self.rows, self.pos, self.cos, self.sin, self.mask))
+        sub.view = self.cache.rows(sub.rows, sub.pos[:, None], self.end)
+        return sub
 
     def context(self, loop: int, loops: int, cond: Optional[Tensor] = None) -> LoopContext:
         """A fresh loop context of these rows (its scratch is its own)."""

@@ -20,7 +20,7 @@ from elr_lightning.conditioning import LoopConditioner  # noqa: E402
 from elr_lightning.config import ModelConfig  # noqa: E402
 from elr_lightning.data import TextDataModule, default_corpus_files, iter_documents  # noqa: E402
 from elr_lightning.eval import TASKS_DIR, build_tasks  # noqa: E402
-from elr_lightning.eval.command import format_table, parse_loops, summarize  # noqa: E402
+from elr_lightning.eval.command import format_table, parse_loops, parse_points, parse_thresholds, summarize  # noqa: E402
 from elr_lightning.eval.taskdata import heldout_text  # noqa: E402
 from elr_lightning.module import ELRModule  # noqa: E402
 
@@ -171,3 +171,51 @@ def test_the_harness_command_line_runs_the_adapter(checkpoint: Path, data_dir: P
     assert results["config"]["elr_loops"] == 2 and results["results"]["elr_line_end"]["sample_len"] == 6
     assert 0.0 <= results["results"]["elr_line_end"]["acc,none"] <= 1.0
     assert "elr_line_end" in run.stdout  # the harness's own results table
+
+
+def test_parse_points_and_thresholds() -> None:
+    assert parse_points("1-3,auto") == ([1, 2, 3], True) and parse_points("auto") == ([], True)
+    assert parse_points("2,1") == ([1, 2], False)
+    assert parse_thresholds("0.01, 1e-3,0.01") == [0.01, 0.001]
+    for bad in ("x", "-1", "nan", "inf", ""):
+        with pytest.raises(ValueError, match="--threshold"):
+            parse_thresholds(bad)
+    with pytest.raises(ValueError, match="not a loop count"):
+        parse_points("1,aut")
+
+
+@pytest.mark.slow
+def test_elr_eval_loops_auto_adds_adaptive_points(
+    checkpoint: Path, data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``--loops 2,auto``: threshold 0 is k = budget (same scores, 2 loops per token); a huge one exits at loop 1."""
+    out, tb = tmp_path / "out", tmp_path / "tb"
+    main(["eval", "--ckpt_path", str(checkpoint), "--loops", "2,auto", "--max_loops", "2", "--threshold", "0,1e9",
+          "--tasks", "elr_line_end", "--limit", "6", "--data_dir", str(data_dir), "--output_dir", str(out),
+          "--log_dir", str(tb), "--batch_size", "4"])  # fmt: skip
+    table = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    never, always = summary["adaptive"]["auto:kl:0"], summary["adaptive"]["auto:kl:1e+09"]
+    assert never["mean_loops"] == 2.0 and never["threshold"] == 0.0 and never["max_loops"] == 2
+    assert never["scores"]["elr_line_end"] == summary["tasks"]["elr_line_end"]["scores"]["2"]
+    assert 1.0 < always["mean_loops"] < 2.0  # each continuation's first token is read off the prefill, at the budget
+    results = json.loads((out / "results_auto_kl_0.json").read_text())
+    assert results["config"]["elr_loops"] == "auto" and results["config"]["elr_threshold"] == 0.0
+    assert results["results"]["elr_line_end"]["sample_len"] == 6
+    assert "| k=2 | auto:kl:0 | auto:kl:1e+09 |" in table
+    assert f"| loops per token |  |  | 2 | 2.000 | {always['mean_loops']:.3f} |" in table
+    assert (out / "accuracy_vs_k.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert [e.value for e in events.Scalars("eval/auto_kl_0/mean_loops")] == [2.0]
+
+
+@pytest.mark.slow
+def test_elr_eval_auto_options_are_checked(checkpoint: Path, data_dir: Path) -> None:
+    ckpt = str(checkpoint)
+    assert "only read with --loops auto" in _error(["eval", "--ckpt_path", ckpt, "--loops", "1", "--threshold", "0.1"])
+    assert "--threshold" in _error(["eval", "--ckpt_path", ckpt, "--loops", "auto", "--threshold", "-1"])
+    message = _error(["eval", "--ckpt_path", ckpt, "--loops", "auto", "--max_loops", "5", "--data_dir", str(data_dir)])
+    assert "--max_loops=5" in message and "max_loops=4" in message

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import GQA_CONFIG, perturbed_model
+from conftest import GQA_CONFIG, PlainConditioner, perturbed_model
 from elr_lightning.decode import AdaptiveDepth, Decoder
 from elr_lightning.generation import generate
 from elr_lightning.model import LoopedLM
@@ -58,6 +58,41 @@ def test_rows_of_different_depths_share_a_step_and_equal_each_row_alone(model: L
 
 
 @pytest.mark.parametrize("policy", ["per_loop", "last_loop"])
+def test_a_mixed_step_is_the_same_in_any_order_of_slots_and_depths(model: LoopedLM, policy: str) -> None:
+    """Rows are put in order of budget inside a step (each loop runs on a prefix): the caller's order does not matter."""
+    prompts = {0: [3, 1, 4], 2: [9, 2, 6, 5], 3: [5], 5: [8, 9, 7, 9, 3], 6: [2, 3]}
+    depths = {0: 1, 2: K, 3: 2, 5: AdaptiveDepth(K, 0.5, "delta"), 6: K}
+    results = []
+    for order in ([0, 2, 3, 5, 6], [6, 3, 0, 5, 2]):
+        decoder = Decoder(model, 7, 8, policy)
+        last = {s: decoder.prefill(s, torch.tensor(prompts[s]), depths[s]).argmax() for s in order}
+        logits, used = decoder.step(order, torch.stack([last[s] for s in order]), [depths[s] for s in order])
+        results.append({s: (logits[i], int(used[i])) for i, s in enumerate(order)})
+    for s in prompts:
+        torch.testing.assert_close(results[0][s][0], results[1][s][0], atol=1e-5, rtol=0)
+        assert results[0][s][1] == results[1][s][1]
+        if isinstance(depths[s], int):
+            assert results[0][s][1] == depths[s]
+
+
+@pytest.mark.parametrize("conditioner", [None, PlainConditioner])
+def test_mixed_rows_equal_each_row_alone_whatever_the_conditioning(conditioner) -> None:
+    """The other per-row forms: no conditioning, and a modulator without constants (its heads run per row)."""
+    torch.manual_seed(0)
+    model = LoopedLM(GQA_CONFIG, conditioner=conditioner and conditioner(d_cond=8, rank=2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    prompts, depths = [[3, 1, 4], [9, 2], [6, 5, 3, 5]], [2, 1, K]
+    decoder = Decoder(model, 3, 6, "per_loop")
+    last = [decoder.prefill(i, torch.tensor(p), d) for i, (p, d) in enumerate(zip(prompts, depths))]
+    step, _ = decoder.step([0, 1, 2], torch.stack([x.argmax() for x in last]), depths)
+    for i, (p, d) in enumerate(zip(prompts, depths)):
+        torch.testing.assert_close(step[i], alone(model, p, d, "per_loop", 2).logits[0, 1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("policy", ["per_loop", "last_loop"])
 def test_auto_that_never_exits_is_k_at_the_budget(model: LoopedLM, policy: str) -> None:
     prompt = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(1))
     fixed = generate(model, prompt, loops=K, kv_cache=policy, max_new_tokens=6, greedy=True, output_logits=True)
@@ -82,6 +117,23 @@ def test_tokens_leave_after_one_loop_and_per_loop_fills_the_skipped_loops(criter
             store = cache.slot(layer, loop)
             assert torch.equal(store.k[0, :, 3:6], first.k[0, :, 3:6])
             assert not torch.equal(store.k[0, :, :3], first.k[0, :, :3])  # the prompt ran every loop
+
+
+@pytest.mark.parametrize("criterion", ["kl", "delta"])
+def test_a_tiny_threshold_never_exits_beside_other_rows(criterion: str) -> None:
+    """Each loop changes the state and the distribution, so a threshold of 1e-9 keeps every token at the budget.
+
+    Beside a fixed-k row, each loop runs on a prefix of the rows (views of the state): the change
+    must be measured against the state before the loop, not the one the loop just wrote.
+    """
+    model = perturbed_model(GQA_CONFIG)
+    decoder = Decoder(model, 2, 8, "per_loop")
+    depths = [AdaptiveDepth(K, 1e-9, criterion), 1]
+    last = [decoder.prefill(i, torch.tensor([5, 6, 7]), d) for i, d in enumerate(depths)]
+    for _ in range(3):
+        logits, used = decoder.step([0, 1], torch.stack([x.argmax() for x in last]), depths)
+        assert used.tolist() == [K, 1]
+        last = list(logits)
 
 
 def test_depth_arguments_are_checked_naming_the_field() -> None:

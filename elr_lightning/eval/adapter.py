@@ -102,6 +102,7 @@ class ELRLM(TemplateLM):
         kv_cache: ``per_loop`` or ``last_loop``: the cache the scores and generations go through.
         threshold: Exit threshold of ``loops=auto``.
         exit_criterion: ``kl`` or ``delta``, the exit criterion of ``loops=auto``.
+        max_loops: Loop budget of ``loops=auto`` (default ``arch.max_loops``).
         batch_size: Requests per forward pass.
         device: Device to run on (``cpu``, ``cuda``, ``cuda:1``...); see :func:`resolve_device`.
         dtype: ``float32``, or ``bfloat16``/``float16`` under autocast.
@@ -134,6 +135,7 @@ class ELRLM(TemplateLM):
         max_batch_size: Optional[int] = None,
         threshold: Union[float, str] = 1e-3,
         exit_criterion: str = "kl",
+        max_loops: Union[int, str, None] = None,
         **unknown: Any,
     ) -> None:
         super().__init__()
@@ -141,14 +143,14 @@ class ELRLM(TemplateLM):
             raise ValueError(
                 f"model_args: unknown argument(s) {', '.join(sorted(unknown))}; the elr model takes ckpt_path, loops, "
                 "kv_cache, batch_size, device, dtype, tokenizer, max_gen_toks, allow_extrapolation, fold, threshold, "
-                "exit_criterion"
+                "exit_criterion, max_loops"
             )
         if ckpt_path is None:
             raise ValueError("model_args: ckpt_path is required, e.g. --model_args ckpt_path=last.ckpt,loops=2")
         model, module = load_model(ckpt_path, map_location=resolve_device(device))
         self._setup(model, choose_tokenizer(module.tokenizer, tokenizer, model.config.vocab_size), loops,
                     kv_cache, batch_size, dtype, max_gen_toks, allow_extrapolation, fold, threshold,
-                    exit_criterion)  # fmt: skip
+                    exit_criterion, max_loops)  # fmt: skip
 
     @classmethod
     def from_model(
@@ -164,12 +166,13 @@ class ELRLM(TemplateLM):
         fold: Optional[bool] = None,
         threshold: float = 1e-3,
         exit_criterion: str = "kl",
+        max_loops: Optional[int] = None,
     ) -> "ELRLM":
         """Wrap a model already in memory (on its device, in eval mode); see the class for the arguments."""
         lm = cls.__new__(cls)
         TemplateLM.__init__(lm)
         lm._setup(model, tokenizer, loops, kv_cache, batch_size, dtype, max_gen_toks, allow_extrapolation, fold,
-                  threshold, exit_criterion)  # fmt: skip
+                  threshold, exit_criterion, max_loops)  # fmt: skip
         return lm
 
     def _setup(
@@ -185,6 +188,7 @@ class ELRLM(TemplateLM):
         fold: Union[bool, str, None],
         threshold: Union[float, str] = 1e-3,
         exit_criterion: str = "kl",
+        max_loops: Union[int, str, None] = None,
     ) -> None:
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(
@@ -210,8 +214,12 @@ class ELRLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
         self.allow_extrapolation = str(allow_extrapolation).lower() in ("true", "1", "yes")
         self.fold: Optional[bool] = None if fold is None or fold == "" else str(fold).lower() in ("true", "1", "yes")
-        AdaptiveDepth(model.config.max_loops, float(threshold), exit_criterion)  # checks both, naming them
+        self.max_loops = model.config.max_loops if max_loops in (None, "") else int(max_loops)
+        check_loops(self.max_loops, model.config.max_loops, self.allow_extrapolation, field="max_loops")
+        AdaptiveDepth(self.max_loops, float(threshold), exit_criterion)  # checks both, naming them
         self.threshold, self.exit_criterion = float(threshold), exit_criterion
+        #: Loops and tokens of the continuation tokens scored at ``loops="auto"`` (:meth:`mean_loops`).
+        self.auto_loops, self.auto_tokens = 0, 0
         self.loops = loops
         separator = tokenizer.encode("\n")
         # Training joined documents with EOS, or with a newline when there is none (TextDataModule).
@@ -237,8 +245,17 @@ class ELRLM(TemplateLM):
     def depth(self) -> Depth:
         """What :attr:`loops` decodes at: k, or :class:`~elr_lightning.decode.AdaptiveDepth` for ``"auto"``."""
         if self.loops == "auto":
-            return AdaptiveDepth(self.model.config.max_loops, self.threshold, self.exit_criterion)
+            return AdaptiveDepth(self.max_loops, self.threshold, self.exit_criterion)
         return self.loops
+
+    def mean_loops(self) -> Optional[float]:
+        """Mean loops per continuation token scored at ``loops="auto"`` since :attr:`auto_tokens` was zeroed.
+
+        A context's last position runs at the budget (the prompt is prefilled there), so the first
+        continuation token counts ``max_loops``; tokens of ``generate_until`` are not counted.
+        ``None`` before any token was scored.
+        """
+        return self.auto_loops / self.auto_tokens if self.auto_tokens else None
 
     @property
     def max_length(self) -> int:
@@ -269,6 +286,8 @@ class ELRLM(TemplateLM):
         """What the harness records about the model in its results."""
         return {
             "elr_loops": self.loops,
+            **({"elr_max_loops": self.max_loops, "elr_threshold": self.threshold,
+                "elr_exit_criterion": self.exit_criterion} if self.loops == "auto" else {}),  # fmt: skip
             "elr_kv_cache": self.kv_cache,
             "elr_fold": self.fold,
             "elr_arch": dataclasses.asdict(self.model.config),
@@ -349,10 +368,12 @@ class ELRLM(TemplateLM):
         decoder = Decoder(self.model, len(pairs), need, self.policy, self.autocast_dtype, self.fold)
         depth = self.depth
         steps = [[decoder.prefill(r, torch.tensor(ctx), depth)] for r, (ctx, _) in enumerate(pairs)]
+        self.auto_loops, self.auto_tokens = self.auto_loops + depth.max_loops * len(pairs), self.auto_tokens + len(pairs)
         for j in range(max(len(cont) for _, cont in pairs) - 1):
             rows = [r for r, (_, cont) in enumerate(pairs) if j + 1 < len(cont)]
             tokens = torch.tensor([pairs[r][1][j] for r in rows])
-            logits, _ = decoder.step(rows, tokens, [depth] * len(rows))
+            logits, used = decoder.step(rows, tokens, [depth] * len(rows))
+            self.auto_loops, self.auto_tokens = self.auto_loops + int(used.sum()), self.auto_tokens + len(rows)
             for i, r in enumerate(rows):
                 steps[r].append(logits[i])
         return [self._pick(torch.stack(s).log_softmax(dim=-1), cont) for s, (_, cont) in zip(steps, pairs)]

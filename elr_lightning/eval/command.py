@@ -5,6 +5,11 @@ The checkpoint is loaded once; for each k the harness runs the tasks through the
 by k, with the chance level, the average, and the fraction of the k = K gain each k captures, as
 the paper's "two and three loops capture 79% and 96% of the gain"), and writes the harness's JSON
 per k, ``summary.json`` and a PNG of accuracy against k; optionally logs to TensorBoard.
+
+``--loops 1,2,3,auto`` adds adaptive depth per token (``loops=auto`` of the adapter), once per
+``--threshold`` (e.g. ``0.01,0.001``) under ``--exit_criterion`` and the budget ``--max_loops``:
+each such point is a column of the table with its mean loops per scored token, an entry of
+``summary.json``'s ``adaptive``, and a star in the PNG at its mean loops.
 ``elr eval-tasks`` writes the local tasks' data files.
 """
 
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -46,12 +52,54 @@ def parse_loops(spec: str) -> list[int]:
     return sorted(loops)
 
 
+def parse_points(spec: str) -> tuple[list[int], bool]:
+    """``"1-3,auto"`` -> the loop counts (:func:`parse_loops`) and whether adaptive depth (``auto``) is asked for.
+
+    Raises:
+        ValueError: A part is neither a loop count nor ``auto``.
+    """
+    parts = [part.strip() for part in str(spec).split(",")]
+    fixed = ",".join(part for part in parts if part != "auto")
+    return (parse_loops(fixed) if fixed else []), "auto" in parts
+
+
+def parse_thresholds(spec: str) -> list[float]:
+    """``"0.01,1e-3"`` -> distinct exit thresholds in the order given.
+
+    Raises:
+        ValueError: A part is not a finite number >= 0.
+    """
+    out: list[float] = []
+    for part in str(spec).split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            value = float("nan")
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"--threshold {spec!r}: {part.strip()!r} is not a number >= 0; write e.g. --threshold 0.01,0.001")
+        if value not in out:
+            out.append(value)
+    return out
+
+
+def auto_label(criterion: str, threshold: float) -> str:
+    """The name of an adaptive point in ``summary.json`` and the table, e.g. ``auto:kl:0.001``."""
+    return f"auto:{criterion}:{threshold:g}"
+
+
 def _parser() -> Any:
     from jsonargparse import ActionYesNo, ArgumentParser
 
     p = ArgumentParser(prog="elr eval", description="lm-evaluation-harness accuracy of a checkpoint at several k.")
     p.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
-    p.add_argument("--loops", type=Optional[str], default=None, help="Loop counts, e.g. 1,2,4 or 1-4; default 1..max_loops.")
+    p.add_argument(
+        "--loops", type=Optional[str], default=None,
+        help="Loop counts, e.g. 1,2,4 or 1-4, and 'auto' for depth per token (e.g. 1-3,auto); default 1..max_loops.",
+    )  # fmt: skip
+    p.add_argument("--threshold", type=Optional[str], default=None,
+                   help="Exit thresholds of --loops auto, one point each, e.g. 0.01,0.001; default 0.001.")  # fmt: skip
+    p.add_argument("--exit_criterion", type=Literal["kl", "delta"], default="kl", help="Exit criterion of --loops auto.")
+    p.add_argument("--max_loops", type=Optional[int], default=None, help="Budget of --loops auto (arch.max_loops).")
     p.add_argument("--tasks", type=Optional[str], default=None, help="Comma-separated harness tasks, e.g. elr_reasoning; default elr_local.")
     p.add_argument("--limit", type=Optional[float], default=None, help="At most this many documents per task (< 1: a fraction).")
     p.add_argument("--num_fewshot", type=Optional[int], default=None, help="Few-shot examples per prompt.")
@@ -87,7 +135,10 @@ def eval_command(argv: list[str]) -> None:
 
 def run_eval(args: Any) -> dict[str, Any]:
     """Run the harness at every requested k; return the summary that ``summary.json`` holds."""
-    loops = parse_loops(args.loops) if args.loops is not None else None
+    loops, auto = parse_points(args.loops) if args.loops is not None else (None, False)
+    thresholds = parse_thresholds(args.threshold) if args.threshold is not None else [1e-3]
+    if not auto and (args.threshold is not None or args.max_loops is not None):
+        raise ValueError("--threshold and --max_loops are only read with --loops auto; add auto, e.g. --loops 1-3,auto")
     if not os.path.exists(args.ckpt_path):
         raise FileNotFoundError(f"--ckpt_path: checkpoint {args.ckpt_path!r} does not exist")
     from lm_eval.tasks import TaskManager
@@ -114,20 +165,34 @@ def run_eval(args: Any) -> dict[str, Any]:
         )
     model, module = load_model(args.ckpt_path, map_location=torch.device(args.device))
     config = model.config
-    loops = loops or list(range(1, config.max_loops + 1))
+    loops = list(range(1, config.max_loops + 1)) if loops is None else loops
     for k in loops:
         check_loops(k, config.max_loops, args.allow_extrapolation, field="--loops", flag="--allow_extrapolation")
+    budget = config.max_loops if args.max_loops is None else args.max_loops
+    check_loops(budget, config.max_loops, args.allow_extrapolation, field="--max_loops", flag="--allow_extrapolation")
     tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, config.vocab_size)
-    lm = ELRLM.from_model(model, tokenizer, loops=loops[0], kv_cache=args.kv_cache, batch_size=args.batch_size,
-                          dtype=args.dtype, allow_extrapolation=True, fold=args.fold)  # fmt: skip
+    lm = ELRLM.from_model(model, tokenizer, loops=loops[0] if loops else "auto", kv_cache=args.kv_cache,
+                          batch_size=args.batch_size, dtype=args.dtype, allow_extrapolation=True, fold=args.fold,
+                          exit_criterion=args.exit_criterion, max_loops=budget)  # fmt: skip
     os.makedirs(args.output_dir, exist_ok=True)
+    points = len(loops) + (len(thresholds) if auto else 0)
     per_k: dict[int, dict[str, Any]] = {}
     for k in loops:
         lm.loops = k
-        print(f"elr eval: k={k} ({loops.index(k) + 1}/{len(loops)})", file=sys.stderr, flush=True)
+        print(f"elr eval: k={k} ({loops.index(k) + 1}/{points})", file=sys.stderr, flush=True)
         per_k[k] = _evaluate(lm, tasks, manager, args)
         _write_json(os.path.join(args.output_dir, f"results_k{k}.json"), per_k[k])
-    summary = summarize(per_k)
+    adaptive: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for i, threshold in enumerate(thresholds if auto else []):
+        label = auto_label(args.exit_criterion, threshold)
+        lm.loops, lm.threshold, lm.auto_loops, lm.auto_tokens = "auto", threshold, 0, 0
+        print(f"elr eval: {label} ({len(loops) + i + 1}/{points})", file=sys.stderr, flush=True)
+        results = _evaluate(lm, tasks, manager, args)
+        info = {"criterion": args.exit_criterion, "threshold": threshold, "max_loops": budget,
+                "mean_loops": lm.mean_loops()}  # fmt: skip
+        adaptive[label] = (results, info)
+        _write_json(os.path.join(args.output_dir, f"results_{label.replace(':', '_')}.json"), results)
+    summary = summarize(per_k, adaptive)
     summary.update(ckpt_path=args.ckpt_path, kv_cache=args.kv_cache, limit=args.limit)
     levels = by_difficulty(summary)
     if levels:
@@ -179,71 +244,111 @@ def _primary_metric(config: dict[str, Any]) -> Optional[str]:
     return "acc" if "acc" in names else (names[0] if names else None)
 
 
-def summarize(per_k: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def summarize(
+    per_k: dict[int, dict[str, Any]], adaptive: Optional[dict[str, tuple[dict[str, Any], dict[str, Any]]]] = None
+) -> dict[str, Any]:
     """Scores per task and k, the chance levels, the average and the gain captured at each k.
 
     The gain captured at k is ``(avg_k - avg_first) / (avg_K - avg_first)`` with ``first`` the
-    smallest and ``K`` the largest k evaluated; ``None`` when ``avg_K == avg_first``.
+    smallest and ``K`` the largest k evaluated; ``None`` when ``avg_K == avg_first`` (or no k was).
 
     Args:
         per_k: The harness's results dictionary for each k.
+        adaptive: Per adaptive point (:func:`auto_label`), its results and ``{"criterion",
+            "threshold", "max_loops", "mean_loops"}``.
 
     Returns:
         ``{"loops", "tasks": {task: {"metric", "chance", "scores": {k: score}}}, "average": {k: avg},
-        "gain_captured": {k: fraction or None}}``.
+        "gain_captured": {k: fraction or None}, "adaptive": {label: {..., "scores": {task: score},
+        "average", "gain_captured"}}}`` (``adaptive`` only when asked for).
     """
+    adaptive = adaptive or {}
     loops = sorted(per_k)
-    first = per_k[loops[0]]
+    runs = [per_k[k] for k in loops] + [results for results, _ in adaptive.values()]
     tasks: dict[str, dict[str, Any]] = {}
-    for name, config in sorted(first["configs"].items()):
+    metrics: dict[str, str] = {}
+    for name, config in sorted(runs[0]["configs"].items()):
         metric = _primary_metric(config)
         if metric is None:
             continue
+        metrics[name] = metric
         chance = (config.get("metadata") or {}).get("chance")
         scores = {k: float(per_k[k]["results"][name][f"{metric},none"]) for k in loops}
         tasks[name] = {"metric": metric, "chance": chance, "scores": scores}
-    average = {k: sum(t["scores"][k] for t in tasks.values()) / max(len(tasks), 1) for k in loops}
-    span = average[loops[-1]] - average[loops[0]]
-    gain = {k: ((average[k] - average[loops[0]]) / span if span != 0 else None) for k in loops}
+
+    def mean(scores: list[float]) -> float:
+        return sum(scores) / max(len(scores), 1)
+
+    average = {k: mean([t["scores"][k] for t in tasks.values()]) for k in loops}
+    span = average[loops[-1]] - average[loops[0]] if loops else 0.0
+
+    def captured(avg: float) -> Optional[float]:
+        return (avg - average[loops[0]]) / span if span != 0 else None
+
+    gain = {k: captured(average[k]) for k in loops}
     chances = [t["chance"] for t in tasks.values()]
     chance_avg = sum(chances) / len(chances) if chances and all(c is not None for c in chances) else None
-    return {"loops": loops, "tasks": tasks, "average": average, "chance_average": chance_avg, "gain_captured": gain}
+    summary = {"loops": loops, "tasks": tasks, "average": average, "chance_average": chance_avg, "gain_captured": gain}
+    if adaptive:
+        summary["adaptive"] = {}
+        for label, (results, info) in adaptive.items():
+            scores = {name: float(results["results"][name][f"{metric},none"]) for name, metric in metrics.items()}
+            avg = mean(list(scores.values()))
+            summary["adaptive"][label] = {**info, "scores": scores, "average": avg, "gain_captured": captured(avg)}
+    return summary
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    """The summary as a Markdown table: one row per task, one column per k."""
+    """The summary as a Markdown table: one row per task, one column per k and per adaptive point."""
     loops = summary["loops"]
+    adaptive = summary.get("adaptive", {})
 
     def fmt(x: Optional[float], pct: bool = False) -> str:
         return "-" if x is None else (f"{100 * x:.0f}%" if pct else f"{x:.3f}")
 
-    head = ["task", "metric", "chance"] + [f"k={k}" for k in loops]
+    head = ["task", "metric", "chance"] + [f"k={k}" for k in loops] + list(adaptive)
     rows = [head, ["---"] * len(head)]
     for name, t in summary["tasks"].items():
-        rows.append([name, t["metric"], fmt(t["chance"])] + [fmt(t["scores"][k]) for k in loops])
-    rows.append(["average", "", fmt(summary["chance_average"])] + [fmt(summary["average"][k]) for k in loops])
-    rows.append([f"gain captured (of k={loops[-1]})", "", ""] + [fmt(summary["gain_captured"][k], True) for k in loops])
+        auto = [fmt(a["scores"][name]) for a in adaptive.values()]
+        rows.append([name, t["metric"], fmt(t["chance"])] + [fmt(t["scores"][k]) for k in loops] + auto)
+    rows.append(["average", "", fmt(summary["chance_average"])] + [fmt(summary["average"][k]) for k in loops]
+                + [fmt(a["average"]) for a in adaptive.values()])  # fmt: skip
+    top = f"k={loops[-1]}" if loops else "the largest k"
+    rows.append([f"gain captured (of {top})", "", ""] + [fmt(summary["gain_captured"][k], True) for k in loops]
+                + [fmt(a["gain_captured"], True) for a in adaptive.values()])  # fmt: skip
+    if adaptive:
+        rows.append(["loops per token", "", ""] + [str(k) for k in loops]
+                    + [fmt(a["mean_loops"]) for a in adaptive.values()])  # fmt: skip
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
 def plot(summary: dict[str, Any], path: str) -> None:
-    """PNG of each task's score and the average against k, chance levels dashed."""
+    """PNG of each task's score and the average against loops per token, chance levels dashed.
+
+    Fixed k are lines at x = k; each adaptive point is a star at its mean loops per token.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     loops = summary["loops"]
+    adaptive = [a for a in summary.get("adaptive", {}).values() if a["mean_loops"] is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, t in summary["tasks"].items():
         (line,) = ax.plot(loops, [t["scores"][k] for k in loops], marker="o", label=f"{name} ({t['metric']})")
+        ax.scatter([a["mean_loops"] for a in adaptive], [a["scores"][name] for a in adaptive], marker="*", s=80,
+                   color=line.get_color())  # fmt: skip
         if t["chance"] is not None:
             ax.axhline(t["chance"], color=line.get_color(), linestyle="--", linewidth=0.8)
     ax.plot(loops, [summary["average"][k] for k in loops], marker="s", color="black", label="average")
-    ax.set_xlabel("loops k")
+    if adaptive:
+        ax.scatter([a["mean_loops"] for a in adaptive], [a["average"] for a in adaptive], marker="*", s=120,
+                   color="black", label="auto (average)")  # fmt: skip
+    ax.set_xlabel("loops per token")
     ax.set_ylabel("score")
-    ax.set_xticks(loops)
-    ax.set_title("accuracy vs loop count (dashed: chance)")
+    ax.set_xticks(sorted(set(loops) | {a["max_loops"] for a in adaptive}))
+    ax.set_title("accuracy vs loops (dashed: chance, stars: auto)" if adaptive else "accuracy vs loop count (dashed: chance)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -251,7 +356,8 @@ def plot(summary: dict[str, Any], path: str) -> None:
 
 
 def log_tensorboard(summary: dict[str, Any], log_dir: str) -> None:
-    """Scalars ``eval/<task>/<metric>`` and ``eval/average`` with k as the step."""
+    """Scalars ``eval/<task>/<metric>`` and ``eval/average`` with k as the step; ``eval/auto_<criterion>_<threshold>/average``
+    and ``.../mean_loops`` per adaptive point, at its budget as the step."""
     from torch.utils.tensorboard import SummaryWriter
 
     with SummaryWriter(log_dir) as writer:
@@ -259,6 +365,11 @@ def log_tensorboard(summary: dict[str, Any], log_dir: str) -> None:
             for name, t in summary["tasks"].items():
                 writer.add_scalar(f"eval/{name}/{t['metric']}", t["scores"][k], k)
             writer.add_scalar("eval/average", summary["average"][k], k)
+        for label, a in summary.get("adaptive", {}).items():  # one point each, at its budget
+            tag = "eval/" + label.replace(":", "_")
+            writer.add_scalar(f"{tag}/average", a["average"], a["max_loops"])
+            if a["mean_loops"] is not None:
+                writer.add_scalar(f"{tag}/mean_loops", a["mean_loops"], a["max_loops"])
 
 
 def eval_tasks_command(argv: Sequence[str]) -> None:
