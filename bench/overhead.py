@@ -29,9 +29,16 @@ compiled copy of every case in the same rounds and prints compiled over eager)::
     python bench/overhead.py --d_model 512 --n_heads 8 --layers 1 2 1 --batch 32 --short --compile both
     python bench/overhead.py --arch moe --d_model 128 --layers 1 2 1 --short --compile both
 
+Every model steps with the library's AdamW (:func:`elr_lightning.optim.adamw`: torch's fused kernel);
+``--optimizer for-loop`` uses torch's per-tensor update instead (its CPU default, what the step paid
+before). ``--count_ops`` counts the aten ops of one eager step of each model after the timed rounds
+(the per-step fixed cost no FLOP count shows)::
+
+    python bench/overhead.py --layers 1 2 1 --d_ff 1024 --max_loops 1 --count_ops
+
 ``--arch hybrid`` is the hybrid quickstart's pattern (GatedDeltaProduct in, GDP and attention shared, attention out); ``--arch moe`` makes every
 channel mixer a top-2-of-8 mixture of experts of the dense d_ff's active width. ``--short`` keeps
-the baseline and the conditioned model at k = 1 and K.
+the baseline, its copy (the noise floor) and the conditioned model at k = 1 and K.
 
 Targets (issue: foundation): ELR at k = 1 within 1.03x of the baseline; step time at k over step
 time at k = 1 within 1.00 +- 0.05 of D_eff(k) / D_eff(1).
@@ -48,11 +55,12 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
-from elr_lightning.optim import param_groups
+from elr_lightning.optim import adamw, param_groups
 
 #: ``--arch``: the mixers of every layer besides the defaults (attention, SwiGLU).
 ARCHS = {
@@ -63,11 +71,31 @@ ARCHS = {
 }  # fmt: skip
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active (views included): the per-step fixed cost that no FLOP count shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
 def make_step(
-    model, batch: torch.Tensor, loops: int, precision: str, conditioning: bool = True, source: LoopedLM | None = None
+    model,
+    batch: torch.Tensor,
+    loops: int,
+    precision: str,
+    conditioning: bool = True,
+    source: LoopedLM | None = None,
+    optimizer: str = "default",
 ):
     source = model if source is None else source
-    optimizer = torch.optim.AdamW(param_groups(source, 0.1), lr=1e-4)
+    groups = param_groups(source, 0.1)
+    # default: the library's (elr_lightning.optim.adamw: fused); for-loop: torch's per-tensor update on the CPU
+    opt = adamw(groups, lr=1e-4) if optimizer == "default" else torch.optim.AdamW(groups, lr=1e-4, foreach=False)
     autocast = (
         torch.autocast(batch.device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
     )
@@ -80,8 +108,8 @@ def make_step(
             logits = model(batch[:, :-1], loops)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         return time.perf_counter() - start, time.process_time() - start_cpu
 
     return step
@@ -103,7 +131,12 @@ def main() -> None:
     parser.add_argument("--compile", choices=["none", "layers", "model", "both"], default="none",
                         help="layers: every layer (compile_layers); model: the whole looped forward "
                              "(compile_model); both: eager and compiled-model copies of every case")
-    parser.add_argument("--short", action="store_true", help="only the baseline and conditioned k = 1 and K")
+    parser.add_argument("--short", action="store_true",
+                        help="only the baseline (and its copy, the noise floor) and the conditioned model at k = 1 and K")
+    parser.add_argument("--optimizer", choices=["default", "for-loop"], default="default",
+                        help="default: elr_lightning.optim.adamw (fused); for-loop: torch's per-tensor AdamW")
+    parser.add_argument("--count_ops", action="store_true",
+                        help="also count the aten ops of one eager step of each model (after the warm-up)")
     parser.add_argument("--out", default="bench/results/overhead.json")
     args = parser.parse_args()
 
@@ -128,13 +161,18 @@ def main() -> None:
     elif args.compile == "model":
         for model in (baseline, gate_only, conditioned):
             model.compile()
-    cases = {"baseline k=1": make_step(baseline, batch, 1, args.precision)}
+    opt = args.optimizer
+    cases = {
+        "baseline k=1": make_step(baseline, batch, 1, args.precision, optimizer=opt),
+        "baseline k=1 (a copy)": make_step(LoopedLM.baseline(cfg), batch, 1, args.precision, optimizer=opt),
+    }
     if not args.short:
-        cases["baseline k=1 (a copy)"] = make_step(LoopedLM.baseline(cfg), batch, 1, args.precision)
-        cases["elr k=1 (gate only)"] = make_step(gate_only, batch, 1, args.precision)
-        cases["elr k=1 (conditioning off)"] = make_step(conditioned, batch, 1, args.precision, conditioning=False)
+        cases["elr k=1 (gate only)"] = make_step(gate_only, batch, 1, args.precision, optimizer=opt)
+        cases["elr k=1 (conditioning off)"] = make_step(
+            conditioned, batch, 1, args.precision, conditioning=False, optimizer=opt
+        )
     for k in range(1, cfg.max_loops + 1) if not args.short else sorted({1, cfg.max_loops}):
-        cases[f"elr k={k} (conditioned)"] = make_step(conditioned, batch, k, args.precision)
+        cases[f"elr k={k} (conditioned)"] = make_step(conditioned, batch, k, args.precision, optimizer=opt)
     if args.compile == "both":  # the same models' weights, through torch.compile of the whole forward
         compiled = {id(m): torch.compile(m) for m in (baseline, conditioned)}
         for name in list(cases):
@@ -143,7 +181,8 @@ def main() -> None:
                 continue
             k = int(name.split("k=")[1].split()[0])
             cases[f"{name} compiled"] = make_step(
-                compiled[id(model)], batch, k, args.precision, conditioning="off" not in name, source=model
+                compiled[id(model)], batch, k, args.precision, conditioning="off" not in name, source=model,
+                optimizer=opt,
             )
 
     load_before = os.getloadavg()
@@ -157,6 +196,12 @@ def main() -> None:
                 times[name].append(wall)
                 cpu_times[name].append(cpu)
     load_after = os.getloadavg()
+    ops = {}
+    if args.count_ops:  # one more eager step of each case at k = 1 under a dispatch counter
+        for name in (n for n in names if "k=1" in n and not n.endswith("compiled")):
+            with OpCounter() as counter:
+                cases[name]()
+            ops[name] = counter.ops
     median = {name: statistics.median(ts) for name, ts in times.items()}
 
     def per_round(name: str, clock: dict[str, list[float]] = times, base: str = "baseline k=1") -> dict[str, float]:
@@ -191,8 +236,15 @@ def main() -> None:
             c = row["cpu_compiled_over_eager"]
             extra += f"{c['median']:>10.3f} ({c['min']:.2f}-{c['max']:.2f})"
         print(f"{name:<36}{1e3 * t:>10.1f}{row['ratio_vs_baseline']:>13.3f}{row['cpu_ratio_vs_baseline']:>13.3f}{extra}")
+    if ops:
+        print("\naten ops per eager step (forward, loss, backward, optimizer):")
+        models = {"baseline": baseline, "gate only": gate_only, "conditioned": conditioned, "conditioning off": conditioned}
+        for name, n in ops.items():
+            model = next((m for key, m in models.items() if key in name), baseline)
+            print(f"  {name:<36}{n:>7,} ops{len(list(model.parameters())):>5} parameter tensors")
     result = {
         "config": vars(args),
+        "aten_ops_per_step": ops,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "rows": rows,

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
-from elr_lightning.layers import Modulator
+from elr_lightning.layers import Modulator, Terms
 from elr_lightning.mixers import Modulation
 from elr_lightning.plugin_config import RecordsInitArgs
 from elr_lightning.roles import set_module_role
@@ -116,6 +116,24 @@ class FiLMAdapterModulator(Modulator):
         """``pre(h) = P ((1 + lambda) h + mu)`` with ``P = I + A diag(g) B``; the gate ``1 + omega``."""
         scale, shift = self.film(c).chunk(2, dim=-1)
         return 1 + scale, shift, Modulation(self.up.weight * self.g(c), self.down.weight, 1 + self.omega(c))
+
+    @classmethod
+    @override
+    def modulations(cls, modulators: Sequence["FiLMAdapterModulator"], c: Tensor) -> list[Terms]:
+        """:meth:`modulation` of every sublayer at once: all heads ``omega, lambda, mu, g`` (eq. 4) in one matmul.
+
+        The heads' weights and biases are concatenated per call (they change every step), rows
+        ``[omega; lambda; mu; g]`` per sublayer, so each sublayer's ``1 + (omega, lambda)`` is one add.
+        """
+        heads = [head for mod in modulators for head in (mod.omega, mod.film, mod.g)]
+        out = F.linear(c, torch.cat([head.weight for head in heads]), torch.cat([head.bias for head in heads]))
+        sizes = [n for mod in modulators for n in (2 * mod.omega.out_features, mod.omega.out_features, mod.g.out_features)]
+        parts = out.split(sizes, dim=-1)
+        terms = []
+        for j, mod in enumerate(modulators):
+            gate, scale = (1 + parts[3 * j]).chunk(2, dim=-1)
+            terms.append((scale, parts[3 * j + 1], Modulation(mod.up.weight * parts[3 * j + 2], mod.down.weight, gate)))
+        return terms
 
     def affine(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``M = (I + A diag(g) B) diag(1 + lambda)``, ``m = (I + A diag(g) B) mu``, ``gate = 1 + omega``."""

@@ -83,6 +83,9 @@ class LoopContext:
         max_loops: The loop budget K (``arch.max_loops``).
         loop: The loop index i: ``1..k`` in the recurrent block, ``0`` in the input and output blocks.
         cond: The conditioning context c_i of eq. (4), or ``None``.
+        modulations: Eq. (4)'s terms under ``cond`` of the layers the caller computed them for at
+            once, by layer index (:func:`~elr_lightning.layers.layer_modulations`), or ``None``:
+            a layer without an entry computes its own.
         cache: The generation cache policy, or ``None`` (training, cache-free inference).
     """
 
@@ -91,12 +94,13 @@ class LoopContext:
     max_loops: int
     loop: int = 0
     cond: Optional[Tensor] = None
+    modulations: Optional[dict[int, Any]] = None
     cache: Optional["KVCache"] = None
     _stores: "_Stores" = field(default_factory=lambda: _Stores(), repr=False)
 
-    def at(self, loop: int, cond: Optional[Tensor]) -> "LoopContext":
-        """The view of this context at loop ``loop`` with context ``cond``; stores are shared."""
-        return dataclasses.replace(self, loop=loop, cond=cond)
+    def at(self, loop: int, cond: Optional[Tensor], modulations: Optional[dict[int, Any]] = None) -> "LoopContext":
+        """The view of this context at loop ``loop`` with context ``cond`` (and its ``modulations``); stores are shared."""
+        return dataclasses.replace(self, loop=loop, cond=cond, modulations=modulations)
 
     def cached(self, layer: int) -> Optional["LayerStore"]:
         """The generation-cache store of ``(layer, self.loop)``, or ``None`` without a cache.

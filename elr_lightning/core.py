@@ -20,7 +20,7 @@ from elr_lightning.cache import KVCache
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext, Positions
-from elr_lightning.layers import Block, Modulator
+from elr_lightning.layers import Block, Modulator, layer_modulations
 from elr_lightning.mixers import Rotary
 from elr_lightning.updates import StateUpdate
 
@@ -64,7 +64,8 @@ class RecurrentCore(nn.Module):
             with torch.no_grad() if truncated else nullcontext():  # a truncated loop keeps nothing, its context neither
                 if self.conditioner is not None:
                     c = self.conditioner(i, ctx.loops, ctx.max_loops, h_in)
-                loop_ctx = ctx.at(i, c)
+                # eq. 4's terms of all the loop's layers under c_i at once (one matmul for the heads)
+                loop_ctx = ctx.at(i, c, None if c is None else layer_modulations(self.layers_at(i), c))
                 if tracked and not truncated and self.checkpointing == "loop":
                     s = checkpoint(self.loop, s, h_in, loop_ctx, use_reentrant=False, preserve_rng_state=False)
                 else:

@@ -22,7 +22,7 @@ from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
 from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
 from elr_lightning.module_checks import check_data_fits, check_meta_init, check_module_args, checked_sampler
-from elr_lightning.optim import param_groups, warmup_cosine
+from elr_lightning.optim import adamw, param_groups, warmup_cosine
 from elr_lightning.parameter_usage import check_plain_ddp
 from elr_lightning.plugin_config import PluginConfigError, build_plugin, plain_hyperparameters
 from elr_lightning.resume import check_resumed_schedule, planned_steps
@@ -402,7 +402,7 @@ class ELRModule(LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         groups = param_groups(self.model, hp.weight_decay, hp.lr, hp.get("lr_scale"))
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        optimizer = adamw(groups, lr=hp.lr, betas=tuple(hp.betas))
         total = self.trainer.estimated_stepping_batches
         if not math.isfinite(total):
             raise ValueError("set trainer.max_steps or trainer.max_epochs: the cosine schedule needs a length")

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elr_lightning.cache import LastLoopCache, PerLoopCache, kv_cache_bytes, layer_caches, recurrent_state_bytes
-from elr_lightning.conditioning import FiLMAdapterModulator, LoopConditioner
+from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ROUTE_REPLAY, ModelConfig
 from elr_lightning.generation import generate
 from elr_lightning.model import LoopedLM
@@ -417,11 +417,6 @@ def test_conditioning_folded_in_training_equals_the_activation_form(
     model = arch.build(seed).train()
     ids = ids_for(seed, *shape)
     folded = _grads(model, ids, loops, "none")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(FiLMAdapterModulator, "modulation", _unfoldable)
-        reference = _grads(model, ids, loops, "none")
+    model.set_conditioning_form(folded=False)
+    reference = _grads(model, ids, loops, "none")
     _assert_same_grads(folded, reference)
-
-
-def _unfoldable(self: FiLMAdapterModulator, c: torch.Tensor) -> None:
-    raise NotImplementedError

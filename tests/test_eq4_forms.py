@@ -40,3 +40,57 @@ def test_folded_training_forward_equals_the_reference_form(arch: str, tokens: tu
     assert results[True][1].keys() == results[False][1].keys()
     for name, grad in results[False][1].items():
         torch.testing.assert_close(results[True][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_batched_heads_equal_each_sublayers_own() -> None:
+    """``FiLMAdapterModulator.modulations``: every sublayer's heads in one matmul equal ``modulation`` one by one."""
+    torch.manual_seed(0)
+    conditioner = LoopConditioner(d_cond=8, rank=4)
+    mods = [conditioner.make_modulator(d) for d in (16, 16, 24)]  # widths may differ
+    with torch.no_grad():
+        for p in (p for mod in mods for p in mod.parameters()):
+            p.normal_(std=0.2)
+    c = torch.randn(8)
+    for (scale, shift, terms), mod in zip(type(mods[0]).modulations(mods, c), mods):
+        want_scale, want_shift, want = mod.modulation(c)
+        for got, expected in ((scale, want_scale), (shift, want_shift), (terms.up, want.up), (terms.gate, want.gate)):
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        assert terms.down is want.down
+
+
+def test_a_loop_asks_for_all_its_sublayers_heads_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One batched call per loop for the recurrent block and one per output layer: not one per sublayer."""
+    model = LoopedLM(tiny_config(max_seq_len=16), conditioner=LoopConditioner(d_cond=8, rank=4))
+    modulator = type(model.core.layers[0].attn_mod)
+    calls = []
+    original = modulator.modulations.__func__
+    monkeypatch.setattr(modulator, "modulations", classmethod(lambda cls, mods, c: calls.append(len(mods)) or original(cls, mods, c)))
+    model(torch.zeros(1, 4, dtype=torch.long), 3)
+    n_rec, n_out = model.config.n_rec, model.config.n_out
+    assert calls == [2 * n_rec] * 3 + [2] * n_out
+
+
+def test_a_modulator_class_without_batched_heads_runs_the_reference_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``modulations`` raising ``NotImplementedError`` leaves its sublayers to eq. 4 on the activations."""
+    torch.manual_seed(0)
+    model = LoopedLM(tiny_config(max_seq_len=16), conditioner=LoopConditioner(d_cond=8, rank=4))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_mod." in name:
+                p.normal_(std=0.2)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    model.set_conditioning_form(folded=False)
+    want = model(ids, 2)
+    model.set_conditioning_form(folded=True)
+
+    def unbatched(cls, mods, c):
+        raise NotImplementedError
+
+    modulator = type(model.core.layers[0].attn_mod)
+    monkeypatch.setattr(modulator, "modulations", classmethod(unbatched))
+    pre_calls = []
+    original_pre = modulator.pre
+    monkeypatch.setattr(modulator, "pre", lambda self, h, c: pre_calls.append(1) or original_pre(self, h, c))
+    got = model(ids, 2)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(pre_calls) == 2 * (2 * model.config.n_rec + model.config.n_out)  # every sublayer, k = 2
