@@ -5,7 +5,8 @@
 * :mod:`~elr_lightning.reasoning.datamodule`: :class:`ReasoningTextDataModule`, the synthetic
   documents mixed in front of a text corpus.
 * :mod:`~elr_lightning.reasoning.score`: accuracy per task, level and k by greedy decoding (what
-  ``elr ablate`` reports) and the teacher-forced answer loss; ``elr eval --tasks elr_reasoning`` scores the same instances in the harness.
+  ``elr ablate`` reports) and the teacher-forced answer loss (:func:`answer_loss`); ``elr eval
+  --tasks elr_reasoning`` scores the same instances in the harness.
 """
 
 from elr_lightning.reasoning.datamodule import ReasoningTextDataModule, reasoning_documents
