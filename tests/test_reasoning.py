@@ -18,6 +18,7 @@ from elr_lightning.reasoning import (
     GENERATORS,
     ReasoningTextDataModule,
     accuracy,
+    answer_loss,
     get_generator,
     heldout_instances,
     is_heldout,
@@ -206,3 +207,21 @@ def test_scoring_a_real_model_matches_its_greedy_decoding():
         for _ in range(3):
             ids = torch.cat([ids, model(ids, loops=2)[:, -1:].argmax(-1)], dim=1)
         assert answer == bytes(ids[0, len(instance.prompt) :].tolist()).decode(errors="replace").split("\n")[0]
+
+
+def test_answer_loss_is_the_teacher_forced_cross_entropy_of_answer_and_newline():
+    torch.manual_seed(0)
+    model = LoopedLM(ModelConfig(vocab_size=256, d_model=16, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=64)).eval()
+    held = heldout_instances("addition", 2, 4) + heldout_instances("variables", 1, 3)
+    for loops in (1, 3):
+        total, count = 0.0, 0
+        for instance in held:  # one token at a time: the prefix up to each answer token, its log-probability
+            text = instance.prompt
+            for char in instance.answer + "\n":
+                logits = model(torch.tensor([list(text.encode())]), loops=loops)[0, -1]
+                total -= torch.log_softmax(logits, -1)[ord(char)].item()
+                count += 1
+                text += char
+        assert answer_loss(model, ByteTokenizer(), held, loops) == pytest.approx(total / count, rel=1e-5)
+    with pytest.raises(ValueError, match="no instances"):
+        answer_loss(model, ByteTokenizer(), [], 1)

@@ -5,7 +5,8 @@
 * :mod:`~elr_lightning.reasoning.datamodule`: :class:`ReasoningTextDataModule`, the synthetic
   documents mixed in front of a text corpus.
 * :mod:`~elr_lightning.reasoning.score`: accuracy per task, level and k by greedy decoding (what
-  ``elr ablate`` reports); ``elr eval --tasks elr_reasoning`` scores the same instances in the harness.
+  ``elr ablate`` reports) and the teacher-forced answer loss (:func:`answer_loss`); ``elr eval
+  --tasks elr_reasoning`` scores the same instances in the harness.
 """
 
 from elr_lightning.reasoning.datamodule import ReasoningTextDataModule, reasoning_documents
@@ -20,7 +21,7 @@ from elr_lightning.reasoning.generators import (
     parse_levels,
     training_instances,
 )
-from elr_lightning.reasoning.score import accuracy, score_levels
+from elr_lightning.reasoning.score import accuracy, answer_loss, score_levels
 
 __all__ = [
     "GENERATORS",
@@ -28,6 +29,7 @@ __all__ = [
     "Instance",
     "ReasoningTextDataModule",
     "accuracy",
+    "answer_loss",
     "check_seed",
     "get_generator",
     "heldout_instances",

@@ -4,6 +4,10 @@
 scorer decodes greedily with plain forward passes (no cache, no padding: prompts are batched by
 token length), which is what ``elr ablate`` runs after each arm, so that the ablation needs no
 optional extra. An answer is right when the generated text up to the first newline equals it.
+
+:func:`answer_loss` is the finer probe: the teacher-forced cross-entropy of the answer and its
+newline after the prompt. It moves long before exact match does, and its value against a uniform
+guess over the answer's alphabet tells "learned the format" from "learned the task".
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from elr_lightning.model import LoopedLM
 from elr_lightning.reasoning.generators import Instance, heldout_instances, parse_levels
@@ -56,6 +61,28 @@ def accuracy(
     longest = max(len(tokenizer.encode(i.answer + "\n")) for i in instances)
     answers = greedy_answers(model, tokenizer, [i.prompt for i in instances], loops, longest, batch_size)
     return sum(a == i.answer for a, i in zip(answers, instances)) / len(instances)
+
+
+@torch.no_grad()
+def answer_loss(model: LoopedLM, tokenizer: Tokenizer, instances: Sequence[Instance], loops: int) -> float:
+    """Mean cross-entropy (nats per token) of every answer and its newline, teacher-forced after its prompt.
+
+    Each instance is one forward pass over ``prompt + answer + "\\n"`` (without the last token) at
+    ``loops``; the loss is summed over the answer's tokens and divided by their count over all
+    instances, so long answers weigh by their length.
+    """
+    if not instances:
+        raise ValueError("no instances to score")
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for instance in instances:
+        prompt = tokenizer.encode(instance.prompt)
+        ids = torch.tensor([prompt + tokenizer.encode(instance.answer + "\n")], dtype=torch.long, device=device)
+        logits = model(ids[:, :-1][:, -model.config.max_seq_len :], loops=loops)[0]
+        targets = ids[0, len(prompt) :]
+        total += F.cross_entropy(logits[-len(targets) :].float(), targets, reduction="sum").item()
+        count += len(targets)
+    return total / count
 
 
 def score_levels(
