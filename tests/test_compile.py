@@ -83,7 +83,7 @@ def loss_and_grads(m: LoopedLM, forward, x: torch.Tensor, k: int) -> tuple[torch
 @pytest.mark.parametrize(
     ("arch", "checkpointing"),
     [
-        ("attention", "none"),
+        pytest.param("attention", "none", marks=pytest.mark.slow),
         pytest.param("attention", "loop", marks=pytest.mark.slow),
         pytest.param("hybrid", "none", marks=pytest.mark.slow),
         pytest.param("moe", "none", marks=pytest.mark.slow),
