@@ -126,16 +126,7 @@ class MoE(ChannelMixer):
         if self.shared_down is not None:
             set_role(self.shared_down.weight, init="scaled_normal")
         self.register_buffer("expert_bias", torch.zeros(num_experts))
-        self._loads: list[Tensor] = []  # not a buffer: DDP would broadcast rank 0's over the others
-
-    @property
-    def _load(self) -> Optional[Tensor]:
-        """The step's expert load so far ``[E]``: the copies sent to each expert, summed over its routing calls."""
-        return sum(self._loads[1:], self._loads[0]) if self._loads else None
-
-    @_load.setter
-    def _load(self, load: Optional[Tensor]) -> None:
-        self._loads = [] if load is None else [load]
+        self._load: Optional[Tensor] = None  # not a buffer: DDP would broadcast rank 0's over the others
 
     def reset_buffers(self) -> None:
         """Zero the balancing bias (called by ``LoopedLM.init_weights``, also after a meta-device build)."""
@@ -235,14 +226,14 @@ class MoE(ChannelMixer):
 
         ``store`` is this layer's scratch at this loop. Activation checkpointing runs the forward
         again in the backward pass with the same context; the routes it counted the first time are
-        not counted again. The counts are stored in ``store`` either way, so that a compiled layer
-        (``compile_layers``) computes the same graph in the forward pass and in its recomputation;
-        a graph that differed would save other tensors, and checkpointing refuses that.
+        not counted again: they are added with weight 0, so that a compiled layer (``compile_layers``)
+        runs the same graph in the forward pass and in its recomputation (a graph that differed
+        would save other tensors, which checkpointing refuses).
         """
         counts = plan.counts.detach().float()
-        if "load" not in store:
-            self._loads.append(counts)
-        store["load"] = counts
+        load = self._load if self._load is not None else torch.zeros_like(counts)
+        self._load = load + counts * (0.0 if store.get("load_counted", False) else 1.0)
+        store["load_counted"] = True
         if self.aux_loss_coef == 0:
             return None
         routing_calls = ctx.loops if ctx.loop >= 1 and not self.replaying() else 1
