@@ -252,8 +252,10 @@ class ELRModule(LightningModule):
     @override
     def configure_model(self) -> None:
         if self.hparams.compile_layers:
+            # Static shapes: a recompile with automatic dynamic shapes during activation checkpointing's
+            # recomputation (a routed layer's scratch changed) would save other tensors than the forward.
             for layer in self.all_layers():
-                layer.compile()
+                layer.compile(dynamic=False)
         if self.hparams.get("compile_model", False):
             self.model.compile()
 

@@ -10,6 +10,7 @@ spec. Each case of the spec trains a tiny looped LM for a few steps and writes, 
 from __future__ import annotations
 
 import faulthandler
+import functools
 import json
 import os
 import sys
@@ -30,6 +31,10 @@ from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 from elr_lightning.sampling import OneLoopOverride
 from elr_lightning.strategies import OneLoopOverrideDDPStrategy, OneLoopOverrideFSDPStrategy
+
+#: The backend of ``compile_model`` cases: AOTAutograd's graphs with inductor's decompositions, run
+#: without code generation, so a compiled run costs seconds of tracing rather than minutes of C++ builds.
+COMPILE_BACKEND = "aot_eager_decomp_partition"
 
 #: Collective timeout of every test strategy: a hang fails in seconds.
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)
@@ -129,7 +134,7 @@ def tiny_module(
     """d = 32, one layer per block, K = 3, conditioning, one-loop overrides with f = 0.5; GDP layers if
     ``hybrid``; MoE channel mixers if ``moe``.
 
-    ``backprop``: ``activation_checkpointing`` and ``backprop_loops`` of :class:`ELRModule`.
+    ``backprop``: ``activation_checkpointing``, ``backprop_loops`` and ``compile_model`` of :class:`ELRModule`.
     """
     seed_everything(0)
     arch = dict(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=32, max_loops=3)
@@ -149,12 +154,12 @@ def tiny_module(
     return module
 
 
-def make_strategy(name: Optional[str]) -> Any:
+def make_strategy(name: Optional[str], timeout: timedelta = COLLECTIVE_TIMEOUT) -> Any:
     """The strategy under test: ``"ddp"``, ``"fsdp"`` or ``None`` (Lightning's single-device default)."""
     if name is None:
         return "auto"
     cls = {"ddp": OneLoopOverrideDDPStrategy, "fsdp": OneLoopOverrideFSDPStrategy}[name]
-    return cls(timeout=COLLECTIVE_TIMEOUT, check_schedule_every_n_steps=1)
+    return cls(timeout=timeout, check_schedule_every_n_steps=1)
 
 
 def full_state(module: ELRModule) -> dict[str, torch.Tensor]:
@@ -168,7 +173,9 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
 
     A case names ``virtual_ranks``, the per-rank ``batch_size``, and optionally ``accumulate``
     (micro-batches per step), ``conditioner_active``, ``meta_init``, ``hybrid``, ``moe``, ``activation_checkpointing``,
-    ``backprop_loops``, ``precision`` (Lightning's, default ``32-true``), ``save_checkpoint`` (write
+    ``backprop_loops``, ``compile_model`` (``torch.compile`` of the whole model with :data:`COMPILE_BACKEND`),
+    ``timeout_s`` (the collective timeout, default :data:`COLLECTIVE_TIMEOUT`), ``precision`` (Lightning's,
+    default ``32-true``), ``save_checkpoint`` (write
     ``<out>/<case>.ckpt`` after training), ``init_from`` (a weights file
     that ``DelayedMixedDepth`` starts the mixed phase from), and ``nan_rank``/``nan_step``
     (that rank's loss is NaN at that step; the result is then ``{"rank", "error", "step"}``). The result also holds the
@@ -176,9 +183,9 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     optimizer ``groups`` (``{name: {"weight_decay", "params"}}``) and this rank's ``expert_loads``
     per step and MoE layer, ``dtypes``: what :func:`probe_forward_dtypes` saw (sorted lists),
     ``betas`` (``[step, beta_mean]`` after each training forward) and ``beta_logged`` (the last step's
-    ``train/beta_mean``; the last step is a logging step).
+    ``train/beta_mean``; the last step is a logging step; NaN under ``compile_model``, which does not log it).
     """
-    backprop = {key: case[key] for key in ("activation_checkpointing", "backprop_loops") if key in case}
+    backprop = {key: case[key] for key in ("activation_checkpointing", "backprop_loops", "compile_model") if key in case}
     module = tiny_module(
         case["virtual_ranks"],
         case.get("conditioner_active", True),
@@ -187,6 +194,8 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         case.get("moe", False),
         **backprop,
     )
+    if case.get("compile_model"):  # the module's own compile call, with a backend that skips code generation
+        module.model.compile = functools.partial(module.model.compile, backend=COMPILE_BACKEND)
     data = TextDataModule(
         sources=[spec["corpus"]], seq_len=16, batch_size=case["batch_size"], cache_dir=spec["cache_dir"], seed=3
     )
@@ -197,7 +206,7 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     trainer = Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=make_strategy(spec.get("strategy")),
+        strategy=make_strategy(spec.get("strategy"), timedelta(seconds=case.get("timeout_s", COLLECTIVE_TIMEOUT.seconds))),
         max_steps=spec["steps"],
         accumulate_grad_batches=case.get("accumulate", 1),
         precision=case.get("precision", "32-true"),
@@ -212,11 +221,12 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         callbacks=callbacks,
     )
     betas: list[list[float]] = []  # [optimizer step, beta_mean] after each training forward on this rank
-    module.model.register_forward_hook(  # training forwards only, not the strategies' meta-device probes
-        lambda model, args, out: betas.append([trainer.global_step, float(model.update.metrics()["beta_mean"])])
-        if model.training and not out.is_meta
-        else None
-    )
+    if not case.get("compile_model"):  # compiled forwards do not measure beta_mean (nor log it)
+        module.model.register_forward_hook(  # training forwards only, not the strategies' meta-device probes
+            lambda model, args, out: betas.append([trainer.global_step, float(model.update.metrics()["beta_mean"])])
+            if model.training and not out.is_meta
+            else None
+        )
     if "nan_rank" in case:  # this rank's loss turns NaN at that step, the other ranks' stays finite
         shard_loss = module.shard_loss
 
@@ -243,7 +253,7 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         "groups": record.groups,
         "expert_loads": record.expert_loads,
         "betas": betas,
-        "beta_logged": float(trainer.callback_metrics["train/beta_mean"]),
+        "beta_logged": float(trainer.callback_metrics.get("train/beta_mean", float("nan"))),
         "rank": trainer.global_rank,
         "fsdp_units": units,
         "dtypes": {key: sorted(value) for key, value in record.dtypes.items()},

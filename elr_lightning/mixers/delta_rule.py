@@ -177,7 +177,6 @@ def fla_unsupported(
 _FLA_WARNED: set[str] = set()
 
 
-@torch.compiler.disable
 def delta_product(
     q: Tensor,
     k: Tensor,
@@ -196,30 +195,44 @@ def delta_product(
     and warns once per reason and process, naming it, never failing mid-run; ``torch`` always uses
     PyTorch.
 
-    ``torch.compile`` leaves this call out of its graphs: the chunk loop would be unrolled per
-    sequence length and takes minutes to compile; the projections around it are still compiled.
+    ``torch.compile`` traces the PyTorch path into its graph (the chunk loop unrolled: one copy per
+    chunk of the sequence) and leaves fla's kernels out of it.
     """
     if kernels != "torch":
         why = fla_unsupported(q, k, v, g, beta, initial_state)
         if why is None:
-            return _fla_kernel()(
-                q,
-                k,
-                v,
-                g.float(),
-                beta.to(k.dtype),
-                num_householder=num_householder,
-                scale=1.0,
-                initial_state=None if initial_state is None else initial_state.float(),
-                output_final_state=True,
-            )
-        if kernels == "fla" and why not in _FLA_WARNED:
-            _FLA_WARNED.add(why)
-            warnings.warn(
-                f"GatedDeltaProduct: kernels='fla' but {why}; using the PyTorch chunked path instead",
-                stacklevel=2,
-            )
+            return _fla_delta_product(q, k, v, g, beta, num_householder, initial_state)
+        if kernels == "fla":
+            _warn_fallback(why)
     return chunked_delta_product(q, k, v, g, beta, num_householder, initial_state, chunk_size)
+
+
+@torch.compiler.disable
+def _fla_delta_product(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, num_householder: int, initial_state: Optional[Tensor]
+) -> tuple[Tensor, Tensor]:
+    """fla's ``chunk_gated_delta_product``; out of compiled graphs (Triton kernels and autograd of its own)."""
+    return _fla_kernel()(
+        q,
+        k,
+        v,
+        g.float(),
+        beta.to(k.dtype),
+        num_householder=num_householder,
+        scale=1.0,
+        initial_state=None if initial_state is None else initial_state.float(),
+        output_final_state=True,
+    )
+
+
+@torch.compiler.disable
+def _warn_fallback(why: str) -> None:
+    """Warn once per reason and process that ``kernels="fla"`` runs the PyTorch path."""
+    if why not in _FLA_WARNED:
+        _FLA_WARNED.add(why)
+        warnings.warn(
+            f"GatedDeltaProduct: kernels='fla' but {why}; using the PyTorch chunked path instead", stacklevel=4
+        )
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:

@@ -6,9 +6,11 @@ expert's SwiGLU on its contiguous slice of the sorted copies, and :func:`combine
 results back to their tokens. No token is dropped and no Python loop runs over tokens.
 
 The grouped matmul is ``torch._grouped_mm`` where the device and dtype support it (see
-:func:`grouped_mm_supported`), else a loop over the experts' contiguous slices. Autocast does not
-cover ``torch._grouped_mm``, so the grouped path casts the tokens and weights to the autocast dtype
-itself (:func:`compute_dtype`), as autocast does for the loop path's matmuls. Both use every
+:func:`grouped_mm_supported`), else a loop over the experts' contiguous slices (under ``torch.compile``
+an operator of its own, :func:`expert_matmul`, so that the graph does not break at its
+data-dependent slice sizes). Autocast does not cover ``torch._grouped_mm`` or that operator, so
+they cast the tokens and weights to the autocast dtype themselves (:func:`compute_dtype`), as
+autocast does for the eager loop's matmuls. Both use every
 expert's weights at every call, also an expert with no token (an empty slice multiplies, giving a zero
 gradient), so DDP and FSDP reduce the same parameters on every rank.
 """
@@ -50,7 +52,7 @@ class DispatchPlan:
 
     @functools.cached_property
     def sizes(self) -> list[int]:
-        """``counts`` as a Python list: the slice sizes of the loop path, read on first use only
+        """``counts`` as a Python list: the slice sizes of the eager loop path, read on first use only
         (a host sync; the grouped path never reads it)."""
         return self.known_sizes if self.known_sizes is not None else self.counts.tolist()
 
@@ -69,8 +71,8 @@ def plan_dispatch(experts: Tensor, num_experts: int) -> DispatchPlan:
         share, extra = divmod(flat.numel(), num_experts)
         known_sizes = [share + (e < extra) for e in range(num_experts)]
         counts = torch.tensor(known_sizes, device=flat.device)
-    else:
-        counts = torch.bincount(flat, minlength=num_experts)
+    else:  # a scatter, not ``bincount``: its output size depends on the values, so compilers cannot trace it
+        counts = flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
     return DispatchPlan(
         experts=experts,
         order=order,
@@ -118,14 +120,66 @@ def grouped_matmul(x: Tensor, weight: Tensor, plan: DispatchPlan, grouped: bool)
         x: The sorted token copies, expert by expert.
         weight: The experts' stacked weights.
         plan: The dispatch plan (slice sizes and offsets).
-        grouped: Use ``torch._grouped_mm`` in :func:`compute_dtype` (see :func:`grouped_mm_supported`);
-            else loop over experts.
+        grouped: Use ``torch._grouped_mm`` (see :func:`grouped_mm_supported`); else loop over experts
+            (:func:`expert_matmul`). Both compute in :func:`compute_dtype`.
     """
     if grouped:
         dtype = compute_dtype(x)
         return torch._grouped_mm(x.to(dtype), weight.to(dtype), offs=plan.offsets)
-    parts = torch.split(x, plan.sizes)
+    if torch.compiler.is_compiling():  # autocast does not reach into the operator: cast as it would
+        dtype = compute_dtype(x)
+        return expert_matmul(x.to(dtype), weight.to(dtype), plan.counts)
+    return _loop_matmul(x, weight, plan.sizes)
+
+
+def _loop_matmul(x: Tensor, weight: Tensor, sizes: list[int]) -> Tensor:
+    parts = torch.split(x, sizes)
     return torch.cat([part @ weight[e] for e, part in enumerate(parts)])
+
+
+@torch.library.custom_op("elr_lightning::expert_matmul", mutates_args=())
+def expert_matmul(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
+    """The loop path of :func:`grouped_matmul` under ``torch.compile``: ``x``'s slice of ``counts[e]`` rows
+    times ``weight[e]``, per expert.
+
+    An operator of its own, so that the compiler keeps it whole: the slice sizes are read from
+    ``counts`` on the host, a data-dependent shape the compiler would break its graph at, while the
+    output's shape ``[M, m]`` is known from the inputs' (:func:`_expert_matmul_shape`). Its
+    gradients are the same per-slice products autograd takes of the loop (:func:`_expert_matmul_backward`).
+    Eager calls loop directly, reading the sizes once per plan (:attr:`DispatchPlan.sizes`).
+    """
+    return _loop_matmul(x, weight, counts.tolist())
+
+
+@torch.library.custom_op("elr_lightning::expert_matmul_weight_grad", mutates_args=())
+def expert_matmul_weight_grad(x: Tensor, grad: Tensor, counts: Tensor) -> Tensor:
+    """The gradient of :func:`expert_matmul` in ``weight``: ``x_e^T grad_e`` for every expert ``e``, ``[E, n, m]``."""
+    sizes = counts.tolist()
+    return torch.stack([a.T @ b for a, b in zip(torch.split(x, sizes), torch.split(grad, sizes))])
+
+
+@expert_matmul.register_fake
+def _expert_matmul_shape(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[2])
+
+
+@expert_matmul_weight_grad.register_fake
+def _expert_matmul_weight_grad_shape(x: Tensor, grad: Tensor, counts: Tensor) -> Tensor:
+    return x.new_empty(counts.shape[0], x.shape[1], grad.shape[1])
+
+
+def _save_expert_matmul_inputs(ctx, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _expert_matmul_backward(ctx, grad: Tensor) -> tuple[Optional[Tensor], Optional[Tensor], None]:
+    x, weight, counts = ctx.saved_tensors
+    grad_x = expert_matmul(grad, weight.transpose(1, 2), counts) if ctx.needs_input_grad[0] else None
+    grad_weight = expert_matmul_weight_grad(x, grad, counts) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_weight, None
+
+
+expert_matmul.register_autograd(_expert_matmul_backward, setup_context=_save_expert_matmul_inputs)
 
 
 def expert_swiglu(x: Tensor, w_up: Tensor, w_down: Tensor, plan: DispatchPlan, grouped: bool) -> Tensor:

@@ -226,12 +226,14 @@ class MoE(ChannelMixer):
 
         ``store`` is this layer's scratch at this loop. Activation checkpointing runs the forward
         again in the backward pass with the same context; the routes it counted the first time are
-        not counted again.
+        not counted again: they are added with weight 0, so that a compiled layer (``compile_layers``)
+        runs the same graph in the forward pass and in its recomputation (a graph that differed
+        would save other tensors, which checkpointing refuses).
         """
         counts = plan.counts.detach().float()
-        if not store.get("load_counted", False):
-            store["load_counted"] = True
-            self._load = counts if self._load is None else self._load + counts
+        load = self._load if self._load is not None else torch.zeros_like(counts)
+        self._load = load + counts * (0.0 if store.get("load_counted", False) else 1.0)
+        store["load_counted"] = True
         if self.aux_loss_coef == 0:
             return None
         routing_calls = ctx.loops if ctx.loop >= 1 and not self.replaying() else 1
