@@ -47,7 +47,7 @@ from elr_lightning.cache import KVCache, PolicyLike, resolve_policy
 from elr_lightning.context import LoopContext, Positions
 from elr_lightning.core import check_loops
 from elr_lightning.model import LoopedLM
-from elr_lightning.serving import FoldedLM, _split_constants, serving_model
+from elr_lightning.serving import FoldedLM, split_constants, serving_model
 
 #: Exit criteria of :class:`AdaptiveDepth`, by name: what changed between loop i - 1 and loop i.
 #:
@@ -336,7 +336,7 @@ class _RowConstants:
         key = (id(mod), loop, k)
         if key not in self.single:
             try:
-                self.single[key] = _split_constants(norm, mod, c)
+                self.single[key] = split_constants(norm, mod, c)
             except NotImplementedError:
                 self.single[key] = None
         return self.single[key]

@@ -59,7 +59,7 @@ from elr_lightning.layers import Block, Modulator
 if TYPE_CHECKING:  # the model module does not import this one
     from elr_lightning.model import LoopedLM
 
-__all__ = ["ConditionedBlock", "FoldedLM", "conditioned_at", "fold_conditioning", "serving_model"]
+__all__ = ["ConditionedBlock", "FoldedLM", "conditioned_at", "fold_conditioning", "serving_model", "split_constants"]
 
 
 class _FoldedCore(nn.Module):
@@ -248,7 +248,7 @@ def _fused_residual(x: Tensor, mixer: nn.Module, consts: _Constants, ctx: LoopCo
     return torch.addcmul(x, mixer(h, ctx, layer), gate)
 
 
-def _split_constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> _Constants:
+def split_constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> tuple[Tensor, ...]:
     """``(u, down, up, shift, root_eps, gate)``: eq. (4) for one sublayer with the norm's scalar taken last.
 
     ``rms(x) = x / sqrt(mean(x^2) + eps)`` scales each token by one number, so it commutes with the
@@ -266,7 +266,7 @@ def _split_constants(norm: nn.RMSNorm, mod: Modulator, c: Tensor) -> _Constants:
 
 
 def _split_residual(x: Tensor, mixer: nn.Module, consts: _Constants, ctx: LoopContext, layer: int) -> Tensor:
-    """``x + gate * mixer(P (w s * rms(x) + m))`` from :func:`_split_constants`' operands (eq. 4)."""
+    """``x + gate * mixer(P (w s * rms(x) + m))`` from :func:`split_constants`' operands (eq. 4)."""
     u, down, up, shift, root_eps, gate = consts
     if x.numel() == x.shape[-1]:  # one token of one sequence: matrix-vector products dispatch faster
         v = x.reshape(-1)
@@ -290,7 +290,7 @@ class ConditionedBlock(nn.Module):
 
     * fused: ``rms_norm`` with the weight ``w s``, then the adapter and shift as two thin matmuls
       (:func:`_fused_constants`): three ops where ``rms_norm`` is one kernel (CUDA);
-    * split: the norm's per-token scalar taken after the pre-map (:func:`_split_constants`): six
+    * split: the norm's per-token scalar taken after the pre-map (:func:`split_constants`): six
       small ops. On the CPU ``rms_norm`` itself runs as about eight ops (``pow``, ``mean``,
       ``rsqrt``, ...), and a one-token decode step is bound by per-op latency, so this form costs
       about what the plain layer's ``rms_norm`` does.
@@ -313,7 +313,7 @@ class ConditionedBlock(nn.Module):
         super().__init__()
         if fused_norm is None:
             fused_norm = _fused_norm(c.device)
-        constants = _fused_constants if fused_norm else _split_constants
+        constants = _fused_constants if fused_norm else split_constants
         self.sublayer = _fused_residual if fused_norm else _split_residual
         self.index = block.index
         self.attn, self.mlp = block.attn, block.mlp
