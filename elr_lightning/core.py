@@ -64,8 +64,7 @@ class RecurrentCore(nn.Module):
             with torch.no_grad() if truncated else nullcontext():  # a truncated loop keeps nothing, its context neither
                 if self.conditioner is not None:
                     c = self.conditioner(i, ctx.loops, ctx.max_loops, h_in)
-                # eq. 4's terms of all the loop's layers under c_i at once (one matmul for the heads)
-                loop_ctx = ctx.at(i, c, None if c is None else layer_modulations(self.layers_at(i), c))
+                loop_ctx = ctx.at(i, c)
                 if tracked and not truncated and self.checkpointing == "loop":
                     s = checkpoint(self.loop, s, h_in, loop_ctx, use_reentrant=False, preserve_rng_state=False)
                 else:
@@ -73,7 +72,14 @@ class RecurrentCore(nn.Module):
         return s, None if c is None else c.clone()
 
     def loop(self, s: Tensor, h_in: Tensor, ctx: LoopContext) -> Tensor:
-        """One pass of loop ``ctx.loop``: inject h_in into s_{i-1}, run the layers, update to s_i."""
+        """One pass of loop ``ctx.loop``: inject h_in into s_{i-1}, run the layers, update to s_i.
+
+        Eq. 4's terms of all the loop's layers under c_i are computed here at once (one matmul for the
+        heads), inside the loop, so that ``loop`` checkpointing recomputes them rather than keeping
+        weight-sized terms for every loop.
+        """
+        if ctx.cond is not None and ctx.modulations is None:
+            ctx = ctx.at(ctx.loop, ctx.cond, layer_modulations(self.layers_at(ctx.loop), ctx.cond))
         s_tilde = self.update.inject(s, h_in)
         r = s_tilde
         for layer in self.layers_at(ctx.loop):

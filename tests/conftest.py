@@ -23,6 +23,19 @@ settings.load_profile("elr")
 torch.set_flush_denormal(True)
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    """Each test starts and ends with empty torch.compile caches.
+
+    Every ``Block`` shares one code object, so graphs compiled for one test's model stay cached for
+    the next; a checkpointed backward's recomputation could then run another test's graph and save
+    tensors of other shapes (torch's LRU reordering of cached graphs, pytorch/pytorch#166926).
+    """
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def tiny_config(**overrides) -> ModelConfig:
     """A 2-head, d = 32 model with one layer per block."""
     args = dict(vocab_size=64, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=64, max_loops=4)

@@ -48,13 +48,6 @@ def ids() -> torch.Tensor:
     return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("checkpointing", ["none", "loop", pytest.param("layer", marks=pytest.mark.slow)])
 def test_attention_model_is_one_graph_per_k_without_breaks(checkpointing: str) -> None:
     explained = torch._dynamo.explain(model("attention", checkpointing))(ids(), 3, aux_losses=UserDict())
