@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from torch import Tensor
 
@@ -87,6 +87,11 @@ class LoopContext:
             once, by layer index (:func:`~elr_lightning.layers.layer_modulations`), or ``None``:
             a layer without an entry computes its own.
         cache: The generation cache policy, or ``None`` (training, cache-free inference).
+        rows: The rows of the pass's batch this view runs on (a slice of consecutive rows, or
+            indices) where a loop runs on some of them only (a decode step whose rows stop at
+            their own depths, :meth:`on_rows`); ``None``: every row. Loop 1 runs on every row:
+            per-token tensors a mixer keeps in the scratch of loop 1 cover the whole batch, and a
+            view with ``rows`` reads these rows of them.
     """
 
     positions: Positions
@@ -96,11 +101,19 @@ class LoopContext:
     cond: Optional[Tensor] = None
     modulations: Optional[dict[int, Any]] = None
     cache: Optional["KVCache"] = None
+    rows: Optional[Union[slice, Tensor]] = None
     _stores: "_Stores" = field(default_factory=lambda: _Stores(), repr=False)
 
     def at(self, loop: int, cond: Optional[Tensor], modulations: Optional[dict[int, Any]] = None) -> "LoopContext":
         """The view of this context at loop ``loop`` with context ``cond`` (and its ``modulations``); stores are shared."""
         return dataclasses.replace(self, loop=loop, cond=cond, modulations=modulations)
+
+    def on_rows(
+        self, loop: int, rows: Optional[Union[slice, Tensor]], positions: Positions, cache: Optional["KVCache"]
+    ) -> "LoopContext":
+        """The view of this pass at loop ``loop`` on ``rows`` of its batch (``None``: all), at those rows'
+        ``positions`` and ``cache``; stores are shared, so loop 1's routes reach the rows at later loops."""
+        return dataclasses.replace(self, loop=loop, rows=rows, positions=positions, cache=cache)
 
     def cached(self, layer: int) -> Optional["LayerStore"]:
         """The generation-cache store of ``(layer, self.loop)``, or ``None`` without a cache.

@@ -26,9 +26,12 @@ not copied: a skipped loop's state simply does not absorb the token. Under ``las
 store per layer already holds the exit loop's entry. A prompt prefilled in one pass runs at the
 full budget K_max; only tokens decoded one at a time choose their depth.
 
-A mixture-of-experts layer replays loop 1's routes in a step whose rows are all at one k (the
-model's own forward); in a step that mixes depths each loop runs under a context of its own and
-routes its rows again, so with route replay a row's logits there are not those of its k alone.
+**Route replay.** A mixture-of-experts layer that replays loop 1's routes does so in every step.
+Every row runs loop 1; a later loop runs on some of the rows under a view of loop 1's context
+naming them (``LoopContext.rows``, sharing its scratch), so the layer cuts loop 1's dispatch
+plan to those rows and each row replays its own routes, as it does decoded alone (an adaptive
+row too, so ``threshold=0`` is fixed k at the budget). Before, each loop of a mixed step routed
+again: 0.064 max logit gap to the rows alone on a perturbed tiny MoE, now 7e-7.
 """
 
 from __future__ import annotations
@@ -235,6 +238,7 @@ class Decoder:
         left = torch.ones(n, dtype=torch.bool)  # not exited
         c_out = self._row_context(0, budgets, h_in)
         prev_logp: dict[int, Tensor] = {}
+        first = rows.context(1, budgets[0])  # every row runs loop 1; later loops read its scratch (replayed routes)
         if bool(kl.any()):
             idx = kl.nonzero().squeeze(-1)
             prev_logp = dict(zip(idx.tolist(), self._log_probs(rows, state, idx, c_out)))
@@ -250,7 +254,7 @@ class Decoder:
                 sub = rows.subset(at)
             c = self._row_context(i, budgets[:m] if isinstance(at, slice) else [budgets[r] for r in active.tolist()], h_in)
             s_prev = state[at]
-            s = _loop_rows(core, s_prev, h_in[at], sub.context(i, budgets[0]), c)
+            s = _loop_rows(core, s_prev, h_in[at], sub.within(first, i, None if sub is rows else at), c)
             checks = [j for j, r in enumerate(active.tolist()) if adaptive[r] and i < budgets[r]]
             if checks:  # measured before the write below: on a prefix, s_prev is a view of state
                 check = torch.tensor(checks)
@@ -415,5 +419,12 @@ class _Rows:
 
     def context(self, loop: int, loops: int, cond: Optional[Tensor] = None) -> LoopContext:
         """A fresh loop context of these rows (its scratch is its own)."""
-        positions = Positions(self.cos, self.sin, self.mask, False, None, self.end - 1)
-        return LoopContext(positions, loops, self.model.config.max_loops, loop=loop, cond=cond, cache=self.view)
+        return LoopContext(self.positions(), loops, self.model.config.max_loops, loop=loop, cond=cond, cache=self.view)
+
+    def within(self, ctx: LoopContext, loop: int, rows: Optional[Union[slice, Tensor]]) -> LoopContext:
+        """The view of ``ctx``'s pass at ``loop`` on these rows, ``rows`` of its batch (``None``: all)."""
+        return ctx.on_rows(loop, rows, self.positions(), self.view)
+
+    def positions(self) -> Positions:
+        """These rows' positions: one new token each."""
+        return Positions(self.cos, self.sin, self.mask, False, None, self.end - 1)

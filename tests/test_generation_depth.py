@@ -8,7 +8,9 @@ import torch
 from conftest import GQA_CONFIG, PlainConditioner, perturbed_model
 from elr_lightning.decode import AdaptiveDepth, Decoder
 from elr_lightning.generation import generate
+from elr_lightning.mixers import MoE
 from elr_lightning.model import LoopedLM
+from test_moe import moe_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -18,7 +20,9 @@ HYBRID = replace(
     token_pattern={"in": ["gdp"], "rec": ["gdp", "attention"], "out": ["attention"]},
     mixers={"gdp": {"class_path": "elr_lightning.mixers.GatedDeltaProduct", "init_args": {"chunk_size": 8}}},
 )
-ARCHS = {"attention": GQA_CONFIG, "hybrid": HYBRID}
+#: Every channel mixer a mixture of experts; loops 2..k replay loop 1's routes.
+MOE = moe_config(GQA_CONFIG, replay="replay", shared_expert_dim=8)
+ARCHS = {"attention": GQA_CONFIG, "hybrid": HYBRID, "moe": MOE}
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -34,27 +38,73 @@ def alone(model: LoopedLM, prompt: list[int], depth, policy: str, steps: int):
     return generate(model, [prompt], loops=depth, kv_cache=policy, max_new_tokens=steps, greedy=True, output_logits=True)
 
 
-@pytest.mark.parametrize("policy", ["per_loop", "last_loop"])
-def test_rows_of_different_depths_share_a_step_and_equal_each_row_alone(model: LoopedLM, policy: str) -> None:
-    """k = 1, K and auto (both criteria) in one step: logits within 1e-4 of the row alone, greedy tokens equal."""
-    prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7], [2, 7, 1], [8]]
-    depths = [1, K, AUTO, AdaptiveDepth(K, 0.5, "delta"), 2]
-    steps = 8
-    decoder = Decoder(model, len(prompts), 7 + steps, policy)
-    logits = [[decoder.prefill(i, torch.tensor(p), d)] for i, (p, d) in enumerate(zip(prompts, depths))]
-    used = [[] for _ in prompts]
+#: The prompts of the rows decoded together.
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7], [2, 7, 1], [8]]
+
+
+def together_equal_alone(model: LoopedLM, depths: list, policy: str, steps: int = 8) -> list[list[int]]:
+    """Decode :data:`PROMPTS` at ``depths`` in shared steps; assert each row's logits within 1e-4 of the row alone,
+    and its greedy tokens and loops used equal. Returns the loops each row used per decoded token."""
+    decoder = Decoder(model, len(PROMPTS), 7 + steps, policy)
+    logits = [[decoder.prefill(i, torch.tensor(p), d)] for i, (p, d) in enumerate(zip(PROMPTS, depths))]
+    used = [[] for _ in PROMPTS]
     for _ in range(steps - 1):
         tokens = torch.stack([row[-1].argmax() for row in logits])
-        step, step_used = decoder.step(list(range(len(prompts))), tokens, depths)
-        for i in range(len(prompts)):
+        step, step_used = decoder.step(list(range(len(PROMPTS))), tokens, depths)
+        for i in range(len(PROMPTS)):
             logits[i].append(step[i])
             used[i].append(int(step_used[i]))
-    for i, (p, d) in enumerate(zip(prompts, depths)):
+    for i, (p, d) in enumerate(zip(PROMPTS, depths)):
         ref = alone(model, p, d, policy, steps)
         torch.testing.assert_close(torch.stack(logits[i]), ref.logits[0], atol=1e-4, rtol=0)
         assert torch.equal(torch.stack(logits[i]).argmax(-1), ref.new_tokens[0])
         assert used[i] == ref.loops_used[0, 1:].tolist()
+    return used
+
+
+@pytest.mark.parametrize("policy", ["per_loop", "last_loop"])
+def test_rows_of_different_depths_share_a_step_and_equal_each_row_alone(model: LoopedLM, policy: str) -> None:
+    """k = 1, K and auto (both criteria) in one step: logits within 1e-4 of the row alone, greedy tokens equal."""
+    used = together_equal_alone(model, [1, K, AUTO, AdaptiveDepth(K, 0.5, "delta"), 2], policy)
     assert 1 < sum(used[2]) / len(used[2]) < K, "the adaptive row never or always exited; the test shows nothing"
+
+
+@pytest.mark.parametrize("policy", ["per_loop", "last_loop"])
+@pytest.mark.parametrize("replay", ["replay", "replay_experts", "dynamic"])
+def test_moe_rows_of_a_mixed_step_route_as_they_would_alone(replay: str, policy: str) -> None:
+    """k = 1, 2, 3 and auto in one step: each row replays its own loop 1 routes at its later loops (or, without
+    replay, routes every loop), so it equals the row alone, also where exits leave a loop a non-prefix of the rows."""
+    model = perturbed_model(moe_config(GQA_CONFIG, replay=replay, num_experts=8, shared_expert_dim=8))
+    depths = [2, AdaptiveDepth(3, 0.5, "delta"), 1, AUTO, 3]
+    used = together_equal_alone(model, depths, policy)
+    # the auto rows sort first: one leaving before loop 3, which the k = 3 row runs, thins loop 3 to a non-prefix
+    assert min(used[1] + used[3]) < 3, "no adaptive row left early; the test shows nothing"
+    if replay != "dynamic":  # replaying must matter: routing every loop moves the rows at k = 2 and 3
+        replayed = [alone(model, PROMPTS[i], depths[i], policy, 8).logits for i in (0, 4)]
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            moe.replay = "dynamic"
+        routed = [alone(model, PROMPTS[i], depths[i], policy, 8).logits for i in (0, 4)]
+        assert max(float((a - b).abs().max()) for a, b in zip(routed, replayed)) > 1e-2
+
+
+@pytest.mark.parametrize("replay", ["replay", "replay_experts", "dynamic"])
+def test_a_mixed_moe_step_routes_at_loop_one_only_under_replay(replay: str, monkeypatch) -> None:
+    """Rows at k = 1, 3, 2: loop i runs on the rows whose k reaches it; under replay only loop 1 routes (top-k)."""
+    model = perturbed_model(moe_config(GQA_CONFIG, replay=replay))
+    decoder = Decoder(model, 3, 8, "per_loop")
+    depths = [1, 3, 2]
+    last = [decoder.prefill(i, torch.tensor([5, 6, 7]), d) for i, d in enumerate(depths)]
+    routed: list[tuple[int, int]] = []  # (recurrent layer, rows) of each routing call
+    for j, block in enumerate(model.core.layers):
+
+        def route(logits: torch.Tensor, j: int = j, own=block.mlp.route):
+            routed.append((j, len(logits)))
+            return own(logits)
+
+        monkeypatch.setattr(block.mlp, "route", route)
+    decoder.step([0, 1, 2], torch.stack([x.argmax() for x in last]), depths)
+    loops = (3, 2, 1) if replay == "dynamic" else (3,)  # rows per loop: every row reaches loop 1, one reaches 3
+    assert routed == [(j, rows) for rows in loops for j in range(GQA_CONFIG.n_rec)]
 
 
 @pytest.mark.parametrize("policy", ["per_loop", "last_loop"])

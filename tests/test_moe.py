@@ -155,6 +155,23 @@ def test_loop_two_reuses_loop_one_experts_per_mode(replay, training, replays):
     assert ("plan" in ctx.scratch(3, 1)) == (replay != "dynamic")
 
 
+@pytest.mark.parametrize("replay", ["replay", "replay_experts"])
+@pytest.mark.parametrize("rows", [slice(0, 2), slice(1, 3), torch.tensor([3, 0])], ids=["prefix", "slice", "indices"])
+def test_a_later_loop_on_some_rows_replays_those_rows_routes(replay, rows):
+    """A loop on some rows of loop 1's batch (``ctx.rows``, as a mixed-depth decode step runs it) equals the loop
+    on every row, taken at those rows: each token keeps its own loop 1 experts, several tokens per row too."""
+    torch.manual_seed(2)
+    moe = MoE(tiny_config(), num_experts=6, top_k=2, expert_dim=8, replay=replay).eval()
+    for p in (moe.router.weight, moe.w_up, moe.w_down):
+        torch.nn.init.normal_(p, std=0.3)
+    x1, x2 = torch.randn(4, 3, 32), torch.randn(4, 3, 32)
+    every, ctx = _two_loops(moe, x1, x2)
+    some = moe(x2[rows], ctx.on_rows(2, rows, ctx.positions, None), 3)
+    torch.testing.assert_close(some, every[rows], rtol=1e-5, atol=1e-5)
+    moe.replay = "dynamic"
+    assert not torch.allclose(_two_loops(moe, x1, x2)[0], every, atol=1e-3), "the inputs must route differently"
+
+
 def test_paper_replay_runs_the_router_on_loop_one_only():
     """(C): the expert assignments are computed once; loops 2..k never call the router."""
     moe = MoE(tiny_config(), num_experts=6, top_k=2, expert_dim=8, replay="replay")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +81,14 @@ def plan_dispatch(experts: Tensor, num_experts: int) -> DispatchPlan:
         offsets=counts.cumsum(0).to(torch.int32),
         known_sizes=known_sizes,
     )
+
+
+def select_tokens(plan: DispatchPlan, tokens: Union[slice, Tensor]) -> DispatchPlan:
+    """The plan of some of ``plan``'s tokens (``tokens`` indexes its ``experts`` rows): the same experts per token.
+
+    Their copies are sorted again (stably, so in the order they hold in ``plan``); no token is routed again.
+    """
+    return plan_dispatch(plan.experts[tokens], plan.counts.shape[0])
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:

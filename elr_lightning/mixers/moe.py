@@ -8,8 +8,10 @@ softmax weights; an optional shared expert runs on every token.
 routes (router top-k and the dispatch sort) and stores the plan in the per-forward scratch of
 ``(layer, loop 1)``; loops 2..k reuse it and skip the top-k and the sort. Under incremental decoding
 each forward pass covers the new tokens only, so the scratch holds the routes of exactly those
-(layer, token) pairs: loop 1 of a decode step routes the new token and loops 2..k replay. Modes
-(the paper's table 4.3):
+(layer, token) pairs: loop 1 of a decode step routes the new token and loops 2..k replay. A decode
+step whose rows run to different depths runs a later loop on some of loop 1's rows
+(``LoopContext.rows``); the plan is cut to those rows (:func:`~elr_lightning.mixers.dispatch.select_tokens`),
+so each row replays its own routes, as it would alone. Modes (the paper's table 4.3):
 
 * ``dynamic`` (A): route at every loop.
 * ``replay_inference`` (B): route at every loop while training; in eval mode as ``replay``.
@@ -26,8 +28,9 @@ loop that carries gradient routes again and the later loops replay its routes (:
 
 from __future__ import annotations
 
+import math
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +49,7 @@ from elr_lightning.mixers.dispatch import (
     expert_swiglu,
     grouped_mm_supported,
     plan_dispatch,
+    select_tokens,
 )
 from elr_lightning.roles import set_role
 
@@ -199,10 +203,13 @@ class MoE(ChannelMixer):
         aux = None
         if self._replays_here(ctx, first):
             plan: DispatchPlan = first["plan"]
+            tokens = None if ctx.rows is None else _tokens_of(ctx.rows, shape)
+            if tokens is not None:  # this loop runs on some of loop 1's rows: their own routes
+                plan = select_tokens(plan, tokens)
             if self.replay == "replay_experts":
                 weights = _normalised(self.router(x).float().softmax(dim=-1).gather(-1, plan.experts))
             else:
-                weights = first["weights"]
+                weights = first["weights"] if tokens is None else first["weights"][tokens]
         else:
             probs, experts, weights = self.route(self.router(x))
             plan = plan_dispatch(experts, self.num_experts)
@@ -291,3 +298,14 @@ class MoE(ChannelMixer):
 
 def _normalised(weights: Tensor) -> Tensor:
     return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def _tokens_of(rows: Union[slice, Tensor], shape: torch.Size) -> Union[slice, Tensor]:
+    """The flattened tokens of ``rows`` of a pass's batch (a slice of consecutive rows, or indices), whose input
+    ``[B, ..., d]`` of ``shape`` holds those B rows."""
+    per_row = math.prod(shape[1:-1])
+    if per_row == 1:
+        return rows
+    if isinstance(rows, slice):
+        return slice((rows.start or 0) * per_row, (rows.start or 0) * per_row + shape[0] * per_row)
+    return (rows[:, None] * per_row + torch.arange(per_row, device=rows.device)).flatten()
