@@ -242,7 +242,9 @@ class ChannelMixer(_Mixer):
     (``ctx.scratch(layer)["routes"] = routes`` when ``ctx.loop == 1``) and replays them at loops
     2..k (``ctx.scratch(layer, 1)["routes"]``). Scratch stores live for one forward pass; under
     incremental decoding each forward pass covers the new tokens only, which is what per-token
-    routes need. A mixer may add an auxiliary loss with ``ctx.add_aux_loss(name, value)``; the
+    routes need. A decode step whose rows stop at different depths runs a later loop on some of
+    loop 1's rows only: ``ctx.rows`` names them (``None``: all), and the mixer reads those rows of
+    what loop 1 stored (:class:`~elr_lightning.mixers.MoE` cuts its dispatch plan to them). A mixer may add an auxiliary loss with ``ctx.add_aux_loss(name, value)``; the
     caller collects it with ``LoopedLM.forward(..., aux_losses=dict)``.
 
     Every parameter should take part in every forward pass at every k (multiply by a zero gate
