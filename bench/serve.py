@@ -207,8 +207,9 @@ def mixed_table(model: LoopedLM, loops: list[int], args: argparse.Namespace) -> 
             root, args.decoder_baseline, "elr_lightning/decode.py", "baseline_decode", {}
         ).Decoder
     times: dict = {(d, name): [] for d in decoders for name in mixes}
-    for _ in range(args.repeats):
-        for d, decoder_class in decoders.items():
+    for repeat in range(args.repeats):
+        # The decoders take turns going first in a round, so that neither gains from its place.
+        for d, decoder_class in list(decoders.items())[:: -1 if repeat % 2 else 1]:
             for name, depths in mixes.items():
                 times[(d, name)].append(step_time(model, depths, args.steps, args.kv_cache, decoder_class))
     out: dict[str, Any] = {"mixed_depths": mixed_depths}
@@ -227,6 +228,12 @@ def mixed_table(model: LoopedLM, loops: list[int], args: argparse.Namespace) -> 
             out[f"step_s_{clock}{tag}"] = {"single": single, "mixed": mixed, "predicted_mixed": predicted,
                                            "line": [intercept, slope]}  # fmt: skip
             out[f"mixed_over_sum_k_prediction_{clock}{tag}"] = predicted / mixed
+    if args.decoder_baseline:
+        speedup = {clock: min(t[j] for t in times[(args.decoder_baseline, "mixed")])
+                   / min(t[j] for t in times[("current", "mixed")]) for clock, j in (("wall", 0), ("cpu", 1))}
+        print(f"mixed step, {args.decoder_baseline} time / current time: cpu {speedup['cpu']:.3f}, "
+              f"wall {speedup['wall']:.3f}")
+        out["mixed_speedup_over_baseline"] = speedup
     return out
 
 
