@@ -13,8 +13,9 @@ loop counts:
 * otherwise loop i runs once, on the rows whose k reaches it, each row under its own context
   c_i(i, k, K) (eq. 4's operands computed once per (sublayer, i, k) and stacked per row): a step
   costs sum(k) row-loops, not max(k) x rows (DESIGN §7), and a row's logits equal those of its k
-  alone to fp32 round-off. The rows are put in order of budget once per step, so the rows of loop
-  i are a prefix of the batch and run as views; only rows thinned by adaptive exits are gathered;
+  alone to fp32 round-off. The rows are put in order of budget before the input block, so the rows
+  of loop i are a prefix of the batch and run as views; only rows thinned by adaptive exits are
+  gathered;
 * an :class:`AdaptiveDepth` row runs under the contexts of its budget K_max and leaves after loop
   i once its exit criterion holds (:data:`EXIT_CRITERIA`); fewer rows run each later loop.
 
@@ -162,12 +163,13 @@ class Decoder:
 
         Rows all at one fixed k run the model at k with its conditioning constants (exactly what
         :meth:`prefill` runs); otherwise loop i runs once on the rows still needing it (see
-        :meth:`_looped`).
+        :meth:`_looped_sorted`).
         """
         device, lm = self.device, self.model
         single = all(isinstance(d, int) and d == depths[0] for d in depths)
-        # Mixed depths: the rows in order of budget, deepest first (stable), so that the rows of loop
-        # i are a prefix of the batch (see _looped); the logits go back to the callers' order at the end.
+        # Mixed depths: the rows in order of budget, deepest first (stable), so that the rows of
+        # loop i are a prefix of the batch (see _looped_sorted); the logits go back to the
+        # callers' order at the end.
         order = None if single else sorted(range(len(slots)), key=lambda r: -budget(depths[r]))
         if order is not None and order != list(range(len(slots))):
             slots, depths = [slots[r] for r in order], [depths[r] for r in order]
@@ -192,7 +194,7 @@ class Decoder:
                 out = _output(runner, s, ctx.at(0, c))
                 used = torch.full((len(slots),), depths[0], dtype=torch.long)
             else:
-                out, used = self._looped(every, x, depths)
+                out, used = self._looped_sorted(every, x, depths)
             logits = lm.head(lm.norm(out))[:, -1].float()
         self.cache.commit()
         for s in slots:
@@ -215,7 +217,7 @@ class Decoder:
                 self._contexts[(loop, k)] = conditioner(loop or k, k, self.model.config.max_loops, like)
         return _RowContext(loop, tuple(budgets), self._contexts, self._constants)
 
-    def _looped(self, rows: "_Rows", h_in: Tensor, depths: list[Depth]) -> tuple[Tensor, Tensor]:
+    def _looped_sorted(self, rows: "_Rows", h_in: Tensor, depths: list[Depth]) -> tuple[Tensor, Tensor]:
         """Loop i once over the rows still needing it, each under its own context; adaptive rows may leave.
 
         The model's own layers run with a per-row context (the conditioner's heads per row rather
@@ -301,19 +303,14 @@ def _output(runner: Union[LoopedLM, FoldedLM], s: Tensor, ctx: LoopContext) -> T
 
 
 class _RowConstants:
-    """Eq. (4)'s operands per sublayer in the split form, per row of a step, and the stacked contexts.
+    """Eq. (4)'s operands per sublayer in the split form, stacked per row of a step, and the stacked contexts.
 
     The split form is :class:`~elr_lightning.serving.ConditionedBlock`'s on the CPU (the norm's
     per-token scalar taken after the pre-map), so a row runs the op sequence of its k decoded alone:
-    ``(u, down^T, mask, up^T, shift, root_eps, gate)``. Rows all of one k share that k's operands
-    (``mask`` is ``None``), as :func:`~elr_lightning.serving._split_residual` runs them. Rows of G
-    budgets get ``u``, ``shift`` and ``gate`` stacked per row, and the G low-rank maps side by side:
-    ``down^T`` ``[d, G r]`` and ``up^T`` ``[G r, d]``, with ``mask`` ``[n, G r]`` keeping each row's own
-    r columns, so the adapter is two matrix products whatever the mix (zeros stand for the other
-    budgets' terms). Each (sublayer, i, k) is computed once from the modulator's ``modulation`` (the
-    conditioner's heads do not run per token); the operands of a step's row pattern are kept while
-    the pattern recurs. Modulators without ``modulation`` get ``None`` and run through ``pre`` and
-    ``post``.
+    ``(u, down^T, up^T, shift, root_eps, gate)``, each but ``root_eps`` with a leading row axis.
+    Each (sublayer, i, k) is computed once from the modulator's ``modulation`` (the conditioner's
+    heads do not run per token); the stack for a step's row pattern is kept while the pattern
+    recurs. Modulators without ``modulation`` get ``None`` and run through ``pre`` and ``post``.
     """
 
     def __init__(self) -> None:
@@ -321,25 +318,18 @@ class _RowConstants:
         self.stacked: dict[tuple, Optional[tuple]] = {}
 
     def get(self, norm: nn.RMSNorm, mod: nn.Module, loop: int, ks: tuple[int, ...], contexts: dict) -> Optional[tuple]:
-        """The operands of sublayer ``(norm, mod)`` at ``loop`` for rows of budgets ``ks``, or ``None``."""
+        """The stacked operands of sublayer ``(norm, mod)`` at ``loop`` for rows of budgets ``ks``, or ``None``."""
         key = (id(mod), loop, ks)
         if key not in self.stacked:
-            budgets = sorted(set(ks))
-            parts = [self._one(norm, mod, loop, k, contexts[(loop, k)]) for k in budgets]
+            parts = [self._one(norm, mod, loop, k, contexts[(loop, k)]) for k in ks]
             if any(p is None for p in parts):
                 stacked = None
-            elif len(parts) == 1:
-                u, down, up, shift, root_eps, gate = parts[0]
-                stacked = (u, down.T, None, up.T, shift, root_eps, gate)
             else:
                 u, down, up, shift, root_eps, gate = zip(*parts)
-                rank = down[0].shape[0]
-                group = torch.tensor([budgets.index(k) for k in ks], device=u[0].device)
-                columns = torch.arange(len(parts) * rank, device=u[0].device) // max(rank, 1)
                 stacked = (
-                    torch.stack(u)[group], torch.cat(down).T.contiguous(), (columns == group[:, None]).to(u[0].dtype),
-                    torch.cat(up, dim=1).T.contiguous(), torch.stack(shift)[group], root_eps[0],
-                    torch.stack(gate)[group][:, None],
+                    torch.stack(u)[:, None], torch.stack(down).transpose(1, 2).contiguous(),
+                    torch.stack(up).transpose(1, 2).contiguous(), torch.stack(shift)[:, None], root_eps[0],
+                    torch.stack(gate)[:, None],
                 )  # fmt: skip
             self._keep(key, stacked)
         return self.stacked[key]
@@ -376,12 +366,10 @@ def _block_rows(block: nn.Module, x: Tensor, ctx: LoopContext, rows: Optional["_
             cond = rows.cond()
             x = x + mod.post(mixer(mod.pre(norm(x), cond), ctx, block.index), cond)
         else:  # serving's split form (``_split_residual``), each row with its own operands
-            u, down_t, mask, up_t, shift, root_eps, gate = consts
-            flat = x.reshape(-1, x.shape[-1])
-            t = flat @ down_t if mask is None else (flat @ down_t).mul_(mask)
-            y = torch.addmm(flat * u, t, up_t)
-            norm_x = torch.hypot(torch.linalg.vector_norm(flat, dim=-1, keepdim=True), root_eps)
-            x = torch.addcmul(x, mixer(torch.addcdiv(shift, y, norm_x).view_as(x), ctx, block.index), gate)
+            u, down_t, up_t, shift, root_eps, gate = consts
+            y = torch.baddbmm(x * u, torch.bmm(x, down_t), up_t)
+            h = torch.addcdiv(shift, y, torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), root_eps))
+            x = torch.addcmul(x, mixer(h, ctx, block.index), gate)
     return x
 
 
