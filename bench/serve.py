@@ -28,7 +28,7 @@ Without ``--ckpt_path`` it serves an untrained model of ``--d_model`` (speed doe
 the weights). Writes ``bench/results/serve.json``.
 
     python bench/serve.py [--ckpt_path X] [--d_model 256] [--clients 12] [--requests 96] [--kv_cache last_loop]
-        [--tables both|closed_loop|mixed]
+        [--tables both|closed_loop|mixed] [--decoder_baseline COMMIT]
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -68,21 +69,26 @@ MOVED = {
 }
 
 
-def cohort_engine_class(root: Path) -> type:
-    """The baseline's ``DecodeEngine``, loaded from git as it was at :data:`BASELINE`."""
+def module_at(root: Path, commit: str, path: str, name: str, moved: dict[str, str]) -> ModuleType:
+    """The module at ``path`` as it was at ``commit`` (``git show``), imported as ``name`` after the ``moved`` edits."""
     source = subprocess.run(
-        ["git", "show", f"{BASELINE}:elr_lightning/serve/engine.py"], cwd=root, capture_output=True, text=True, check=True
+        ["git", "show", f"{commit}:{path}"], cwd=root, capture_output=True, text=True, check=True
     ).stdout
-    for old, new in MOVED.items():
+    for old, new in moved.items():
         source = source.replace(old, new)
-    with tempfile.NamedTemporaryFile("w", suffix="_cohort_engine.py", delete=False) as f:
+    with tempfile.NamedTemporaryFile("w", suffix=f"_{name}.py", delete=False) as f:
         f.write(source)
-    spec = importlib.util.spec_from_file_location("cohort_engine", f.name)
+    spec = importlib.util.spec_from_file_location(name, f.name)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["cohort_engine"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     os.unlink(f.name)
-    return module.DecodeEngine
+    return module
+
+
+def cohort_engine_class(root: Path) -> type:
+    """The baseline's ``DecodeEngine``, loaded from git as it was at :data:`BASELINE`."""
+    return module_at(root, BASELINE, "elr_lightning/serve/engine.py", "cohort_engine", MOVED).DecodeEngine
 
 
 def workload(args: argparse.Namespace, loops: list[int]) -> list[tuple[tuple[int, ...], int, int]]:
@@ -133,10 +139,12 @@ def closed_loop(engine: Any, jobs: list, clients: int, max_batch: int) -> dict[s
     }
 
 
-def step_time(model: LoopedLM, depths: list[int], steps: int, kv_cache: str) -> tuple[float, float]:
+def step_time(
+    model: LoopedLM, depths: list[int], steps: int, kv_cache: str, decoder_class: type = Decoder
+) -> tuple[float, float]:
     """Mean seconds of one decode step of a full batch of rows at ``depths``: wall clock and thread CPU time."""
     rows = len(depths)
-    decoder = Decoder(model, rows, 8 + steps + 1, kv_cache)
+    decoder = decoder_class(model, rows, 8 + steps + 1, kv_cache)
     for slot, k in enumerate(depths):
         decoder.prefill(slot, torch.arange(1, 9), k)
     tokens = torch.full((rows,), 7)
@@ -184,28 +192,48 @@ def continuous_table(model: LoopedLM, jobs: list, loops: list[int], args: argpar
 
 
 def mixed_table(model: LoopedLM, loops: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    """Table 2: one step of mixed k against steps of single k, wall clock and thread CPU time."""
+    """Table 2: one step of mixed k against steps of single k, wall clock and thread CPU time.
+
+    With ``--decoder_baseline COMMIT`` the same table is timed, interleaved, for that commit's
+    ``Decoder`` too (loaded from git), and its ratios are printed beside the current ones.
+    """
     rows = args.mixed_rows - args.mixed_rows % len(loops) or len(loops)
     mixed_depths = [loops[i % len(loops)] for i in range(rows)]
     mixes = {**{k: [k] * rows for k in loops}, "mixed": mixed_depths}
-    times: dict = {name: [] for name in mixes}
-    for _ in range(args.repeats):
-        for name, depths in mixes.items():
-            times[name].append(step_time(model, depths, args.steps, args.kv_cache))
+    decoders = {"current": Decoder}
+    if args.decoder_baseline:
+        root = Path(__file__).resolve().parents[1]
+        decoders[args.decoder_baseline] = module_at(
+            root, args.decoder_baseline, "elr_lightning/decode.py", "baseline_decode", {}
+        ).Decoder
+    times: dict = {(d, name): [] for d in decoders for name in mixes}
+    for repeat in range(args.repeats):
+        # The decoders take turns going first in a round, so that neither gains from its place.
+        for d, decoder_class in list(decoders.items())[:: -1 if repeat % 2 else 1]:
+            for name, depths in mixes.items():
+                times[(d, name)].append(step_time(model, depths, args.steps, args.kv_cache, decoder_class))
     out: dict[str, Any] = {"mixed_depths": mixed_depths}
     print(f"\none step of {rows} rows, k cycling {loops} in the mixed one, kv_cache {args.kv_cache}, "
           f"d_model {model.config.d_model}")
-    for clock, j in (("wall", 0), ("cpu", 1)):
-        single = {k: min(t[j] for t in times[k]) for k in loops}
-        mixed = min(t[j] for t in times["mixed"])
-        intercept, slope, predicted = sum_k_ratio(single, mixed, rows, sum(mixed_depths))
-        print(f"{clock:4s}: " + ", ".join(f"k={k} {t * 1e3:.2f} ms" for k, t in single.items())
-              + f", mixed {mixed * 1e3:.2f} ms; sum(k) line {intercept * 1e3:.2f} ms + {slope * 1e3:.3f} ms per "
-              f"row-loop, predicted mixed {predicted * 1e3:.2f} ms: mixed reaches {predicted / mixed:.2f} of the "
-              "sum(k) throughput (target >= 0.9)")
-        out[f"step_s_{clock}"] = {"single": single, "mixed": mixed, "predicted_mixed": predicted,
-                                  "line": [intercept, slope]}  # fmt: skip
-        out[f"mixed_over_sum_k_prediction_{clock}"] = predicted / mixed
+    for d in decoders:
+        tag = "" if d == "current" else f"_{d}"
+        for clock, j in (("wall", 0), ("cpu", 1)):
+            single = {k: min(t[j] for t in times[(d, k)]) for k in loops}
+            mixed = min(t[j] for t in times[(d, "mixed")])
+            intercept, slope, predicted = sum_k_ratio(single, mixed, rows, sum(mixed_depths))
+            print(f"{d[:8]:8s} {clock:4s}: " + ", ".join(f"k={k} {t * 1e3:.2f} ms" for k, t in single.items())
+                  + f", mixed {mixed * 1e3:.2f} ms; sum(k) line {intercept * 1e3:.2f} ms + {slope * 1e3:.3f} ms per "
+                  f"row-loop, predicted mixed {predicted * 1e3:.2f} ms: mixed reaches {predicted / mixed:.2f} of the "
+                  "sum(k) throughput (target >= 0.9)")
+            out[f"step_s_{clock}{tag}"] = {"single": single, "mixed": mixed, "predicted_mixed": predicted,
+                                           "line": [intercept, slope]}  # fmt: skip
+            out[f"mixed_over_sum_k_prediction_{clock}{tag}"] = predicted / mixed
+    if args.decoder_baseline:
+        speedup = {clock: min(t[j] for t in times[(args.decoder_baseline, "mixed")])
+                   / min(t[j] for t in times[("current", "mixed")]) for clock, j in (("wall", 0), ("cpu", 1))}
+        print(f"mixed step, {args.decoder_baseline} time / current time: cpu {speedup['cpu']:.3f}, "
+              f"wall {speedup['wall']:.3f}")
+        out["mixed_speedup_over_baseline"] = speedup
     return out
 
 
@@ -230,6 +258,7 @@ def main() -> None:
     parser.add_argument("--mixed_rows", type=int, default=96, help="Rows of the mixed/single-k timing.")
     parser.add_argument("--repeats", type=int, default=3, help="Timings per depth mix (the fastest kept).")
     parser.add_argument("--kv_cache", default="last_loop", choices=["last_loop", "per_loop"])
+    parser.add_argument("--decoder_baseline", default=None, help="Also time the mixed table with this commit's Decoder.")
     parser.add_argument("--tables", default="both", choices=["both", "closed_loop", "mixed"], help="Tables to run.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/serve.json", help="JSON output path.")

@@ -13,8 +13,9 @@ loop counts:
 * otherwise loop i runs once, on the rows whose k reaches it, each row under its own context
   c_i(i, k, K) (eq. 4's operands computed once per (sublayer, i, k) and stacked per row): a step
   costs sum(k) row-loops, not max(k) x rows (DESIGN §7), and a row's logits equal those of its k
-  alone to fp32 round-off. The rows are put in order of budget once per step, so the rows of loop
-  i are a prefix of the batch and run as views; only rows thinned by adaptive exits are gathered;
+  alone to fp32 round-off. The rows are put in order of budget before the input block, so the rows
+  of loop i are a prefix of the batch and run as views; only rows thinned by adaptive exits are
+  gathered;
 * an :class:`AdaptiveDepth` row runs under the contexts of its budget K_max and leaves after loop
   i once its exit criterion holds (:data:`EXIT_CRITERIA`); fewer rows run each later loop.
 
@@ -165,9 +166,19 @@ class Decoder:
 
         Rows all at one fixed k run the model at k with its conditioning constants (exactly what
         :meth:`prefill` runs); otherwise loop i runs once on the rows still needing it (see
-        :meth:`_looped`).
+        :meth:`_looped_sorted`).
         """
         device, lm = self.device, self.model
+        single = all(isinstance(d, int) and d == depths[0] for d in depths)
+        # Mixed depths: the rows in order of budget, deepest first (stable), so that the rows of
+        # loop i are a prefix of the batch (see _looped_sorted); the logits go back to the
+        # callers' order at the end.
+        order = None if single else sorted(range(len(slots)), key=lambda r: -budget(depths[r]))
+        if order is not None and order != list(range(len(slots))):
+            slots, depths = [slots[r] for r in order], [depths[r] for r in order]
+            tokens = tokens[torch.tensor(order, device=tokens.device)]
+        else:
+            order = None
         rows = torch.tensor(slots, device=device)
         pos = torch.tensor([self.lengths[s] for s in slots], device=device)
         end = max(self.lengths[s] for s in slots) + 1
@@ -179,19 +190,23 @@ class Decoder:
             ctx = every.context(0, 1)
             for layer in lm.input_layers:
                 x = layer(x, ctx)
-            if all(isinstance(d, int) and d == depths[0] for d in depths):
+            if single:
                 runner = self.runner(depths[0])
                 ctx = every.context(0, depths[0])
                 s, c = runner.core(x, ctx)
                 out = _output(runner, s, ctx.at(0, c))
                 used = torch.full((len(slots),), depths[0], dtype=torch.long)
             else:
-                out, used = self._looped(every, x, depths)
+                out, used = self._looped_sorted(every, x, depths)
             logits = lm.head(lm.norm(out))[:, -1].float()
         self.cache.commit()
         for s in slots:
             self.lengths[s] += 1
         self.cache.offset = max(self.lengths)
+        if order is not None:
+            back = torch.empty(len(order), dtype=torch.long)
+            back[torch.tensor(order)] = torch.arange(len(order))
+            return logits[back.to(logits.device)], used[back]
         return logits, used
 
     def _row_context(self, loop: int, budgets: list[int], like: Tensor) -> Optional[_RowContext]:
@@ -205,56 +220,55 @@ class Decoder:
                 self._contexts[(loop, k)] = conditioner(loop or k, k, self.model.config.max_loops, like)
         return _RowContext(loop, tuple(budgets), self._contexts, self._constants)
 
-    def _looped(self, rows: "_Rows", h_in: Tensor, depths: list[Depth]) -> tuple[Tensor, Tensor]:
+    def _looped_sorted(self, rows: "_Rows", h_in: Tensor, depths: list[Depth]) -> tuple[Tensor, Tensor]:
         """Loop i once over the rows still needing it, each under its own context; adaptive rows may leave.
 
         The model's own layers run with a per-row context (the conditioner's heads per row rather
         than constants per k), so a row's logits equal those of its k alone to fp32 round-off.
 
-        The rows are put in order of budget, deepest first, once per step, so that the rows of loop
-        i are a prefix of the batch: each loop then runs on views (state, input, positions, cache
-        rows), and only a loop whose rows are not a prefix (after adaptive exits) gathers and
+        The rows come in order of budget, deepest first (:meth:`step` puts them so), so the rows of
+        loop i are a prefix of the batch: each loop then runs on views (state, input, positions,
+        cache rows), and only a loop whose rows are not a prefix (after adaptive exits) gathers and
         scatters them.
         """
-        budgets = [budget(d) for d in depths]
-        order = sorted(range(len(depths)), key=lambda r: -budgets[r])
-        if order == list(range(len(depths))):
-            return self._looped_sorted(rows, h_in, depths)
-        perm = torch.tensor(order, device=h_in.device)
-        out, used = self._looped_sorted(rows.subset(perm), h_in[perm], [depths[r] for r in order])
-        back = torch.empty_like(perm)
-        back[perm] = torch.arange(len(order), device=perm.device)
-        return out[back], used[back.cpu()]
-
-    def _looped_sorted(self, rows: "_Rows", h_in: Tensor, depths: list[Depth]) -> tuple[Tensor, Tensor]:
-        """:meth:`_looped` over rows in order of budget, deepest first."""
         core, n = self.model.core, h_in.shape[0]
         budgets = [budget(d) for d in depths]
         adaptive = [isinstance(d, AdaptiveDepth) for d in depths]
-        thresholds = torch.tensor([d.threshold if isinstance(d, AdaptiveDepth) else -1.0 for d in depths])
-        kl = torch.tensor([isinstance(d, AdaptiveDepth) and d.criterion == "kl" for d in depths])
+        any_adaptive = any(adaptive)
         state = core.update.init(h_in).clone()  # written row by row below; init may return h_in itself
         used = torch.tensor(budgets)
-        left = torch.ones(n, dtype=torch.bool)  # not exited
         c_out = self._row_context(0, budgets, h_in)
-        prev_logp: dict[int, Tensor] = {}
+        if any_adaptive:
+            thresholds = torch.tensor([d.threshold if isinstance(d, AdaptiveDepth) else -1.0 for d in depths])
+            kl = torch.tensor([isinstance(d, AdaptiveDepth) and d.criterion == "kl" for d in depths])
+            left = torch.ones(n, dtype=torch.bool)  # not exited
+            prev_logp: dict[int, Tensor] = {}
+            if bool(kl.any()):
+                idx = kl.nonzero().squeeze(-1)
+                prev_logp = dict(zip(idx.tolist(), self._log_probs(rows, state, idx, c_out)))
         first = rows.context(1, budgets[0])  # every row runs loop 1; later loops read its scratch (replayed routes)
-        if bool(kl.any()):
-            idx = kl.nonzero().squeeze(-1)
-            prev_logp = dict(zip(idx.tolist(), self._log_probs(rows, state, idx, c_out)))
+        exited = False
         for i in range(1, budgets[0] + 1):
-            active = (left & (used >= i)).nonzero().squeeze(-1)
-            m = active.numel()
-            if m == 0:
-                break
-            if int(active[-1]) == m - 1:  # a prefix: views
+            if exited:  # the rows still in and deep enough
+                active = (left & (used >= i)).nonzero().squeeze(-1)
+                m = active.numel()
+                if m == 0:
+                    break
+                prefix = int(active[-1]) == m - 1
+            else:  # no row left early: the rows of budget >= i, a prefix
+                m, active, prefix = sum(b >= i for b in budgets), None, True
+            if prefix:  # views
                 sub, at = rows.prefix(m), slice(0, m)
             else:
                 at = active.to(h_in.device)
                 sub = rows.subset(at)
-            c = self._row_context(i, budgets[:m] if isinstance(at, slice) else [budgets[r] for r in active.tolist()], h_in)
+            c = self._row_context(i, budgets[:m] if prefix else [budgets[r] for r in active.tolist()], h_in)
             s_prev = state[at]
             s = _loop_rows(core, s_prev, h_in[at], sub.within(first, i, None if sub is rows else at), c)
+            if not any_adaptive:
+                state[at] = s
+                continue
+            active = torch.arange(m) if active is None else active
             checks = [j for j, r in enumerate(active.tolist()) if adaptive[r] and i < budgets[r]]
             if checks:  # measured before the write below: on a prefix, s_prev is a view of state
                 check = torch.tensor(checks)
@@ -273,7 +287,7 @@ class Decoder:
                     prev_logp[r] = lp
             leave = active[check[change < thresholds[active[check]]]]
             if leave.numel():
-                used[leave], left[leave] = i, False
+                used[leave], left[leave], exited = i, False, True
                 for e in leave.tolist():
                     self.cache.fill_skipped(rows.rows[e : e + 1], rows.pos[e : e + 1], self.rec_layers, i, budgets[e])
         return _output_rows(self.model, state, rows.context(0, budgets[0]), c_out), used

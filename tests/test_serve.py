@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -226,30 +228,55 @@ def post(url: str, body: bytes) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
+def start_server(checkpoint: Path, port: int, log: Path, *flags: str) -> subprocess.Popen:
+    """``elr serve`` on ``port`` in a session of its own, stderr to ``log``; returns once ``/health`` answers."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with open(log, "wb") as err:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "elr_lightning.cli", "serve", "--ckpt_path", str(checkpoint), "--port", str(port),
+             "--accelerator", "cpu", *flags],
+            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=err,
+        )
+    deadline = time.monotonic() + 90
+    while True:
+        if server.poll() is not None:
+            raise AssertionError(log.read_text()[-2000:])
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return server
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            stop_server(server)
+            raise AssertionError("the server did not become healthy in 90 s")
+        time.sleep(0.5)
+
+
+def stop_server(server: subprocess.Popen) -> bool:
+    """SIGTERM the server; whether it left no process behind (stragglers are killed)."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    finally:
+        deadline = time.monotonic() + 30
+        while group_alive(server.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stray = group_alive(server.pid)
+        if stray:
+            os.killpg(server.pid, signal.SIGKILL)
+    return not stray
+
+
 @pytest.mark.slow
-def test_server_answers_concurrent_k_like_generate_and_shuts_down_cleanly(checkpoint: Path, model) -> None:
+def test_server_answers_concurrent_k_like_generate_and_shuts_down_cleanly(
+    checkpoint: Path, model, tmp_path: Path
+) -> None:
     openai = pytest.importorskip("openai")
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "elr_lightning.cli", "serve", "--ckpt_path", str(checkpoint), "--port", str(port),
-         "--max_batch_size", "8", "--accelerator", "cpu"],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+    server = start_server(checkpoint, port, tmp_path / "server.log", "--max_batch_size", "8")
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert server.poll() is None, server.stderr.read().decode()[-2000:]
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become healthy in 90 s"
-            time.sleep(0.5)
-
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=60, max_retries=0)
         listed = client.models.list().data[0].model_dump()
         assert listed["loops"] == [1, 2, 3] and listed["relative_cost"] == relative_costs(SERVE_ARCH, 3)
@@ -290,18 +317,48 @@ def test_server_answers_concurrent_k_like_generate_and_shuts_down_cleanly(checkp
         assert status == 200 and answer["choices"][0]["text"] == reference(model, request, "last_loop")
         assert len(answer["usage"]["loops_per_token"]) == 6 and answer["usage"]["loops_per_token"][0] == 3
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        finally:
-            deadline = time.monotonic() + 30
-            while group_alive(server.pid) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            stray = group_alive(server.pid)
-            if stray:
-                os.killpg(server.pid, signal.SIGKILL)
-            server.stderr.close()
-    assert not stray, "processes of the server were left running after SIGTERM"
+        clean = stop_server(server)
+    assert clean, "processes of the server were left running after SIGTERM"
+
+
+@pytest.mark.slow
+def test_a_client_that_disconnects_mid_stream_stops_its_decoding(tmp_path: Path) -> None:
+    """Through LitServe's HTTP transport: closing a stream cancels the request in the engine and frees its slot."""
+    checkpoint = tmp_path / "long.ckpt"
+    write_checkpoint(checkpoint, dataclasses.replace(SERVE_ARCH, max_seq_len=2048))
+    port, log = free_port(), tmp_path / "server.log"
+    server = start_server(checkpoint, port, log, "--max_batch_size", "1", "--log_level", "info")
+    try:
+        max_tokens = 2000
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        body = {"prompt": "def", "max_tokens": max_tokens, "loops": 3, "stream": True, "temperature": 0}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        chunks = []
+        while len(chunks) < 3:
+            line = response.readline()
+            assert line, "the stream ended early"
+            if line.startswith(b"data: "):
+                chunks.append(json.loads(line[6:]))
+        conn.close()  # the client goes away after three tokens
+        uid = chunks[0]["id"].removeprefix("cmpl-")
+        finished = re.compile(rf"request {uid}: (\w+) after (\d+) tokens")
+        deadline = time.monotonic() + 60
+        while not (found := finished.search(log.read_text())):
+            assert time.monotonic() < deadline, "the abandoned request never finished"
+            time.sleep(0.1)
+        reason, decoded = found.group(1), int(found.group(2))
+        assert reason == "cancelled" and decoded < max_tokens // 4, (reason, decoded)
+
+        status, answer = post(f"http://127.0.0.1:{port}/v1/completions",
+                              b'{"prompt": "import", "max_tokens": 5, "loops": 2, "temperature": 0}')
+        request = CompletionRequest(tuple(TOK.encode("import")), 2, 5, 0.0)
+        expected = reference(load_model(str(checkpoint))[0], request, "last_loop")
+        assert status == 200 and answer["choices"][0]["text"] == expected, "the freed slot did not serve correctly"
+        assert answer["usage"]["completion_tokens"] == 5
+    finally:
+        clean = stop_server(server)
+    assert clean, "processes of the server were left running after SIGTERM"
 
 
 def test_serve_command_refuses_bad_flags_before_starting(checkpoint: Path, tmp_path: Path) -> None:

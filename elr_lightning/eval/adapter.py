@@ -14,7 +14,7 @@ adapter does (its ``Collator``). Scores follow the KV-cache policy the model is 
 context is prefilled and each continuation token is then decoded through the cache, so with
 ``kv_cache=last_loop`` the score is that of the approximate cache. Under ``per_loop`` this equals
 one cache-free forward pass over context and continuation (the policy is exact), which is what the
-adapter runs then.
+adapter runs then. At ``loops=auto`` the scores are those of :mod:`elr_lightning.eval.adaptive`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tqdm import tqdm
 from typing_extensions import override
 
 from elr_lightning.cache import CACHE_POLICIES, KVCache, PerLoopCache, resolve_policy
-from elr_lightning.decode import AdaptiveDepth, Decoder, Depth
+from elr_lightning.eval.adaptive import AdaptiveScoring
 from elr_lightning.generation import load_model, stream_generate
 from elr_lightning.prompts import left_pad
 from elr_lightning.model import LoopedLM
@@ -88,7 +88,7 @@ def resolve_device(device: Optional[str]) -> torch.device:
 
 
 @register_model("elr")
-class ELRLM(TemplateLM):
+class ELRLM(AdaptiveScoring, TemplateLM):
     """lm-evaluation-harness adapter for ELR checkpoints (registered as ``elr``).
 
     ``lm_eval --model elr --model_args ckpt_path=last.ckpt,loops=4,kv_cache=last_loop ...`` once
@@ -214,12 +214,9 @@ class ELRLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
         self.allow_extrapolation = str(allow_extrapolation).lower() in ("true", "1", "yes")
         self.fold: Optional[bool] = None if fold is None or fold == "" else str(fold).lower() in ("true", "1", "yes")
-        self.max_loops = model.config.max_loops if max_loops in (None, "") else int(max_loops)
-        check_loops(self.max_loops, model.config.max_loops, self.allow_extrapolation, field="max_loops")
-        AdaptiveDepth(self.max_loops, float(threshold), exit_criterion)  # checks both, naming them
-        self.threshold, self.exit_criterion = float(threshold), exit_criterion
-        #: Loops and tokens of the continuation tokens scored at ``loops="auto"`` (:meth:`mean_loops`).
-        self.auto_loops, self.auto_tokens = 0, 0
+        budget = model.config.max_loops if max_loops in (None, "") else int(max_loops)
+        check_loops(budget, model.config.max_loops, self.allow_extrapolation, field="max_loops")
+        self._setup_adaptive(budget, float(threshold), exit_criterion)
         self.loops = loops
         separator = tokenizer.encode("\n")
         # Training joined documents with EOS, or with a newline when there is none (TextDataModule).
@@ -240,22 +237,6 @@ class ELRLM(TemplateLM):
                 raise ValueError(f"loops={value!r} must be an integer >= 1 or 'auto'") from None
             check_loops(value, self.model.config.max_loops, self.allow_extrapolation)
         self._loops = value
-
-    @property
-    def depth(self) -> Depth:
-        """What :attr:`loops` decodes at: k, or :class:`~elr_lightning.decode.AdaptiveDepth` for ``"auto"``."""
-        if self.loops == "auto":
-            return AdaptiveDepth(self.max_loops, self.threshold, self.exit_criterion)
-        return self.loops
-
-    def mean_loops(self) -> Optional[float]:
-        """Mean loops per continuation token scored at ``loops="auto"`` since :attr:`auto_tokens` was zeroed.
-
-        A context's last position runs at the budget (the prompt is prefilled there), so the first
-        continuation token counts ``max_loops``; tokens of ``generate_until`` are not counted.
-        ``None`` before any token was scored.
-        """
-        return self.auto_loops / self.auto_tokens if self.auto_tokens else None
 
     @property
     def max_length(self) -> int:
@@ -312,7 +293,7 @@ class ELRLM(TemplateLM):
             log-probability and the model's argmax at that position.
         """
         if self.loops == "auto":
-            return self._score_adaptive(pairs)
+            return [self._pick(lp, cont) for lp, (_, cont) in zip(self._adaptive_log_probs(pairs), pairs)]
         if issubclass(self.policy, PerLoopCache):  # exact policy: one forward equals prefill + decoding
             # Right padding needs no mask under causal attention: the rows' real tokens never see it.
             inputs = [(ctx + cont)[:-1] for ctx, cont in pairs]
@@ -361,22 +342,6 @@ class ELRLM(TemplateLM):
                 steps.append(runner(column[:, None], self.loops, mask, cache).float())
         logits = torch.cat(steps, dim=1).log_softmax(dim=-1)
         return [self._pick(logits[row, : len(cont)], cont) for row, (_, cont) in enumerate(pairs)]
-
-    def _score_adaptive(self, pairs: Sequence[Pair]) -> list[tuple[Tensor, Tensor]]:
-        """Prefill each context at the budget, then decode its continuation with depth per token."""
-        need = max(len(ctx) + len(cont) - 1 for ctx, cont in pairs)
-        decoder = Decoder(self.model, len(pairs), need, self.policy, self.autocast_dtype, self.fold)
-        depth = self.depth
-        steps = [[decoder.prefill(r, torch.tensor(ctx), depth)] for r, (ctx, _) in enumerate(pairs)]
-        self.auto_loops, self.auto_tokens = self.auto_loops + depth.max_loops * len(pairs), self.auto_tokens + len(pairs)
-        for j in range(max(len(cont) for _, cont in pairs) - 1):
-            rows = [r for r, (_, cont) in enumerate(pairs) if j + 1 < len(cont)]
-            tokens = torch.tensor([pairs[r][1][j] for r in rows])
-            logits, used = decoder.step(rows, tokens, [depth] * len(rows))
-            self.auto_loops, self.auto_tokens = self.auto_loops + int(used.sum()), self.auto_tokens + len(rows)
-            for i, r in enumerate(rows):
-                steps[r].append(logits[i])
-        return [self._pick(torch.stack(s).log_softmax(dim=-1), cont) for s, (_, cont) in zip(steps, pairs)]
 
     def _pick(self, log_probs: Tensor, cont: list[int]) -> tuple[Tensor, Tensor]:
         target = torch.tensor(cont, device=log_probs.device)

@@ -17,12 +17,17 @@ Endpoints: ``POST /v1/completions`` (``prompt``, ``max_tokens``, ``temperature``
 ``threshold`` and ``exit_criterion``), ``GET /v1/models`` (the loop counts served and their
 relative cost D_eff(k) / D_eff(1), eq. 1) and LitServe's ``GET /health``. The ``usage`` block
 reports ``loops_per_token`` (the recurrent loops each completion token took) and their mean.
+
+The worker logs one line per finished request at INFO on the ``elr_lightning.serve`` logger
+(``elr serve --log_level info``): its id, why it ended (``stop``, ``length`` or ``cancelled``) and
+the tokens it decoded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections import deque
@@ -67,6 +72,8 @@ class CompletionBody(BaseModel):
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None
 
+
+log = logging.getLogger("elr_lightning.serve")
 
 #: Exit threshold of ``loops: "auto"`` when a request gives none (see ``bench/adaptive.py``).
 DEFAULT_THRESHOLD = 1e-3
@@ -318,13 +325,20 @@ class ELRServeAPI(ls.LitAPI):
         kv_cache: KV-cache policy name (``"last_loop"`` or ``"per_loop"``).
         max_batch_size: Most requests decoded at once, all k together; more wait in the queue.
         dtype: ``"float32"``, or ``"bfloat16"`` to run under autocast.
+        log_level: Level of the worker's log (a logging level name); ``"info"`` logs every finished request.
     """
 
     def __init__(
-        self, ckpt_path: str, spec: CompletionsSpec, kv_cache: str, max_batch_size: int, dtype: str = "float32"
+        self,
+        ckpt_path: str,
+        spec: CompletionsSpec,
+        kv_cache: str,
+        max_batch_size: int,
+        dtype: str = "float32",
+        log_level: str = "warning",
     ) -> None:
         super().__init__(max_batch_size=max_batch_size, stream=True, spec=spec, loop=_EngineLoop())
-        self.ckpt_path, self.kv_cache, self.dtype = ckpt_path, kv_cache, dtype
+        self.ckpt_path, self.kv_cache, self.dtype, self.log_level = ckpt_path, kv_cache, dtype, log_level
         self.engine: Optional[DecodeEngine] = None
         self._notes: deque[str] = deque()  # ids of Cancel messages, finished at the next step
 
@@ -333,6 +347,12 @@ class ELRServeAPI(ls.LitAPI):
         from elr_lightning.generation import load_model
 
         torch.set_flush_denormal(True)
+        if not log.handlers:  # the worker is a fresh process: its log goes to the server's stderr
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+            log.addHandler(handler)
+            log.propagate = False  # one line, not a second one through a root handler
+        log.setLevel(getattr(logging, self.log_level.upper(), logging.DEBUG))  # uvicorn's "trace": DEBUG
         model, _ = load_model(self.ckpt_path, map_location=device)
         autocast = torch.bfloat16 if self.dtype == "bfloat16" else None
         self.engine = DecodeEngine(model, self.spec.tokenizer, self.kv_cache, autocast, self.max_batch_size)
@@ -377,6 +397,7 @@ class ELRServeAPI(ls.LitAPI):
             outputs.append(Output(event.uid, piece, LitAPIStatus.OK))
             if event.finish_reason is not None:
                 outputs.append(Output(event.uid, "", LitAPIStatus.FINISH_STREAMING))
+                log.info("request %s: %s after %d tokens", event.uid, event.finish_reason, event.completion_tokens)
         return outputs
 
     @override

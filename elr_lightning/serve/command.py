@@ -39,7 +39,7 @@ def _parser() -> Any:
     )
     parser.add_argument("--accelerator", type=str, default="auto", help="LitServe accelerator: auto, cpu or cuda.")
     parser.add_argument("--dtype", type=Literal["float32", "bfloat16"], default="float32", help="Autocast dtype.")
-    parser.add_argument("--log_level", type=str, default="warning", help="Server log level.")
+    parser.add_argument("--log_level", type=str, default="warning", help="Server log level; 'info' logs every finished request.")
     return parser
 
 
@@ -112,7 +112,7 @@ def serve_command(argv: list[str]) -> None:
         raise ValueError(f"--port {args.port} must be in 1024..65535")
     name = os.path.splitext(os.path.basename(args.ckpt_path))[0]
     spec = CompletionsSpec(config, tokenizer, name, args.loops_default, loops_max)
-    api = ELRServeAPI(args.ckpt_path, spec, args.kv_cache, args.max_batch_size, args.dtype)
+    api = ELRServeAPI(args.ckpt_path, spec, args.kv_cache, args.max_batch_size, args.dtype, args.log_level)
     server = ls.LitServer(api, accelerator=args.accelerator, devices=1, workers_per_device=1, timeout=False)
 
     main_pid = os.getpid()
