@@ -23,6 +23,7 @@ from elr_lightning.reasoning import (
     heldout_instances,
     is_heldout,
     parse_levels,
+    pack_windows,
     reasoning_documents,
     score_levels,
     training_instances,
@@ -134,13 +135,13 @@ def _text(tmp_path) -> str:
 
 
 def test_datamodule_puts_synthetic_documents_first_and_keeps_the_text_for_validation(tmp_path):
-    kwargs = dict(sources=[_text(tmp_path)], seq_len=32, batch_size=4, cache_dir=str(tmp_path / "cache"), val_fraction=0.05)
+    kwargs = dict(sources=[_text(tmp_path)], seq_len=48, batch_size=4, cache_dir=str(tmp_path / "cache"), val_fraction=0.05)
     data = ReasoningTextDataModule(reasoning_tasks={"hops": 1}, examples_per_level=100, **kwargs)
     data.prepare_data()
     data.setup("fit")
     with open(data.reasoning_path) as f:
         records = [json.loads(line)["text"] for line in f]
-    assert "".join(records).count("\n") == 100 and os.stat(data.reasoning_path).st_mtime_ns == 0
+    assert len("".join(records).split()) == 100 * 9 and os.stat(data.reasoning_path).st_mtime_ns == 0
     stream = bytes(data.tokens.tolist()).decode()
     assert stream.startswith(records[0]) and "line 399 of plain text" in stream
     val = bytes(data.val_windows[len(data.val_windows) - 1].tolist()).decode()
@@ -149,6 +150,39 @@ def test_datamodule_puts_synthetic_documents_first_and_keeps_the_text_for_valida
     assert again.cache_paths() == data.cache_paths()  # same file signature: the token cache is reused
     other = ReasoningTextDataModule(reasoning_tasks={"hops": 1}, examples_per_level=100, seed=1, **kwargs)
     assert other.reasoning_path != data.reasoning_path
+    unpacked = ReasoningTextDataModule(reasoning_tasks={"hops": 1}, examples_per_level=100, pack=False, **kwargs)
+    assert unpacked.reasoning_path != data.reasoning_path
+    assert unpacked.documents == reasoning_documents({"hops": [1]}, 100, seed=0)
+
+
+_INSTANCE = re.compile(r"^(\d+\+\d+=\d+|([a-z]>[a-z] ){8}[a-z]@\d=[a-z])$")
+
+
+@settings(max_examples=8, deadline=None)
+@given(seq_len=st.integers(48, 160), seed=st.integers(0, 3))
+def test_packed_windows_start_at_an_instance_and_cut_none(tmp_path_factory, seq_len, seed):
+    tmp_path = tmp_path_factory.mktemp("pack")
+    data = ReasoningTextDataModule(
+        reasoning_tasks={"hops": "1-2", "addition": "1-4"}, examples_per_level=30, seed=seed, sources=[_text(tmp_path)],
+        seq_len=seq_len, batch_size=2, cache_dir=str(tmp_path / "cache"), val_fraction=0.05,
+    )
+    data.setup("fit")
+    lines = []
+    for i in range(len(data.documents)):  # the synthetic windows, each one document and its separator
+        window = bytes(data.train_windows[i].tolist()).decode()
+        assert window[: seq_len - 1] == data.documents[i] and window[seq_len - 1] == "\n"
+        lines.extend(line for line in window[: seq_len - 1].split("\n") if line)
+    assert len(lines) == 180 and all(_INSTANCE.match(line) for line in lines)
+
+
+def test_packing_refuses_an_instance_longer_than_a_window_and_warns_when_filler_merges():
+    with pytest.raises(ValueError, match=r"^data\.seq_len: a reasoning instance of 9 tokens does not fit a window of 8"):
+        pack_windows(["12+345=357\n"[:9]], 8, len)
+    merged = lambda text: len(text.replace("\n\n", "\n"))  # noqa: E731 - a tokenizer with a token for two newlines
+    with pytest.warns(UserWarning, match=r"data\.pack: .* 1 of 1 reasoning documents are not exactly one window"):
+        docs = pack_windows(["1+2=3\n"], 12, merged)
+    assert docs[0].startswith("1+2=3\n") and merged(docs[0]) <= 12
+    assert pack_windows(["1+2=3\n", "4+5=9\n", "9+9=18\n"], 13, len) == ["1+2=3\n4+5=9\n\n", "9+9=18\n" + "\n" * 6]
 
 
 def test_text_bytes_caps_the_text_after_the_synthetic_documents(tmp_path):

@@ -46,7 +46,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     text = root / "text.txt"
     text.write_text("".join(f"x{i} = {i}\n" for i in range(300)))
     data = ReasoningTextDataModule(reasoning_tasks={"hops": 1, "addition": 2}, examples_per_level=50,
-                                   sources=[str(text)], seq_len=32, batch_size=4, cache_dir=str(root / "cache"))  # fmt: skip
+                                   sources=[str(text)], seq_len=48, batch_size=4, cache_dir=str(root / "cache"))  # fmt: skip
     torch.manual_seed(0)
     module = ELRModule(arch=ARCH, warmup_steps=0)
     path = fit_two_steps(module, data, root / "tiny.ckpt")
@@ -119,7 +119,7 @@ def test_ablate_scores_every_arm_on_the_reasoning_levels(tmp_path: Path):
                   "init_args": {"arch": {**ARCH.__dict__, "max_loops": 2}, "virtual_ranks": 2, "warmup_steps": 0}},
         "data": {"class_path": "elr_lightning.reasoning.ReasoningTextDataModule",
                  "init_args": {"reasoning_tasks": {"hops": "1-2"}, "examples_per_level": 40, "sources": [str(text)],
-                               "seq_len": 32, "batch_size": 4, "val_batches": 1, "cache_dir": str(tmp_path / "cache")}},
+                               "seq_len": 48, "batch_size": 4, "val_batches": 1, "cache_dir": str(tmp_path / "cache")}},
     }  # fmt: skip
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))

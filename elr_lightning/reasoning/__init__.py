@@ -9,7 +9,7 @@
   --tasks elr_reasoning`` scores the same instances in the harness.
 """
 
-from elr_lightning.reasoning.datamodule import ReasoningTextDataModule, reasoning_documents
+from elr_lightning.reasoning.datamodule import ReasoningTextDataModule, pack_windows, reasoning_documents, reasoning_texts
 from elr_lightning.reasoning.generators import (
     GENERATORS,
     Generator,
@@ -35,7 +35,9 @@ __all__ = [
     "heldout_instances",
     "is_heldout",
     "parse_levels",
+    "pack_windows",
     "reasoning_documents",
+    "reasoning_texts",
     "score_levels",
     "training_instances",
 ]
