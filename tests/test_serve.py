@@ -370,6 +370,8 @@ def test_serve_command_refuses_bad_flags_before_starting(checkpoint: Path, tmp_p
         run(["serve", "--ckpt_path", str(checkpoint), "--loops_default", "4"])
     with pytest.raises(ValueError, match="--max_batch_size 0"):
         run(["serve", "--ckpt_path", str(checkpoint), "--max_batch_size", "0"])
+    with pytest.raises(SystemExit):
+        run(["serve", "--ckpt_path", str(checkpoint), "--log_level", "verbose"])
 
 
 def test_engine_reset_drops_every_request(model) -> None:

@@ -64,7 +64,8 @@ def reasoning_documents(
 def pack_windows(texts: list[str], size: int, count: Callable[[str], int]) -> list[str]:
     """Whole instance texts packed, in order, into documents of exactly ``size`` tokens each.
 
-    A document takes instances while they fit, then :data:`FILLER` up to ``size`` tokens. With
+    A document takes instances while their token counts sum to at most ``size`` (each text is
+    counted once), then :data:`FILLER` up to ``size`` tokens of the whole document. With
     ``size = seq_len - len(separator)`` every document and the separator after it fill one stride of
     the token stream, so window ``i`` (tokens ``[i * seq_len, i * seq_len + seq_len + 1)``) starts
     at document ``i``'s first instance.
@@ -87,24 +88,24 @@ def pack_windows(texts: list[str], size: int, count: Callable[[str], int]) -> li
 
     def close(doc: str) -> None:
         nonlocal inexact
-        used = count(doc)
-        padded = doc + FILLER * (size - used)
-        while count(padded) > size:
-            padded = padded[:-len(FILLER)]
-        inexact += count(padded) != size
-        docs.append(padded)
+        pad = max(0, size - count(doc))
+        while pad and count(doc + FILLER * pad) > size:  # tokens that join across texts: never past size
+            pad -= 1
+        docs.append(doc + FILLER * pad)
+        inexact += count(docs[-1]) != size
 
-    doc = ""
+    doc, used = "", 0
     for text in texts:
-        if count(text) > size:
+        n = count(text)
+        if n > size:
             raise ValueError(
-                f"data.seq_len: a reasoning instance of {count(text)} tokens does not fit a window of {size} "
-                f"(seq_len less the document separator); raise data.seq_len or set data.pack: false"
+                f"data.seq_len: a reasoning instance of {n} tokens does not fit a window of {size} "
+                "(seq_len less the document separator); raise data.seq_len or set data.pack: false"
             )
-        if doc and count(doc + text) > size:
+        if doc and used + n > size:
             close(doc)
-            doc = ""
-        doc += text
+            doc, used = "", 0
+        doc, used = doc + text, used + n
     if doc:
         close(doc)
     if inexact:

@@ -325,7 +325,8 @@ class ELRServeAPI(ls.LitAPI):
         kv_cache: KV-cache policy name (``"last_loop"`` or ``"per_loop"``).
         max_batch_size: Most requests decoded at once, all k together; more wait in the queue.
         dtype: ``"float32"``, or ``"bfloat16"`` to run under autocast.
-        log_level: Level of the worker's log (a logging level name); ``"info"`` logs every finished request.
+        log_level: Level of the worker's log (uvicorn's names: ``"critical"`` ... ``"debug"``, ``"trace"``);
+            ``"info"`` logs every finished request.
     """
 
     def __init__(
@@ -352,7 +353,7 @@ class ELRServeAPI(ls.LitAPI):
             handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
             log.addHandler(handler)
             log.propagate = False  # one line, not a second one through a root handler
-        log.setLevel(getattr(logging, self.log_level.upper(), logging.DEBUG))  # uvicorn's "trace": DEBUG
+        log.setLevel(logging.DEBUG if self.log_level == "trace" else self.log_level.upper())
         model, _ = load_model(self.ckpt_path, map_location=device)
         autocast = torch.bfloat16 if self.dtype == "bfloat16" else None
         self.engine = DecodeEngine(model, self.spec.tokenizer, self.kv_cache, autocast, self.max_batch_size)

@@ -39,7 +39,12 @@ def _parser() -> Any:
     )
     parser.add_argument("--accelerator", type=str, default="auto", help="LitServe accelerator: auto, cpu or cuda.")
     parser.add_argument("--dtype", type=Literal["float32", "bfloat16"], default="float32", help="Autocast dtype.")
-    parser.add_argument("--log_level", type=str, default="warning", help="Server log level; 'info' logs every finished request.")
+    parser.add_argument(
+        "--log_level",
+        type=Literal["critical", "error", "warning", "info", "debug", "trace"],
+        default="warning",
+        help="Server log level (uvicorn's names); 'info' logs every finished request.",
+    )
     return parser
 
 
