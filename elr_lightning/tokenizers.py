@@ -1,9 +1,11 @@
 """Tokenizers: the small seam between raw text and token ids.
 
-Two implementations ship with the library:
+Three implementations ship with the library:
 
 * :class:`ByteTokenizer` -- ids 0..255 are the raw UTF-8 bytes. No dependency, no vocabulary file,
   every text round-trips exactly. The default.
+* :class:`CharTokenizer` -- one id per character of a small alphabet (the depth tasks' vocabularies,
+  :mod:`elr_lightning.depth`). No dependency; saved in checkpoints as its alphabet.
 * :class:`HFTokenizer` -- wraps a Hugging Face ``tokenizers`` ``tokenizer.json`` (for example a
   byte-level BPE trained offline). Needs the optional extra ``pip install "elr-lightning[hf]"``.
 
@@ -143,6 +145,57 @@ class ByteTokenizer(Tokenizer):
             A constant hex digest.
         """
         return hashlib.sha256(b"elr_lightning.ByteTokenizer/utf-8").hexdigest()
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character of ``alphabet``: id ``i`` is ``alphabet[i]``.
+
+    Text holding a character outside the alphabet cannot be encoded (``ValueError`` naming it and
+    the alphabet). There is no end-of-sequence id.
+
+    Args:
+        alphabet: The characters, each once.
+
+    Raises:
+        ValueError: An empty alphabet or a repeated character.
+    """
+
+    def __init__(self, alphabet: str) -> None:
+        if not isinstance(alphabet, str) or not alphabet or len(set(alphabet)) != len(alphabet):
+            raise ValueError(f"CharTokenizer alphabet {alphabet!r} must be a non-empty string of distinct characters")
+        self.alphabet = alphabet
+        self._ids = {c: i for i, c in enumerate(alphabet)}
+
+    @property
+    def vocab_size(self) -> int:
+        """The alphabet's length."""
+        return len(self.alphabet)
+
+    def encode(self, text: str) -> list[int]:
+        """One id per character.
+
+        Raises:
+            ValueError: A character of ``text`` is not in the alphabet.
+        """
+        try:
+            return [self._ids[c] for c in text]
+        except KeyError as err:
+            raise ValueError(
+                f"text holds {err.args[0]!r}, not in this tokenizer's alphabet {self.alphabet!r}; write only those characters"
+            ) from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The characters of ``ids``; an id outside the alphabet decodes to U+FFFD."""
+        n = len(self.alphabet)
+        return "".join(self.alphabet[i] if 0 <= i < n else "\ufffd" for i in ids)
+
+    def token_bytes(self) -> torch.Tensor:
+        """UTF-8 bytes of each character."""
+        return torch.tensor([len(c.encode("utf-8")) for c in self.alphabet], dtype=torch.int64)
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the alphabet."""
+        return hashlib.sha256(f"elr_lightning.CharTokenizer/{self.alphabet}".encode()).hexdigest()
 
 
 @lru_cache(maxsize=1)
@@ -343,7 +396,8 @@ TOKENIZER_STATE_FORMAT = 1
 def tokenizer_state(tokenizer: Tokenizer) -> dict[str, Any]:
     """A self-contained, JSON-serialisable description of ``tokenizer``, for checkpoints.
 
-    A :class:`ByteTokenizer` is ``{"kind": "byte", ...}``; a :class:`HFTokenizer` carries the whole
+    A :class:`ByteTokenizer` is ``{"kind": "byte", ...}``; a :class:`CharTokenizer` carries its
+    ``alphabet``; a :class:`HFTokenizer` carries the whole
     ``tokenizer.json`` text (not its path, so the checkpoint needs no other file). Both carry the
     :meth:`Tokenizer.fingerprint` and ``vocab_size``, checked again by :func:`tokenizer_from_state`.
 
@@ -363,10 +417,12 @@ def tokenizer_state(tokenizer: Tokenizer) -> dict[str, Any]:
     }
     if isinstance(tokenizer, ByteTokenizer):
         return {"kind": "byte", **common}
+    if isinstance(tokenizer, CharTokenizer):
+        return {"kind": "chars", "alphabet": tokenizer.alphabet, **common}
     if isinstance(tokenizer, HFTokenizer):
         return {"kind": "hf", "tokenizer_json": tokenizer.to_json(), **common}
     raise TypeError(
-        f"cannot save a {type(tokenizer).__name__} in a checkpoint; only ByteTokenizer and HFTokenizer are rebuilt "
+        f"cannot save a {type(tokenizer).__name__} in a checkpoint; only ByteTokenizer, CharTokenizer and HFTokenizer are rebuilt "
         "from a state (use a HF tokenizer.json)"
     )
 
@@ -393,10 +449,12 @@ def tokenizer_from_state(state: Mapping[str, Any]) -> Tokenizer:
     tokenizer: Tokenizer
     if kind == "byte":
         tokenizer = ByteTokenizer()
+    elif kind == "chars" and isinstance(state.get("alphabet"), str):
+        tokenizer = CharTokenizer(state["alphabet"])
     elif kind == "hf":
         tokenizer = HFTokenizer.from_json(state["tokenizer_json"])
     else:
-        raise ValueError(f"saved tokenizer: unknown kind {kind!r} (expected 'byte' or 'hf'); pass --tokenizer")
+        raise ValueError(f"saved tokenizer: unknown kind {kind!r} (expected 'byte', 'chars' or 'hf'); pass --tokenizer")
     if tokenizer.fingerprint() != state.get("fingerprint"):
         raise ValueError("saved tokenizer: rebuilt vocabulary does not match the saved fingerprint; pass --tokenizer")
     return tokenizer

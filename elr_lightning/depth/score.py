@@ -1,0 +1,163 @@
+"""Accuracy of a looped model on held-out depth instances, per difficulty and loop count k; its table and heatmap.
+
+One forward pass per difficulty and k scores every labelled position at once (the inputs are
+given, so nothing is generated): an instance is right when the prediction at every labelled
+position is its label (exact match), and the labels of the instance's own difficulty (the
+hardest level it holds) are scored alone too (``deep``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from elr_lightning.cache import PolicyLike
+from elr_lightning.decode import Decoder, Depth, budget
+from elr_lightning.depth.datamodule import instance_rng
+from elr_lightning.depth.tasks import IGNORE_INDEX, DepthTask, draw
+from elr_lightning.model import LoopedLM
+
+#: ``{difficulty: {k: {"exact": ..., "deep": ...}}}``.
+Table = dict[int, dict[int, dict[str, float]]]
+
+
+def heldout_arrays(task: DepthTask, difficulty: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``n`` held-out instances of ``difficulty`` as ``(input_ids, labels, levels)``, instance ``i`` from ``(seed, "eval", difficulty, i)``."""
+    rows = [draw(task, instance_rng(seed, "eval", difficulty, i), difficulty, heldout=True) for i in range(n)]
+    return tuple(torch.from_numpy(np.stack(parts)) for parts in zip(*rows))  # type: ignore[return-value]
+
+
+@torch.inference_mode()
+def decode_teacher_forced(
+    model: LoopedLM, ids: torch.Tensor, depth: Depth, kv_cache: PolicyLike = "per_loop"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``[B, T, V]`` and loops used ``[B, T]`` of ``ids`` ``[B, T]`` fed one token per step to the serving decoder.
+
+    Each row's first token is prefilled at the depth's budget; every later token is decoded at
+    ``depth`` (a fixed k, or :class:`~elr_lightning.decode.AdaptiveDepth` per token), teacher-forced:
+    the next token fed is the true one, so position t's logits are ``elr generate``'s after ids[:t + 1].
+    """
+    rows, length = ids.shape
+    decoder = Decoder(model, rows, length, kv_cache)
+    logits = [torch.stack([decoder.prefill(r, ids[r, :1], depth) for r in range(rows)])]
+    loops = [torch.full((rows,), budget(depth), dtype=torch.long)]
+    for t in range(1, length):
+        out, used = decoder.step(list(range(rows)), ids[:, t], [depth] * rows)
+        logits.append(out)
+        loops.append(used.long())
+    return torch.stack(logits, dim=1), torch.stack(loops, dim=1)
+
+
+def _cells(hit: torch.Tensor, labels: torch.Tensor, levels: torch.Tensor, difficulty: int) -> dict[str, float]:
+    """Exact match and deepest-level accuracy of predictions ``hit`` (``[B, T]`` bool) of one difficulty."""
+    deepest = levels == difficulty
+    return {
+        "exact": float((hit | (labels == IGNORE_INDEX)).all(dim=1).float().mean()),
+        "deep": float(hit[deepest].float().mean()) if bool(deepest.any()) else 0.0,
+    }
+
+
+@torch.no_grad()
+def score(
+    model: LoopedLM,
+    task: DepthTask,
+    difficulties: Sequence[int],
+    loops: Sequence[int],
+    n: int = 256,
+    seed: int = 0,
+    batch_size: int = 256,
+) -> Table:
+    """Exact match and deepest-level label accuracy on ``n`` held-out instances per difficulty and k.
+
+    Args:
+        model: The looped model (put in eval mode here; its mode is restored).
+        task: The task it was trained on.
+        difficulties: Difficulties to score.
+        loops: Loop counts (above ``arch.max_loops``: extrapolation).
+        n: Instances per difficulty.
+        seed: Seed of the held-out draw.
+        batch_size: Instances per forward pass.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    table: Table = {}
+    for difficulty in difficulties:
+        ids, labels, levels = heldout_arrays(task, difficulty, n, seed)
+        table[difficulty] = {}
+        for k in loops:
+            hits = [model(ids[i : i + batch_size].to(device), k).argmax(-1).cpu() for i in range(0, n, batch_size)]
+            table[difficulty][k] = _cells(torch.cat(hits) == labels, labels, levels, difficulty)
+    model.train(was_training)
+    return table
+
+
+def score_adaptive(
+    model: LoopedLM,
+    task: DepthTask,
+    difficulties: Sequence[int],
+    depth: Depth,
+    n: int = 256,
+    seed: int = 0,
+    kv_cache: PolicyLike = "per_loop",
+) -> dict[int, dict[str, float]]:
+    """:func:`score`'s cells at ``depth`` through the serving decoder, with the mean loops per token.
+
+    Every token of an instance is decoded one at a time (:func:`decode_teacher_forced`), so
+    ``mean_loops`` counts the loops of every position, labelled or not (the first at the budget).
+    With a fixed k the cells equal :func:`score`'s (per-loop cache).
+
+    Returns:
+        ``{difficulty: {"exact", "deep", "mean_loops"}}``.
+    """
+    model.eval()
+    out = {}
+    for difficulty in difficulties:
+        ids, labels, levels = heldout_arrays(task, difficulty, n, seed)
+        logits, loops = decode_teacher_forced(model, ids, depth, kv_cache)
+        cells = _cells(logits.argmax(-1).cpu() == labels, labels, levels, difficulty)
+        out[difficulty] = {**cells, "mean_loops": float(loops.float().mean())}
+    return out
+
+
+def format_table(table: Table, metric: str = "exact", task: Optional[DepthTask] = None) -> str:
+    """A Markdown table: one row per difficulty, one column per k, cells in percent."""
+    loops = sorted({k for row in table.values() for k in row})
+    name = task.name if task is not None else "difficulty"
+    rows = [[name] + [f"k={k}" for k in loops], ["---"] * (len(loops) + 1)]
+    for difficulty, row in sorted(table.items()):
+        rows.append([str(difficulty)] + [f"{100 * row[k][metric]:.1f}" if k in row else "-" for k in loops])
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def heatmap(table: Table, metric: str = "exact", title: str = "", max_loops: Optional[int] = None) -> Any:
+    """A matplotlib ``Figure``: difficulty (rows) x k (columns), colour and number the accuracy in percent.
+
+    ``max_loops`` draws a line after the trained budget K (columns to its right extrapolate).
+    """
+    from matplotlib.figure import Figure
+
+    difficulties = sorted(table)
+    loops = sorted({k for row in table.values() for k in row})
+    values = np.array([[100 * table[d][k][metric] if k in table[d] else np.nan for k in loops] for d in difficulties])
+    fig = Figure(figsize=(1.0 + 0.55 * len(loops), 1.0 + 0.45 * len(difficulties)), dpi=100)
+    ax = fig.subplots()
+    image = ax.imshow(values, vmin=0, vmax=100, cmap="viridis", aspect="auto", origin="lower")
+    for i in range(len(difficulties)):
+        for j in range(len(loops)):
+            if not np.isnan(values[i, j]):
+                ax.text(j, i, f"{values[i, j]:.0f}", ha="center", va="center", fontsize=7,
+                        color="black" if values[i, j] > 60 else "white")  # fmt: skip
+    ax.set_xticks(range(len(loops)), [str(k) for k in loops])
+    ax.set_yticks(range(len(difficulties)), [str(d) for d in difficulties])
+    ax.set_xlabel("loops k")
+    ax.set_ylabel("difficulty")
+    if max_loops is not None and max_loops in loops:
+        ax.axvline(loops.index(max_loops) + 0.5, color="white", linewidth=1.5, linestyle="--")
+    ax.set_title(title or f"{metric} accuracy (%)", fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.05)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,203 @@
+"""The token-level depth suite: labels against independent solvers, the held-out split, the step-indexed data,
+the character tokenizer, and the scorer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import tiny_config
+from elr_lightning.decode import AdaptiveDepth
+from elr_lightning.depth import TASKS, DepthDataModule, get_task, is_heldout
+from elr_lightning.depth.datamodule import DepthSteps, instances
+from elr_lightning.depth.score import decode_teacher_forced, score, score_adaptive
+from elr_lightning.depth.tasks import IGNORE_INDEX
+from elr_lightning.model import LoopedLM
+from elr_lightning.tokenizers import CharTokenizer, tokenizer_from_state, tokenizer_state
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _solve(task: str, text: str) -> list[str | None]:
+    """An independent solver: the label character at every position of ``text`` (``None``: unlabelled)."""
+    if task == "parity":
+        return [str(text[: t + 1].count("1") % 2) for t in range(len(text))]
+    if task == "addition":
+        out: list[str | None] = []
+        total = 0
+        for operand in text.split("+"):
+            total = (total + int(operand[::-1])) % 100  # least significant digit first
+            out += [f"{total:02d}"[::-1][i] for i in range(len(operand))] + [None]
+        return out[:-1]
+    parent: dict[str, str] = {}
+    out = []
+    for t in range(0, len(text), 2):
+        child, up = text[t], text[t + 1]
+        if child in parent:  # the padding after the forest repeats a letter already written
+            out += [None, None]
+            continue
+        parent[child] = up
+        root = up
+        while parent[root] != root:
+            root = parent[root]
+        out += [None, root if child != up else None]
+    return out
+
+
+@given(task=st.sampled_from(sorted(TASKS)), seed=st.integers(0, 2**32 - 1), step=st.integers(0, 3))
+def test_labels_match_an_independent_solver(task, seed, step):
+    t = TASKS[task]
+    difficulty = t.min_difficulty + step
+    ids, labels, levels = t.draw(np.random.default_rng(seed), 3, difficulty)
+    assert ids.shape == labels.shape == levels.shape == (3, t.length(difficulty))
+    for row in range(3):
+        text = "".join(t.alphabet[i] for i in ids[row])
+        expected = _solve(task, text)
+        got = [t.alphabet[i] if i != IGNORE_INDEX else None for i in labels[row]]
+        assert got == expected, text
+        labelled = labels[row] != IGNORE_INDEX
+        assert (levels[row][labelled] >= 1).all() and (levels[row][~labelled] == 0).all()
+        assert levels[row].max() == difficulty  # every instance holds a label of its own difficulty
+
+
+def test_root_levels_are_depths():
+    t = TASKS["root"]
+    ids, labels, levels = t.draw(np.random.default_rng(1), 1, 5)
+    text = "".join(t.alphabet[i] for i in ids[0])
+    parent = {text[i]: text[i + 1] for i in range(0, len(text), 2) if text[i] not in text[:i:2]}
+    for pos in np.flatnonzero(labels[0] != IGNORE_INDEX):
+        node, depth = text[pos - 1], 0
+        while parent[node] != node:
+            node, depth = parent[node], depth + 1
+        assert levels[0, pos] == depth
+
+
+@given(task=st.sampled_from(sorted(TASKS)), seed=st.integers(0, 1000))
+def test_training_and_heldout_instances_never_share_a_key(task, seed):
+    t = TASKS[task]
+    train = instances(t, t.min_difficulty + 2, range(16), seed, "train", 0)["input_ids"].numpy()
+    val = instances(t, t.min_difficulty + 2, range(16), seed, "val", 0)["input_ids"].numpy()
+    assert not any(is_heldout(t, row) for row in train)
+    assert all(is_heldout(t, row) for row in val)
+    keys = {tuple(row[: t.key_length]) for row in train}
+    assert keys.isdisjoint(tuple(row[: t.key_length]) for row in val)
+
+
+def test_steps_are_fresh_deterministic_and_split_by_rank():
+    t = get_task("parity")
+    one = DepthSteps(t, lambda s: 12, batch_size=8, seed=3)
+    again = DepthSteps(t, lambda s: 12, batch_size=8, seed=3)
+    assert torch.equal(one.batch_at(0, 5)["input_ids"], again.batch_at(0, 5)["input_ids"])
+    assert not torch.equal(one.batch_at(0, 5)["input_ids"], one.batch_at(0, 6)["input_ids"])
+    ranks = [DepthSteps(t, lambda s: 12, batch_size=4, seed=3, rank=r, world_size=2).batch_at(0, 5) for r in (0, 1)]
+    for key in ("input_ids", "labels"):
+        assert torch.equal(torch.cat([b[key] for b in ranks]), one.batch_at(0, 5)[key])
+    step_two = one.batch_at(1, 2)  # epoch 1, position 2 is global step 1002
+    assert torch.equal(step_two["input_ids"], instances(t, 12, range(8), 3, "train", 1002)["input_ids"])
+
+
+def test_loader_resumes_where_it_stopped():
+    data = DepthDataModule("addition", 4, batch_size=4, seed=1)
+    loader = data.train_dataloader()
+    it = iter(loader)
+    seen = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    fresh = DepthDataModule("addition", 4, batch_size=4, seed=1).train_dataloader()
+    fresh.load_state_dict(state)
+    resumed = next(iter(fresh))
+    assert torch.equal(resumed["labels"], next(it)["labels"])
+    assert not torch.equal(resumed["labels"], seen[-1]["labels"])
+    other = DepthDataModule("addition", 4, batch_size=4, seed=2).train_dataloader()
+    with pytest.raises(ValueError, match="data.seed"):
+        other.load_state_dict(state)
+
+
+def test_curriculum_raises_the_difficulty_to_its_maximum():
+    data = DepthDataModule("root", 6, curriculum_steps=100, batch_size=2)
+    assert [data.difficulty_at(s) for s in (0, 50, 99, 100, 10_000)] == [1, 3, 5, 6, 6]
+    assert data.train_dataloader().batch_at(0, 0)["input_ids"].shape[1] == TASKS["root"].length(1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"task": "sorting"}, "data.task"),
+        ({"task": "parity", "difficulty": 4}, "data.difficulty"),
+        ({"task": "root", "difficulty": 13}, "data.difficulty"),
+        ({"batch_size": 0}, "data.batch_size"),
+        ({"curriculum_steps": -1}, "data.curriculum_steps"),
+        ({"task": "root", "difficulty": 4, "eval_difficulties": [0]}, "data.eval_difficulties"),
+    ],
+)
+def test_bad_settings_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        DepthDataModule(**kwargs)
+
+
+def test_data_module_serves_labelled_batches_and_the_task_alphabet():
+    data = DepthDataModule("root", 4, batch_size=3, val_batches=2)
+    batch = next(iter(data.train_dataloader()))
+    assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].dtype == torch.long
+    assert data.tokenizer.alphabet == TASKS["root"].alphabet and data.vocab_size == 52
+    assert data.seq_len == TASKS["root"].length(max(data.eval_difficulties))
+    val = list(data.val_dataloader())
+    assert sum(len(b["input_ids"]) for b in val) == 6
+    assert all(is_heldout(data.task, row.numpy()) for b in val for row in b["input_ids"])
+
+
+@given(text=st.text(alphabet="0123456789+", max_size=20))
+def test_char_tokenizer_round_trips_and_travels_as_its_alphabet(text):
+    tok = CharTokenizer("0123456789+")
+    assert tok.decode(tok.encode(text)) == text
+    rebuilt = tokenizer_from_state(tokenizer_state(tok))
+    assert isinstance(rebuilt, CharTokenizer) and rebuilt.fingerprint() == tok.fingerprint()
+    assert int(tok.token_bytes().sum()) == 11
+
+
+def test_char_tokenizer_refuses_text_outside_its_alphabet():
+    with pytest.raises(ValueError, match=r"'x'.*alphabet '01'"):
+        CharTokenizer("01").encode("01x")
+    with pytest.raises(ValueError, match="distinct"):
+        CharTokenizer("0110")
+    assert CharTokenizer("01").decode([0, 5]) == "0\ufffd"
+
+
+class Oracle(torch.nn.Module):
+    """A stand-in model that predicts the label it is told about at loops >= ``needs``, a wrong token below."""
+
+    def __init__(self, labels: torch.Tensor, needs: int) -> None:
+        super().__init__()
+        self.labels, self.needs = labels, needs
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, ids: torch.Tensor, loops: int) -> torch.Tensor:
+        target = self.labels.clamp_min(0) if loops >= self.needs else (self.labels.clamp_min(0) + 1) % 2
+        return torch.nn.functional.one_hot(target, 2).float()
+
+
+def test_score_counts_exact_matches_per_difficulty_and_k():
+    from elr_lightning.depth.score import heldout_arrays
+
+    task = TASKS["parity"]
+    _, labels, _ = heldout_arrays(task, 8, 16, seed=0)
+    table = score(Oracle(labels, needs=2), task, [8], [1, 2, 3], n=16, seed=0)
+    assert [table[8][k]["exact"] for k in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert table[8][2]["deep"] == 1.0 and table[8][1]["deep"] == 0.0
+
+
+def test_decoded_fixed_k_equals_the_forward_pass_and_auto_counts_its_loops():
+    torch.manual_seed(0)
+    model = LoopedLM(tiny_config(vocab_size=2, max_loops=3)).eval()
+    task = TASKS["parity"]
+    ids = torch.randint(0, 2, (3, 10))
+    logits, loops = decode_teacher_forced(model, ids, 2)
+    torch.testing.assert_close(logits, model(ids, 2), atol=1e-5, rtol=1e-5)
+    assert bool((loops == 2).all())
+    fixed = score(model, task, [8], [3], n=8)[8][3]
+    decoded = score_adaptive(model, task, [8], 3, n=8)[8]
+    assert decoded["exact"] == fixed["exact"] and decoded["mean_loops"] == 3.0
+    always_exits = score_adaptive(model, task, [8], AdaptiveDepth(3, float(1e9)), n=8)[8]
+    assert always_exits["mean_loops"] < 1.3  # every decoded token leaves after loop 1; the first runs at 3
