@@ -10,8 +10,9 @@ Modules: :mod:`~elr_lightning.data.sources` (which files, which documents),
 :mod:`~elr_lightning.data.windows` (windows and the resumable loader) and
 :mod:`~elr_lightning.data.datamodule` (the token cache and the ``LightningDataModule``).
 
-Labelled batches (:mod:`elr_lightning.batches`): :class:`LabelledExamples` serves fixed sequences
-with position-aligned labels.
+Fine-tuning: :class:`PromptCompletionDataModule` (:mod:`~elr_lightning.data.finetune`) reads
+prompt/completion JSONL into labelled batches (:mod:`elr_lightning.batches`) that train the
+completion only; :class:`LabelledExamples` serves any fixed sequences with position-aligned labels.
 
 At pretraining scale, ``elr prepare`` (:mod:`~elr_lightning.data.prepare`, reading through
 :mod:`~elr_lightning.data.readers`) tokenises a corpus in parallel into a prepared folder of
@@ -21,6 +22,7 @@ corpus size.
 """
 
 from elr_lightning.data.datamodule import CACHE_FORMAT, TextDataModule, token_dtype
+from elr_lightning.data.finetune import PromptCompletionDataModule, PromptCompletionExamples
 from elr_lightning.data.labelled import LabelledExamples
 from elr_lightning.data.mixture import MixtureLoader, MixtureSchedule
 from elr_lightning.data.prepare import prepare_corpus
@@ -45,6 +47,8 @@ __all__ = [
     "MixtureSchedule",
     "PreparedDataModule",
     "PreparedFolder",
+    "PromptCompletionDataModule",
+    "PromptCompletionExamples",
     "StepIndexedLoader",
     "StepLoader",
     "TokenStream",
