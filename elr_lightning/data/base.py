@@ -15,11 +15,13 @@ def document_separator(tokenizer: Tokenizer) -> list[int]:
 
 
 class TokenDataModule(pl.LightningDataModule):
-    """Base of the library's data modules: windows of ``seq_len + 1`` token ids of one tokenizer.
+    """Base of the library's data modules: sequences of ``seq_len`` positions of one tokenizer.
 
     Contract for subclasses: set ``tokenizer``, ``seq_len``, ``batch_size`` and ``val_batches`` in
-    ``__init__``; every batch is an ``int64`` tensor ``[batch_size, seq_len + 1]``. The module reads
-    ``tokenizer``, ``vocab_size``, ``token_bytes``, ``seq_len`` and ``batch_size`` from here.
+    ``__init__``; every batch is an ``int64`` tensor ``[batch_size, seq_len + 1]`` of token windows,
+    or a labelled mapping ``{"input_ids": [batch_size, seq_len], "labels": [batch_size, seq_len]}``
+    (:mod:`elr_lightning.batches`). The module reads ``tokenizer``, ``vocab_size``, ``token_bytes``,
+    ``seq_len`` and ``batch_size`` from here.
     """
 
     tokenizer: Tokenizer
