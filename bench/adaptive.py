@@ -21,6 +21,16 @@ Writes ``bench/results/adaptive.json`` and ``bench/results/adaptive.png`` (loss 
 
     python bench/adaptive.py --ckpt_path quickstart=runs/quickstart/version_0/checkpoints/last.ckpt \\
         --ckpt_path hybrid=runs/quickstart_hybrid/version_0/checkpoints/last.ckpt
+
+A checkpoint trained on a depth task (``config/quickstart_depth.yaml``) is scored on its task's
+held-out instances instead (:func:`~elr_lightning.depth.score.score_adaptive`, ``--instances`` per
+difficulty, teacher-forced through the same decoder): exact match at each difficulty and the mean
+over difficulties against the mean loops per token, for fixed k = 1..K and for ``auto`` at each
+threshold of both criteria; ``fixed at same loops`` interpolates the fixed-k line at the auto point's
+loops, and ``K's loops`` is the auto point's mean loops over K's. Writes ``bench/results/adaptive_depth.json``
+and its PNG unless ``--out`` says otherwise.
+
+    python bench/adaptive.py --ckpt_path depth=runs/quickstart_depth/version_0/checkpoints/last.ckpt
 """
 
 from __future__ import annotations
@@ -37,7 +47,9 @@ import torch
 import torch.nn.functional as F
 
 from elr_lightning.data import TextDataModule
-from elr_lightning.decode import AdaptiveDepth, Decoder, Depth
+from elr_lightning.decode import AdaptiveDepth, Depth
+from elr_lightning.depth.evaluate import depth_task_of
+from elr_lightning.depth.score import decode_teacher_forced, score_adaptive
 from elr_lightning.generation import load_model
 from elr_lightning.model import LoopedLM
 
@@ -47,17 +59,40 @@ def teacher_forced(model: LoopedLM, batches: list[torch.Tensor], depth: Depth, p
     """Mean next-token loss and mean loops per token of ``batches`` decoded one token per step at ``depth``."""
     total, count, loops = 0.0, 0, []
     for batch in batches:
-        rows, length = batch.shape
-        decoder = Decoder(model, rows, length, policy)
-        logits = torch.stack([decoder.prefill(r, batch[r, :1], depth) for r in range(rows)])
-        loops.append(torch.full((rows,), depth.max_loops if isinstance(depth, AdaptiveDepth) else depth))
-        for t in range(1, length):
-            total += float(F.cross_entropy(logits, batch[:, t], reduction="sum"))
-            count += rows
-            if t + 1 < length:
-                logits, used = decoder.step(list(range(rows)), batch[:, t], [depth] * rows)
-                loops.append(used)
+        logits, used = decode_teacher_forced(model, batch[:, :-1], depth, policy)
+        total += float(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
+        count += batch[:, 1:].numel()
+        loops.append(used.flatten())
     return total / count, float(torch.cat(loops).float().mean())
+
+
+def evaluate_depth(name: str, ckpt: str, task: Any, model: LoopedLM, args: argparse.Namespace) -> dict[str, Any]:
+    """Exact match per difficulty (and their mean) against mean loops per token, fixed k = 1..K and ``auto``."""
+    from elr_lightning.depth.evaluate import saved_difficulties
+
+    K = model.config.max_loops
+    difficulties = saved_difficulties(ckpt) or [task.min_difficulty]
+    depths: list[tuple[str, Any, Depth]] = [("fixed", k, k) for k in range(1, K + 1)]
+    depths += [(crit, th, AdaptiveDepth(K, th, crit)) for crit, ths in (("kl", args.kl), ("delta", args.delta)) for th in ths]
+    points = []
+    for kind, value, depth in depths:
+        start = time.perf_counter()
+        cells = score_adaptive(model, task, difficulties, depth, args.instances, kv_cache=args.kv_cache)
+        mean_exact = float(np.mean([c["exact"] for c in cells.values()]))
+        loops = float(np.mean([c["mean_loops"] for c in cells.values()]))
+        points.append({"kind": kind, "value": value, "exact": mean_exact, "mean_loops": loops,
+                       "per_difficulty": {str(d): c for d, c in cells.items()}})  # fmt: skip
+        print(f"{name:10s} {kind:6s} {value!s:>8s}  exact {mean_exact:.4f}  loops/token {loops:.3f}  "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
+    fixed = sorted((p["mean_loops"], p["exact"]) for p in points if p["kind"] == "fixed")
+    for p in points:
+        if p["kind"] != "fixed":
+            p["fixed_exact_at_same_loops"] = float(np.interp(p["mean_loops"], *zip(*fixed)))
+            p["gap"] = p["exact"] - p["fixed_exact_at_same_loops"]
+            p["loops_of_K"] = p["mean_loops"] / K
+            p["exact_minus_K"] = p["exact"] - fixed[-1][1]
+    return {"ckpt": ckpt, "task": task.name, "max_loops": K, "difficulties": difficulties,
+            "instances": args.instances, "points": points}  # fmt: skip
 
 
 def local_accuracy(model: LoopedLM, module: Any, depths: list[tuple[str, Any, Depth]], args: argparse.Namespace) -> list[dict]:
@@ -99,6 +134,9 @@ def local_accuracy(model: LoopedLM, module: Any, depths: list[tuple[str, Any, De
 
 def evaluate(name: str, ckpt: str, args: argparse.Namespace) -> dict[str, Any]:
     model, module = load_model(ckpt)
+    task = depth_task_of(module.tokenizer)
+    if task is not None:
+        return evaluate_depth(name, ckpt, task, model, args)
     data = TextDataModule(seq_len=args.seq_len, batch_size=args.batch_size, val_batches=args.batches)
     data.setup("validate")
     batches = [b for _, b in zip(range(args.batches), data.val_dataloader())]
@@ -138,7 +176,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("loss", "validation loss (nats/token)")]
-    if any("accuracy" in p for r in results.values() for p in r["points"]):
+    if any("task" in r for r in results.values()):
+        panels = [("exact", "exact match, mean over difficulties")]
+    elif any("accuracy" in p for r in results.values() for p in r["points"]):
         panels.append(("accuracy", "elr_local average score"))
     fig, axes = plt.subplots(len(panels), len(results), figsize=(5 * len(results), 4 * len(panels)), squeeze=False)
     for col, (name, result) in enumerate(results.items()):
@@ -156,10 +196,24 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def _xy(point: dict[str, Any], metric: str) -> Any:
     """``(mean loops, value)`` of a point's loss or accuracy, or ``None`` where not measured."""
-    if metric == "loss":
-        return point["mean_loops"], point["loss"]
+    if metric in ("loss", "exact"):
+        return (point["mean_loops"], point[metric]) if metric in point else None
     acc = point.get("accuracy")
     return None if acc is None or acc["mean_loops"] is None else (acc["mean_loops"], acc["average"])
+
+
+def print_depth(results: dict[str, Any]) -> None:
+    """The depth tasks' Pareto table: exact match (mean over difficulties) against mean loops per token."""
+    print(f"\n{'model':10s} {'depth':14s} {'loops/token':>11s} {'of K':>6s} {'exact':>7s} {'fixed at same loops':>20s} "
+          f"{'gap':>7s} {'vs K':>7s}  per difficulty")  # fmt: skip
+    for name, result in results.items():
+        for p in result["points"]:
+            depth = f"k={p['value']}" if p["kind"] == "fixed" else f"{p['kind']} {p['value']:g}"
+            extra = (f"{p['fixed_exact_at_same_loops']:20.4f} {p['gap']:+7.4f} {p['exact_minus_K']:+7.4f}" if "gap" in p
+                     else f"{'':36s}")  # fmt: skip
+            cells = ", ".join(f"d{d} {c['exact']:.3f}" for d, c in p["per_difficulty"].items())
+            print(f"{name:10s} {depth:14s} {p['mean_loops']:11.3f} {p['mean_loops'] / result['max_loops']:6.2f} "
+                  f"{p['exact']:7.4f} {extra}  {cells}")  # fmt: skip
 
 
 def main() -> None:
@@ -173,29 +227,35 @@ def main() -> None:
     parser.add_argument("--delta", type=float, nargs="*", default=[0.1, 0.3, 0.5, 1.0], help="Delta thresholds.")
     parser.add_argument("--limit", type=int, default=100, help="elr_local documents per task per depth (0: no accuracy).")
     parser.add_argument("--data_dir", default=None, help="elr_local task data (built there if missing).")
-    parser.add_argument("--out", default="bench/results/adaptive.json")
+    parser.add_argument("--instances", type=int, default=128, help="Depth tasks: held-out instances per difficulty.")
+    parser.add_argument("--out", default=None, help="Default bench/results/adaptive.json (adaptive_depth.json for depth tasks).")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     results = {}
     for item in args.ckpt_path:
         name, _, path = item.partition("=")
         results[name] = evaluate(name, path, args)
-    print(f"\n{'model':10s} {'depth':14s} {'loops/token':>11s} {'loss':>8s} {'fixed at same loops':>20s} {'gap':>8s}")
-    for name, result in results.items():
+    depth = {name: r for name, r in results.items() if "task" in r}
+    if depth:
+        print_depth(depth)
+    text = {name: r for name, r in results.items() if "task" not in r}
+    if text:
+        print(f"\n{'model':10s} {'depth':14s} {'loops/token':>11s} {'loss':>8s} {'fixed at same loops':>20s} {'gap':>8s}")
+    for name, result in text.items():
         for p in result["points"]:
             depth = f"k={p['value']}" if p["kind"] == "fixed" else f"{p['kind']} {p['value']:g}"
             extra = f"{p['fixed_loss_at_same_loops']:20.4f} {p['gap']:+8.4f}" if "gap" in p else ""
             print(f"{name:10s} {depth:14s} {p['mean_loops']:11.3f} {p['loss']:8.4f} {extra}")
-    if args.limit:
+    if args.limit and text:
         print(f"\n{'model':10s} {'depth':14s} {'loops/token':>11s} {'elr_local':>9s} {'fixed at same loops':>20s} {'gap':>8s}  per task")
-        for name, result in results.items():
+        for name, result in text.items():
             for p in result["points"]:
                 depth, acc = f"k={p['value']}" if p["kind"] == "fixed" else f"{p['kind']} {p['value']:g}", p["accuracy"]
                 loops = "-" if acc["mean_loops"] is None else f"{acc['mean_loops']:.3f}"
                 extra = f"{acc['fixed_at_same_loops']:20.4f} {acc['gap']:+8.4f}" if "gap" in acc else f"{'':29s}"
                 tasks = ", ".join(f"{t} {v:.3f}" for t, v in acc["scores"].items())
                 print(f"{name:10s} {depth:14s} {loops:>11s} {acc['average']:9.4f} {extra}  {tasks}")
-    out = Path(args.out)
+    out = Path(args.out or f"bench/results/adaptive{'_depth' if depth and not text else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     out.write_text(json.dumps({"settings": settings, "results": results}, indent=2))

@@ -14,7 +14,7 @@ from elr_lightning.decode import AdaptiveDepth
 from elr_lightning.depth import TASKS, DepthDataModule, get_task, is_heldout
 from elr_lightning.depth.datamodule import DepthSteps, instances
 from elr_lightning.depth.score import decode_teacher_forced, score, score_adaptive
-from elr_lightning.depth.tasks import IGNORE_INDEX
+from elr_lightning.batches import IGNORE_INDEX
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import CharTokenizer, tokenizer_from_state, tokenizer_state
 

@@ -9,6 +9,6 @@
 """
 
 from elr_lightning.depth.datamodule import DepthDataModule
-from elr_lightning.depth.tasks import IGNORE_INDEX, TASKS, DepthTask, FindRoot, MultiAddition, PrefixParity, get_task, is_heldout
+from elr_lightning.depth.tasks import TASKS, DepthTask, FindRoot, MultiAddition, PrefixParity, get_task, is_heldout
 
-__all__ = ["IGNORE_INDEX", "TASKS", "DepthDataModule", "DepthTask", "FindRoot", "MultiAddition", "PrefixParity", "get_task", "is_heldout"]
+__all__ = ["TASKS", "DepthDataModule", "DepthTask", "FindRoot", "MultiAddition", "PrefixParity", "get_task", "is_heldout"]

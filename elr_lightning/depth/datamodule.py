@@ -71,7 +71,7 @@ class DepthSteps(StepLoader):
         return self.steps_per_epoch
 
     @override
-    def batch_at(self, epoch: int, position: int) -> Batch:  # type: ignore[override]
+    def batch_at(self, epoch: int, position: int) -> Batch:
         step = epoch * self.steps_per_epoch + position
         first = self.rank * self.batch_size
         return instances(self.task, self.difficulty_at(step), range(first, first + self.batch_size), self.seed, "train", step)

@@ -17,7 +17,8 @@ import torch
 from elr_lightning.cache import PolicyLike
 from elr_lightning.decode import Decoder, Depth, budget
 from elr_lightning.depth.datamodule import instance_rng
-from elr_lightning.depth.tasks import IGNORE_INDEX, DepthTask, draw
+from elr_lightning.batches import IGNORE_INDEX
+from elr_lightning.depth.tasks import DepthTask, draw
 from elr_lightning.model import LoopedLM
 
 #: ``{difficulty: {k: {"exact": ..., "deep": ...}}}``.

@@ -13,8 +13,7 @@ import hashlib
 
 import numpy as np
 
-#: A label that contributes neither loss nor gradient (the supervised-batch contract).
-IGNORE_INDEX = -100
+from elr_lightning.batches import IGNORE_INDEX
 
 
 class DepthTask:

@@ -11,6 +11,11 @@ per k, ``summary.json`` and a PNG of accuracy against k; optionally logs to Tens
 each such point is a column of the table with its mean loops per scored token, an entry of
 ``summary.json``'s ``adaptive``, and a star in the PNG at its mean loops.
 ``elr eval-tasks`` writes the local tasks' data files.
+
+A checkpoint trained on a depth task (:mod:`elr_lightning.depth`, whose alphabet is its saved
+tokenizer) is scored without the harness (``--tasks depth`` or no ``--tasks``): exact match per
+difficulty and k, from k = 1 to 2K by default, as a table, ``summary.json`` and
+``depth_heatmap.png`` (:mod:`elr_lightning.depth.evaluate`).
 """
 
 from __future__ import annotations
@@ -100,8 +105,13 @@ def _parser() -> Any:
                    help="Exit thresholds of --loops auto, one point each, e.g. 0.01,0.001; default 0.001.")  # fmt: skip
     p.add_argument("--exit_criterion", type=Literal["kl", "delta"], default="kl", help="Exit criterion of --loops auto.")
     p.add_argument("--max_loops", type=Optional[int], default=None, help="Budget of --loops auto (arch.max_loops).")
-    p.add_argument("--tasks", type=Optional[str], default=None, help="Comma-separated harness tasks, e.g. elr_reasoning; default elr_local.")
-    p.add_argument("--limit", type=Optional[float], default=None, help="At most this many documents per task (< 1: a fraction).")
+    p.add_argument("--tasks", type=Optional[str], default=None,
+                   help="Comma-separated harness tasks, e.g. elr_reasoning, or 'depth'; default elr_local, or depth for a "
+                   "checkpoint trained on a depth task.")  # fmt: skip
+    p.add_argument("--limit", type=Optional[float], default=None,
+                   help="At most this many documents per task (< 1: a fraction); depth: instances per difficulty (256).")  # fmt: skip
+    p.add_argument("--difficulties", type=Optional[str], default=None,
+                   help="Depth tasks: difficulties to score, e.g. 1,3,6; default the checkpoint's data.eval_difficulties.")  # fmt: skip
     p.add_argument("--num_fewshot", type=Optional[int], default=None, help="Few-shot examples per prompt.")
     p.add_argument("--batch_size", type=int, default=16, help="Requests per forward pass.")
     p.add_argument("--kv_cache", type=Literal["per_loop", "last_loop"], default="per_loop", help="KV-cache policy.")
@@ -141,13 +151,25 @@ def run_eval(args: Any) -> dict[str, Any]:
         raise ValueError("--threshold and --max_loops are only read with --loops auto; add auto, e.g. --loops 1-3,auto")
     if not os.path.exists(args.ckpt_path):
         raise FileNotFoundError(f"--ckpt_path: checkpoint {args.ckpt_path!r} does not exist")
+    from elr_lightning.depth.evaluate import depth_task_of, run_depth_eval
+    from elr_lightning.generation import load_model
+
+    loaded = None
+    if args.tasks in (None, "depth"):
+        loaded = load_model(args.ckpt_path, map_location=torch.device(args.device))
+        task = depth_task_of(loaded[1].tokenizer)
+        if task is not None:
+            return run_depth_eval(args, loaded[0], task)
+        if args.tasks == "depth":
+            raise ValueError("--tasks depth: this checkpoint was not trained on a depth task (its tokenizer is no task's alphabet)")
+    if args.difficulties is not None:
+        raise ValueError("--difficulties is only read for a checkpoint trained on a depth task; drop it")
     from lm_eval.tasks import TaskManager
 
     from elr_lightning.eval import LOCAL_GROUP, TASKS_DIR, ELRLM
     from elr_lightning.eval.adapter import check_loops
     from elr_lightning.eval.reasoning import by_difficulty
     from elr_lightning.reasoning.report import by_k, format_levels, plot_panels
-    from elr_lightning.generation import load_model
 
     tasks = [t.strip() for t in (args.tasks or LOCAL_GROUP).split(",") if t.strip()]
     include = [TASKS_DIR] + ([args.include_path] if args.include_path else [])
@@ -163,7 +185,7 @@ def run_eval(args: Any) -> dict[str, Any]:
             f"--tasks: unknown task(s) {', '.join(unknown)}; `lm_eval ls tasks` lists the harness's, "
             f"{LOCAL_GROUP} runs the local ones"
         )
-    model, module = load_model(args.ckpt_path, map_location=torch.device(args.device))
+    model, module = loaded or load_model(args.ckpt_path, map_location=torch.device(args.device))
     config = model.config
     loops = list(range(1, config.max_loops + 1)) if loops is None else loops
     for k in loops:
