@@ -201,3 +201,14 @@ def test_decoded_fixed_k_equals_the_forward_pass_and_auto_counts_its_loops():
     assert decoded["exact"] == fixed["exact"] and decoded["mean_loops"] == 3.0
     always_exits = score_adaptive(model, task, [8], AdaptiveDepth(3, float(1e9)), n=8)[8]
     assert always_exits["mean_loops"] < 1.3  # every decoded token leaves after loop 1; the first runs at 3
+
+
+def test_serving_refuses_a_prompt_outside_the_alphabet_naming_the_prompt():
+    pytest.importorskip("litserve")
+    from elr_lightning.serve.api import CompletionsSpec, RequestError
+
+    spec = CompletionsSpec(tiny_config(vocab_size=2), CharTokenizer("01"), "parity", loops_default=1, loops_max=4)
+    with pytest.raises(RequestError) as info:
+        spec.parse(b'{"prompt": "0121"}')
+    assert info.value.param == "prompt" and info.value.status == 400 and "'2'" in str(info.value)
+    assert spec.parse(b'{"prompt": "0110", "max_tokens": 1}')[1].prompt_ids == (0, 1, 1, 0)

@@ -174,7 +174,10 @@ class CompletionsSpec(LitSpec):
             param = str(first["loc"][0]) if first["loc"] else "body"
             raise RequestError(f"{param}: {first['msg']}", param) from err
         loops = self.depth(body)
-        ids = tuple(self.tokenizer.encode(body.prompt))
+        try:
+            ids = tuple(self.tokenizer.encode(body.prompt))
+        except ValueError as err:  # a character the model's alphabet lacks (CharTokenizer)
+            raise RequestError(f"prompt: {err}", "prompt") from err
         need = len(ids) + body.max_tokens - 1
         if need > self.config.max_seq_len:
             param = "prompt" if len(ids) > self.config.max_seq_len else "max_tokens"
