@@ -80,53 +80,60 @@ class PrefixParity(DepthTask):
 
 
 class FindRoot(DepthTask):
-    """A forest of chains as ``child parent`` pairs, parents before children; the label is each child's root.
+    """Find the root: a forest of chains written as relative pointers; the label at every node is its root's colour.
 
-    ``roots`` chains, each of a random depth in 1..D (one of depth D exactly), over distinct letters;
-    a root is written as its own parent (``aa``), each other node as ``child parent`` once its parent
-    is written, the chains interleaved at random. The label at the second token of a non-root pair
-    is the root of its child, with the child's depth (parents to follow) as level; roots and the
-    first token of every pair have none. Shorter forests are padded at the end with ``a``, unlabelled.
-    Difficulty D: the deepest chain. A node's root is a fixed point of following parents, so more
-    steps than needed change nothing.
+    ``roots`` chains, each of a random depth in 1..D (one of depth D exactly), interleaved at random
+    over the positions. A root is written as its colour (``A``..``D``); every other node as the
+    distance back to its parent, ``1``..``9`` (interleavings with a longer gap are drawn again). The
+    label at each node is its root's colour, with the node's depth (pointers to follow) as level;
+    roots have none; a shorter forest is padded at the end with ``A``, unlabelled. Difficulty D: the
+    deepest chain. One pass of attention reads a parent at a given distance, so a node of depth d
+    needs d lookups in sequence; following pointers reaches a fixed point at the root, so more steps
+    than needed change nothing. After a prompt, the next token a model generates is the colour of
+    the last node's root.
     """
 
     name = "root"
-    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    alphabet = "123456789ABCD"
     roots = 4
-    max_difficulty = 12
+    max_difficulty = 16
     key_length = 8
     chance = 1.0 / 4
 
     def length(self, difficulty: int) -> int:
-        return 2 * self.roots * (difficulty + 1)
+        return self.roots * (difficulty + 1)
 
     def draw(self, rng: np.random.Generator, batch: int, difficulty: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         t = self.length(difficulty)
+        colour = self.alphabet.index("A")
         ids = np.zeros((batch, t), dtype=np.int64)
         labels = np.full((batch, t), IGNORE_INDEX, dtype=np.int64)
         levels = np.zeros((batch, t), dtype=np.int64)
         for b in range(batch):
             depths = rng.integers(1, difficulty + 1, size=self.roots)
             depths[rng.integers(self.roots)] = difficulty
-            names = rng.permutation(len(self.alphabet))
-            chains, used = [], 0
-            for d in depths:
-                chains.append(names[used : used + d + 1])
-                used += d + 1
             order = np.concatenate([np.full(d + 1, c) for c, d in enumerate(depths)])
-            rng.shuffle(order)
-            head = [0] * self.roots
-            pos = 0
-            for c in order:
-                chain, i = chains[c], head[c]
-                ids[b, pos] = chain[i]
-                ids[b, pos + 1] = chain[max(i - 1, 0)]
-                if i > 0:
-                    labels[b, pos + 1] = chain[0]
-                    levels[b, pos + 1] = i
-                head[c] += 1
-                pos += 2
+            while True:
+                rng.shuffle(order)
+                starts = np.flatnonzero(np.r_[True, np.diff(np.sort(order, kind="stable")) != 0])
+                by_chain = np.argsort(order, kind="stable")  # positions of chain 0, then chain 1, ...
+                gaps = np.diff(by_chain)
+                gaps[starts[1:] - 1] = 0  # the step from one chain's last node to the next chain's root
+                if gaps.max(initial=0) <= 9:
+                    break
+            colours = rng.permutation(self.roots)
+            last, depth = {}, {}
+            for pos, c in enumerate(order):
+                if c not in last:
+                    ids[b, pos] = colour + colours[c]
+                    depth[c] = 0
+                else:
+                    ids[b, pos] = pos - last[c] - 1  # id of the digit "pos - last[c]"
+                    depth[c] += 1
+                    labels[b, pos] = colour + colours[c]
+                    levels[b, pos] = depth[c]
+                last[c] = pos
+            ids[b, len(order) :] = colour  # padding after a shorter forest: a lone root, unlabelled
         return ids, labels, levels
 
 
