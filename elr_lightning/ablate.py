@@ -8,7 +8,10 @@ and a TensorBoard run under ``OUT/tensorboard/<arm>-s<seed>``; a finished run wr
 ``last.ckpt``. The report (:mod:`elr_lightning.ablate_report`) goes to ``OUT/ablate.md``,
 ``OUT/loss_vs_k.png`` and ``OUT/results.json``. With ``--reasoning N`` each run is also scored on the
 synthetic reasoning tasks (:func:`reasoning_scores`) and the report gains their table by task,
-difficulty and k.
+difficulty and k. With ``--depth N``, a config that trains on a depth task
+(:class:`~elr_lightning.depth.DepthDataModule`) has each run scored on N held-out instances per
+difficulty (:func:`depth_scores`): the report gains the exact match by arm, difficulty and k, the
+issue's targets and ``depth_heatmaps.png``.
 """
 
 from __future__ import annotations
@@ -254,6 +257,31 @@ def reasoning_scores(config: dict[str, Any], n: int) -> dict[str, dict[str, dict
     return {task: {str(lv): {str(k): v for k, v in s.items()} for lv, s in levels.items()} for task, levels in table.items()}
 
 
+def depth_scores(config: dict[str, Any], n: int) -> dict[str, Any]:
+    """Exact match of a finished run's ``last.ckpt`` on ``n`` held-out instances per difficulty of its depth task.
+
+    The difficulties are the data module's ``eval_difficulties`` (by default a ladder up to twice the
+    training difficulty); the loop counts 1..2K, except for the non-recurrent baseline, which runs once.
+
+    Returns:
+        ``{"task", "trained_difficulty", "exact": {difficulty: {k: accuracy}}, "deep": {...}}``, string keys.
+
+    Raises:
+        ValueError: The run's data module is not a depth task.
+    """
+    from elr_lightning.depth import DepthDataModule
+    from elr_lightning.depth.score import default_loops, score
+    from elr_lightning.generation import load_model
+
+    data = DepthDataModule(**((config.get("data") or {}).get("init_args") or {}))
+    model, _ = load_model(os.path.join(config["trainer"]["default_root_dir"], "checkpoints", "last.ckpt"))
+    table = score(model, data.task, data.eval_difficulties, default_loops(model), n)
+    return {"task": data.task.name, "trained_difficulty": data.difficulty} | {
+        metric: {str(d): {str(k): cell[metric] for k, cell in row.items()} for d, row in table.items()}
+        for metric in ("exact", "deep")
+    }
+
+
 def _write_result(path: str, result: dict[str, Any]) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
@@ -285,6 +313,7 @@ def run_ablation(
     callbacks: Optional[list[Any]] = None,
     log: Callable[[str], None] = functools.partial(print, flush=True),
     reasoning: Optional[int] = None,
+    depth: Optional[int] = None,
 ) -> list[dict[str, Any]]:
     """Train every ``(arm, seed)`` not finished yet, then write the report; return every run's result.
 
@@ -300,6 +329,8 @@ def run_ablation(
         log: Where progress lines go.
         reasoning: Score each run on this many held-out reasoning instances per task and level
             (:func:`reasoning_scores`; also runs that finished earlier without scores); ``None`` skips it.
+        depth: Score each run on this many held-out depth-task instances per difficulty
+            (:func:`depth_scores`; also runs that finished earlier without scores); ``None`` skips it.
 
     Raises:
         ValueError: An unknown arm, an empty arm or seed list, or a run that ended before its last step.
@@ -334,6 +365,9 @@ def run_ablation(
             if reasoning and "reasoning" not in earlier:
                 earlier["reasoning"] = reasoning_scores(config, reasoning)
                 _write_result(result_path, earlier)
+            if depth and "depth" not in earlier:
+                earlier["depth"] = depth_scores(config, depth)
+                _write_result(result_path, earlier)
             results.append(earlier)
             log(f"{prefix}: finished earlier, skipped")
             continue
@@ -362,6 +396,8 @@ def run_ablation(
         }
         if reasoning:
             result["reasoning"] = reasoning_scores(config, reasoning)
+        if depth:
+            result["depth"] = depth_scores(config, depth)
         _write_result(result_path, result)
         results.append(json.loads(json.dumps(result)))
         log(f"{prefix}: done in {result['seconds']} s; val loss " + ", ".join(f"k={k} {v:.4f}" for k, v in loss.items()))
@@ -397,6 +433,12 @@ def main(argv: list[str]) -> None:
         default=None,
         help="Score each arm's exact match on this many held-out reasoning instances per task and level.",
     )
+    parser.add_argument(
+        "--depth",
+        type=Optional[int],
+        default=None,
+        help="Depth-task configs: score each arm's exact match on this many held-out instances per difficulty.",
+    )
     args = parser.parse_args(argv)
     arms = None if args.arms is None else [a.strip() for a in args.arms.split(",") if a.strip()]
     try:
@@ -407,5 +449,8 @@ def main(argv: list[str]) -> None:
         raise ValueError(f"--steps={args.steps} must be >= 1")
     if args.reasoning is not None and args.reasoning < 1:
         raise ValueError(f"--reasoning={args.reasoning} must be >= 1 held-out instances per level")
+    if args.depth is not None and args.depth < 1:
+        raise ValueError(f"--depth={args.depth} must be >= 1 held-out instances per difficulty")
     config = args.config[0] if len(args.config) == 1 else args.config
-    run_ablation(config, args.out, arms, args.steps, seeds, subprocesses=args.subprocess, reasoning=args.reasoning)
+    run_ablation(config, args.out, arms, args.steps, seeds, subprocesses=args.subprocess, reasoning=args.reasoning,
+                 depth=args.depth)  # fmt: skip

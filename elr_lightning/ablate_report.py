@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from statistics import mean
 from typing import Any, Mapping, Optional
 
+from elr_lightning.depth import report as depth_report
 from elr_lightning.reasoning.report import ablation_panels, ablation_section, plot_panels
 
 HOLDS, FAILS, NOISE, MISSING = "holds", "does not hold", "within spread", "n/a"
@@ -251,7 +252,8 @@ def write_report(results: list[dict[str, Any]], out: str, k_max: int, descriptio
     """Write ``ablate.md``, ``loss_vs_k.png`` and ``results.json`` to ``out``; return the Markdown's path.
 
     Runs scored on the reasoning tasks add a section to ``ablate.md``
-    (:func:`~elr_lightning.reasoning.report.ablation_section`) and ``reasoning_vs_k.png``.
+    (:func:`~elr_lightning.reasoning.report.ablation_section`) and ``reasoning_vs_k.png``; runs scored
+    on a depth task (:func:`~elr_lightning.depth.report.ablation_section`) and ``depth_heatmaps.png``.
     """
     arms = summarise(results)
     checks = paper_checks(arms, k_max)
@@ -261,7 +263,10 @@ def write_report(results: list[dict[str, Any]], out: str, k_max: int, descriptio
     reasoning = ablation_section(results, k_max)
     if reasoning:
         plot_panels(ablation_panels(results), os.path.join(out, "reasoning_vs_k.png"))
+    depth = depth_report.ablation_section(results, k_max)
+    if depth:
+        depth_report.plot_heatmaps(results, k_max, os.path.join(out, "depth_heatmaps.png"))
     path = os.path.join(out, "ablate.md")
     with open(path, "w") as f:
-        f.write(markdown(arms, checks, k_max, descriptions) + ("\n" + reasoning if reasoning else ""))
+        f.write(markdown(arms, checks, k_max, descriptions) + "".join("\n" + s for s in (reasoning, depth) if s))
     return path

@@ -3,6 +3,8 @@ the character tokenizer, and the scorer."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,8 @@ from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import CharTokenizer, tokenizer_from_state, tokenizer_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _solve(task: str, text: str) -> list[str | None]:
@@ -206,3 +210,35 @@ def test_serving_refuses_a_prompt_outside_the_alphabet_naming_the_prompt():
         spec.parse(b'{"prompt": "0121"}')
     assert info.value.param == "prompt" and info.value.status == 400 and "'2'" in str(info.value)
     assert spec.parse(b'{"prompt": "0110", "max_tokens": 1}')[1].prompt_ids == (0, 1, 1, 0)
+
+
+def _depth_config(tmp_path) -> str:
+    """The shipped quickstart, shrunk to a few steps of a tiny model on shallow forests."""
+    import yaml
+
+    with open(os.path.join(ROOT, "config", "quickstart_depth.yaml")) as f:
+        config = yaml.safe_load(f)
+    config["trainer"].update(max_steps=2, val_check_interval=2, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[])  # fmt: skip
+    config["model"]["init_args"]["arch"].update(d_model=16, n_heads=2, max_loops=2)
+    config["model"]["init_args"]["sampler"]["init_args"]["max_loops"] = 2
+    config["model"]["init_args"]["warmup_steps"] = 0
+    config["data"]["init_args"].update(difficulty=2, batch_size=4, val_batches=1, eval_difficulties=[1, 2])
+    path = tmp_path / "depth.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_ablate_scores_depth_arms_and_checks_the_targets(tmp_path):
+    from elr_lightning.ablate import run_ablation
+
+    results = run_ablation(_depth_config(tmp_path), str(tmp_path / "out"), arms=["baseline", "elr"], depth=4,
+                           log=lambda line: None)  # fmt: skip
+    depth = {run["arm"]: run["depth"] for run in results}
+    assert depth["baseline"]["task"] == "root" and depth["elr"]["trained_difficulty"] == 2
+    assert set(depth["baseline"]["exact"]["2"]) == {"1"}  # the non-recurrent baseline runs once
+    assert set(depth["elr"]["exact"]["2"]) == {"1", "2", "3", "4"}  # 1..2K
+    report = (tmp_path / "out" / "ablate.md").read_text()
+    assert "## Depth task `root`" in report and "k = 1 within 2 points of the baseline" in report
+    assert (tmp_path / "out" / "depth_heatmaps.png").stat().st_size > 0

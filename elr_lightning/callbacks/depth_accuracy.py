@@ -20,7 +20,8 @@ class DepthAccuracy(Callback):
     ``val_depth/heatmap`` (difficulty x k). The model's other ranks wait at the next collective.
 
     Args:
-        loops: Loop counts; default 1..2K (K = ``arch.max_loops``, so K+1..2K extrapolate).
+        loops: Loop counts; default 1..2K (K = ``arch.max_loops``, so K+1..2K extrapolate), 1 alone for the
+            non-recurrent baseline.
         n: Held-out instances per difficulty.
         seed: Seed of the held-out draw (``elr eval`` scores the same instances with ``--seed``).
     """
@@ -37,10 +38,10 @@ class DepthAccuracy(Callback):
         datamodule = getattr(trainer, "datamodule", None)
         if trainer.sanity_checking or not trainer.is_global_zero or not hasattr(datamodule, "eval_difficulties"):
             return
-        from elr_lightning.depth.score import heatmap, score
+        from elr_lightning.depth.score import default_loops, heatmap, score
 
         max_loops = pl_module.arch.max_loops
-        loops = self.loops or list(range(1, 2 * max_loops + 1))
+        loops = self.loops or default_loops(pl_module.model)
         table = score(pl_module.model, datamodule.task, datamodule.eval_difficulties, loops, self.n, self.seed)
         metrics = {f"val_depth/d{d}/exact_k{k}": cell["exact"] for d, row in table.items() for k, cell in row.items()}
         step = trainer.global_step

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from elr_lightning.decode import AdaptiveDepth
-from elr_lightning.depth.score import Table, format_table, heatmap, score, score_adaptive
+from elr_lightning.depth.score import Table, default_loops, format_table, heatmap, score, score_adaptive
 from elr_lightning.depth.tasks import TASKS, DepthTask
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import CharTokenizer, Tokenizer
@@ -58,7 +58,7 @@ def run_depth_eval(args: Any, model: LoopedLM, task: DepthTask) -> dict[str, Any
     """Score ``model`` on ``task`` at every requested k (and ``auto`` point); print, write and plot the table.
 
     ``args`` is ``elr eval``'s namespace: ``loops`` (default 1..2K: the extrapolation beyond the
-    budget K is part of the report), ``threshold``, ``exit_criterion``, ``max_loops``, ``limit``
+    budget K is part of the report; 1 for a non-recurrent model), ``threshold``, ``exit_criterion``, ``max_loops``, ``limit``
     (instances per difficulty, default 256), ``difficulties``, ``seed``, ``kv_cache``,
     ``output_dir`` and ``log_dir``.
     """
@@ -67,7 +67,7 @@ def run_depth_eval(args: Any, model: LoopedLM, task: DepthTask) -> dict[str, Any
 
     max_loops = model.config.max_loops
     if args.loops is None:
-        loops, auto = list(range(1, 2 * max_loops + 1)), False
+        loops, auto = default_loops(model), False
     else:
         loops, auto = parse_points(args.loops)
         for k in loops:

@@ -20,9 +20,17 @@ from elr_lightning.depth.datamodule import instance_rng
 from elr_lightning.batches import IGNORE_INDEX
 from elr_lightning.depth.tasks import DepthTask, draw
 from elr_lightning.model import LoopedLM
+from elr_lightning.updates import NonRecurrent
 
 #: ``{difficulty: {k: {"exact": ..., "deep": ...}}}``.
 Table = dict[int, dict[int, dict[str, float]]]
+
+
+def default_loops(model: LoopedLM) -> list[int]:
+    """The loop counts a depth report scores: 1..2K (K + 1..2K extrapolate), or just 1 for the non-recurrent baseline."""
+    if isinstance(model.update, NonRecurrent):
+        return [1]
+    return list(range(1, 2 * model.config.max_loops + 1))
 
 
 def heldout_arrays(task: DepthTask, difficulty: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,11 +149,19 @@ def heatmap(table: Table, metric: str = "exact", title: str = "", max_loops: Opt
     """
     from matplotlib.figure import Figure
 
+    loops = sorted({k for row in table.values() for k in row})
+    fig = Figure(figsize=(1.5 + 0.55 * len(loops), 1.0 + 0.45 * len(table)), dpi=100)
+    image = draw_heatmap(fig.subplots(), table, metric, title or f"{metric} accuracy (%)", max_loops)
+    fig.colorbar(image, ax=fig.axes[0], fraction=0.05)
+    fig.tight_layout()
+    return fig
+
+
+def draw_heatmap(ax: Any, table: Table, metric: str, title: str, max_loops: Optional[int] = None) -> Any:
+    """Draw :func:`heatmap`'s picture on the matplotlib axes ``ax``; return the image."""
     difficulties = sorted(table)
     loops = sorted({k for row in table.values() for k in row})
     values = np.array([[100 * table[d][k][metric] if k in table[d] else np.nan for k in loops] for d in difficulties])
-    fig = Figure(figsize=(1.0 + 0.55 * len(loops), 1.0 + 0.45 * len(difficulties)), dpi=100)
-    ax = fig.subplots()
     image = ax.imshow(values, vmin=0, vmax=100, cmap="viridis", aspect="auto", origin="lower")
     for i in range(len(difficulties)):
         for j in range(len(loops)):
@@ -156,9 +172,7 @@ def heatmap(table: Table, metric: str = "exact", title: str = "", max_loops: Opt
     ax.set_yticks(range(len(difficulties)), [str(d) for d in difficulties])
     ax.set_xlabel("loops k")
     ax.set_ylabel("difficulty")
-    if max_loops is not None and max_loops in loops:
+    if max_loops is not None and max_loops in loops and max_loops != loops[-1]:
         ax.axvline(loops.index(max_loops) + 0.5, color="white", linewidth=1.5, linestyle="--")
-    ax.set_title(title or f"{metric} accuracy (%)", fontsize=9)
-    fig.colorbar(image, ax=ax, fraction=0.05)
-    fig.tight_layout()
-    return fig
+    ax.set_title(title, fontsize=9)
+    return image
