@@ -1,5 +1,6 @@
 """The documentation (README.md and the site under docs/) shows what the code does.
 
+* The README's links point at files (``mkdocs build --strict`` checks the site's own).
 * Every ``elr`` command line in a ``bash`` block parses with the command's own parser, so a renamed
   or removed flag fails here (what the commands then do is tested where each command is).
 * Every message the troubleshooting page quotes is one the code raises.
@@ -77,6 +78,14 @@ COMMANDS = dict(documented_commands())
 
 class _Parsed(Exception):
     """Raised by the patched parsers once the command line has parsed."""
+
+
+def test_readme_links_point_at_files() -> None:
+    """The README is not a page of the site, so ``mkdocs build --strict`` does not check its links."""
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    local = [t for t in targets if "://" not in t]
+    assert len(local) > 20
+    assert not [t for t in local if not (ROOT / t).exists()]
 
 
 def test_the_docs_show_commands_of_every_kind() -> None:
