@@ -4,12 +4,13 @@ The package's docstrings cite each other in reST (``:class:`~elr_lightning.data.
 ``:meth:`schedule```). mkdocstrings renders Markdown, so this extension rewrites each role, once the
 whole package is loaded, into an autorefs link ``[`TextDataModule`][elr_lightning.data.TextDataModule]``
 when it names a public object of ``elr_lightning`` (resolved from the docstring's scope, as Sphinx
-does), and into plain code otherwise (torch, Lightning, private helpers). ``mkdocs build --strict``
-then fails on a role whose target was renamed or removed.
+does), and into plain code otherwise (torch, Lightning, builtins, private helpers). ``mkdocs build
+--strict`` then fails on a role whose target was renamed or removed.
 """
 
 from __future__ import annotations
 
+import builtins
 import re
 from typing import Any
 
@@ -36,19 +37,32 @@ def _canonical(obj: griffe.Object, path: str) -> str:
     return path  # not found: left for autorefs to report under --strict
 
 
+def _in_scope(scope: griffe.Object, name: str) -> str | None:
+    """The full path of ``name`` seen from ``scope``: its members (inherited ones included), imports, parents."""
+    try:
+        return scope.resolve(name)
+    except (griffe.NameResolutionError, AttributeError):
+        pass
+    try:
+        return f"{scope.path}.{name}" if scope.is_class and name in scope.all_members else None
+    except griffe.AliasResolutionError:
+        return None
+
+
 def _target(obj: griffe.Object, name: str) -> str | None:
-    """The full path ``name`` means in ``obj``'s docstring, or None when it is not ours to link."""
+    """What ``name`` in ``obj``'s docstring links to: a full path in the package; None for what is not ours
+    to link (torch, Lightning, builtins, private helpers); the bare name, which autorefs reports under
+    ``--strict``, for a relative name that resolves nowhere (a renamed or removed object)."""
     name = name.lstrip(".").removesuffix("()")
+    first, _, rest = name.partition(".")
     for scope in (obj, obj.parent):
-        if scope is None:
-            continue
-        try:
-            path = scope.resolve(name.split(".")[0])
-        except (griffe.NameResolutionError, AttributeError):
-            continue
-        path = ".".join([path, *name.split(".")[1:]])
-        break
+        head = None if scope is None else _in_scope(scope, first)
+        if head is not None:
+            path = f"{head}.{rest}" if rest else head
+            break
     else:
+        if not rest and not hasattr(builtins, first):
+            return name
         path = name
     parts = path.split(".")
     if parts[0] != PACKAGE or any(p.startswith("_") for p in parts):
