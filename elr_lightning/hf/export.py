@@ -33,6 +33,7 @@ from elr_lightning.layers import Block
 from elr_lightning.mixers import Attention, GatedDeltaProduct, MoE, SwiGLU
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, choose_tokenizer
+from elr_lightning.trust import add_trust_argument, apply_trust_argument, check_checkpoint_names
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
 
 #: ``ModelConfig`` fields the modeling file implements; a field outside it must keep its default.
@@ -291,8 +292,12 @@ def export_hf(model: LoopedLM, tokenizer: Tokenizer, out: str | os.PathLike) -> 
 def import_hf(directory: str | os.PathLike) -> Any:
     """Rebuild an :class:`~elr_lightning.module.ELRModule` from an export (weights bit for bit).
 
+    The folder is data: ``config.json``'s ``elr_arch`` may name only trusted modules as layers
+    (:func:`~elr_lightning.trust.check_checkpoint_names`), and the weights are safetensors.
+
     Raises:
         FileNotFoundError: No ``config.json`` or ``model.safetensors`` in ``directory``.
+        UntrustedModuleError: ``elr_arch`` names a module that is not trusted.
         ValueError: The directory is not an ELR export.
     """
     _, st = _hf()
@@ -305,6 +310,7 @@ def import_hf(directory: str | os.PathLike) -> Any:
     fields = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     if fields.get("model_type") != "elr":
         raise ValueError(f"--hf {str(directory)!r}: model_type is {fields.get('model_type')!r}, not 'elr'")
+    check_checkpoint_names(fields, str(directory / "config.json"), fields=("elr_arch",))  # before the layers import
     arch = ModelConfig(**fields["elr_arch"])
     rule = fields["state_update"]
     if rule not in UPDATE_RULES:
@@ -362,8 +368,10 @@ def export_command(argv: list[str]) -> None:
     parser.add_argument(
         "--tokenizer", type=Optional[str], default=None, help="Override the checkpoint's saved tokenizer."
     )
+    add_trust_argument(parser)
     args = parser.parse_args(argv)
     _hf()
+    apply_trust_argument(args.trust_module)
     model, module = load_model(args.ckpt_path)
     tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, model.config.vocab_size)
     out = export_hf(model, tokenizer, args.out)
@@ -377,6 +385,8 @@ def import_command(argv: list[str]) -> None:
     parser = ArgumentParser(prog="elr import", description="Turn an `elr export` directory back into a checkpoint.")
     parser.add_argument("--hf", type=str, required=True, help="Directory written by `elr export`.")
     parser.add_argument("--out", type=str, required=True, help="Checkpoint file to write.")
+    add_trust_argument(parser)
     args = parser.parse_args(argv)
+    apply_trust_argument(args.trust_module)
     save_module_checkpoint(import_hf(args.hf), args.out)
     print(f"wrote {args.out}")

@@ -8,11 +8,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
-import torch
-
-from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, weights_only_first
+from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
 from elr_lightning.config import ModelConfig
+from elr_lightning.safe_load import read_checkpoint
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, choose_tokenizer
+from elr_lightning.trust import add_trust_argument, apply_trust_argument
 
 
 def _parser() -> Any:
@@ -45,6 +45,7 @@ def _parser() -> Any:
         default="warning",
         help="Server log level (uvicorn's names); 'info' logs every finished request.",
     )
+    add_trust_argument(parser)
     return parser
 
 
@@ -88,12 +89,11 @@ def serve_command(argv: list[str]) -> None:
         raise ImportError('elr serve needs LitServe; install it with pip install "elr-lightning[serve]"') from err
     from elr_lightning.serve.api import CompletionsSpec, ELRServeAPI
 
+    apply_trust_argument(args.trust_module)  # exported: the workers inherit it
     if is_sharded_checkpoint(args.ckpt_path):
         raw = read_sharded_checkpoint(args.ckpt_path, weights=False)
     elif os.path.isfile(args.ckpt_path):
-        raw = weights_only_first(
-            lambda w: torch.load(args.ckpt_path, map_location="cpu", weights_only=w, mmap=True), args.ckpt_path
-        )
+        raw = read_checkpoint(args.ckpt_path)
     else:
         raise FileNotFoundError(f"--ckpt_path {args.ckpt_path!r} does not exist")
     if not isinstance(raw, Mapping):
