@@ -5,8 +5,9 @@ A checkpoint names code by class path: each plug-in as ``{"class_path": ..., "in
 an ``ELRModule`` subclass in Lightning's ``_class_path``. Resolving such a name imports its module,
 and an import runs the module's top-level code. So before anything is built from a checkpoint,
 every dotted name in its hyperparameters (any string that names an importable module, wherever it
-stands, since jsonargparse also resolves plain strings given to plug-in arguments) is checked
-without importing anything (:func:`check_checkpoint_names`). A name may only lead to:
+stands, since jsonargparse also resolves plain strings given to plug-in arguments, and reads a
+string as YAML: ``"class_path: a.B"``) is checked without importing anything
+(:func:`check_checkpoint_names`). A name may only lead to:
 
 - the library's own modules (``elr_lightning`` and below);
 - modules already imported (in ``sys.modules``): importing them again runs nothing;
@@ -28,6 +29,8 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any, Optional
 
+import yaml
+
 #: Environment variable: comma-separated modules (and everything below them) that checkpoints may name.
 TRUST_ENV = "ELR_TRUST_MODULES"
 
@@ -42,6 +45,7 @@ LIGHTNING_INSTANTIATORS = frozenset(
 _OWN = "elr_lightning"
 _trusted: set[str] = set()
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class UntrustedModuleError(ValueError):
@@ -112,15 +116,30 @@ def untrusted_import(name: str, trusted: Optional[list[str]] = None) -> Optional
     return None
 
 
-def _strings(value: Any, field: str) -> Iterator[tuple[str, str]]:
+def _strings(
+    value: Any, field: str, parse: bool = False, seen: Optional[dict[int, Any]] = None
+) -> Iterator[tuple[str, str]]:
+    """Every string in ``value`` with its field; with ``parse``, also those of the YAML or JSON that a string holds.
+
+    jsonargparse reads a string given for a plug-in or a dict as YAML (``"class_path: a.B"``,
+    ``'{"class_path": "a.B"}'``), so a class path can hide inside a string. Containers are visited
+    once each (YAML aliases may share or nest them).
+    """
+    seen = {} if seen is None else seen  # id -> container, kept alive so that no id is reused
     if isinstance(value, str):
         yield field, value
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _strings(item, f"{field}.{key}")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _strings(item, f"{field}[{i}]")
+        if parse and not _DOTTED.fullmatch(value):
+            try:
+                parsed = yaml.load(value, Loader=_YAML_LOADER)
+            except yaml.YAMLError:
+                return
+            if parsed != value:
+                yield from _strings(parsed, field, parse, seen)
+    elif isinstance(value, (Mapping, list, tuple)) and id(value) not in seen:
+        seen[id(value)] = value
+        items = value.items() if isinstance(value, Mapping) else enumerate(value)
+        for key, item in items:
+            yield from _strings(item, f"{field}.{key}" if isinstance(value, Mapping) else f"{field}[{key}]", parse, seen)
 
 
 def check_checkpoint_names(data: Mapping[str, Any], source: str, fields: tuple[str, ...] = ("hyper_parameters", "elr")) -> None:
@@ -136,7 +155,8 @@ def check_checkpoint_names(data: Mapping[str, Any], source: str, fields: tuple[s
     """
     trusted = trusted_modules()
     for top in fields:
-        for field, value in _strings(data.get(top), top):
+        # The ``elr`` entry is read by the library only (never by jsonargparse), and its tokenizer is a long JSON text.
+        for field, value in _strings(data.get(top), top, parse=top != "elr"):
             if len(value) > 512 or not _DOTTED.fullmatch(value):
                 continue
             if field.endswith("._instantiator") and value in LIGHTNING_INSTANTIATORS:

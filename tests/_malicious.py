@@ -34,6 +34,7 @@ EVIL_MODULE_SOURCE = f'''"""Importing this module runs its top-level code: what 
 {PAYLOAD}
 
 from elr_lightning.mixers import Attention
+from elr_lightning.sampling import FixedLoops
 from elr_lightning.updates import FixedDelta
 
 
@@ -42,6 +43,10 @@ class Update(FixedDelta):
 
 
 class Mixer(Attention):
+    pass
+
+
+class Sampler(FixedLoops):
     pass
 '''
 
@@ -94,6 +99,20 @@ def untrusted_mixer(path: Path) -> Path:
     raw = good_checkpoint(path)
     for arch in (raw["hyper_parameters"]["arch"], raw["elr"]["arch"]):
         arch["mixers"] = {"attention": f"{EVIL_MODULE}.Mixer"}
+    torch.save(raw, path)
+    return path
+
+
+def untrusted_in_a_string(path: Path) -> Path:
+    """A checkpoint whose sampler takes another sampler given as a YAML string that names ``elr_evil_plugin.Sampler``.
+
+    jsonargparse reads such a string as YAML, so the class path inside it is resolved (imported) too.
+    """
+    raw = good_checkpoint(path)
+    raw["hyper_parameters"]["sampler"] = {
+        "class_path": "elr_lightning.callbacks.delayed_mixed_depth.DelayedSampler",
+        "init_args": {"after": f"class_path: {EVIL_MODULE}.Sampler", "switch_step": 1},
+    }
     torch.save(raw, path)
     return path
 

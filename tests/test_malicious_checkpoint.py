@@ -1,11 +1,11 @@
 """A checkpoint is data: hostile files through every entry point run none of their code.
 
 Each hostile file (:mod:`_malicious`) leaves a marker file behind if any of its code runs: a pickle
-whose ``__reduce__`` runs code, checkpoints that name a module whose import runs code (as a plug-in
-and as a layer), sharded folders whose DCP index or ``meta.pt`` is such a pickle, an ``elr export``
-folder whose ``config.json`` names such a module. The Python loaders run in this process; the
-``elr`` commands run as a user runs them, in subprocesses (slow). No marker may appear, and each
-refusal is one line naming what was refused and the way out.
+whose ``__reduce__`` runs code; checkpoints that name a module whose import runs code, as a plug-in,
+as a layer and inside a YAML string; sharded folders whose DCP index or ``meta.pt`` is such a
+pickle; an ``elr export`` folder whose ``config.json`` names such a module. The Python loaders run
+in this process; the ``elr`` commands run as a user runs them, in subprocesses (slow). No marker may
+appear, and each refusal is one line naming what was refused and the way out.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import _malicious as hostile
+from test_cli_errors import TINY_CONFIG
 from elr_lightning.callbacks.delayed_mixed_depth import load_weights_where_present
 from elr_lightning.checkpoint_io import AtomicCheckpointIO, read_sharded_checkpoint, upgrade_checkpoint, verify_checkpoint_path
 from elr_lightning.config import ModelConfig
@@ -35,33 +36,6 @@ from elr_lightning.tokenizers import ByteTokenizer
 from elr_lightning.trust import UntrustedModuleError
 
 ROOT = Path(__file__).resolve().parents[1]
-
-TINY_CONFIG = """\
-seed_everything: 0
-trainer:
-  accelerator: cpu
-  devices: 1
-  max_steps: 1
-  limit_val_batches: 1
-  num_sanity_val_steps: 0
-  enable_progress_bar: false
-  enable_model_summary: false
-  logger: false
-  enable_checkpointing: false
-  default_root_dir: run
-model:
-  class_path: elr_lightning.ELRModule
-  init_args:
-    arch: {vocab_size: 256, d_model: 16, n_heads: 2, n_in: 1, n_rec: 1, n_out: 0, max_seq_len: 32, max_loops: 2}
-    warmup_steps: 1
-data:
-  class_path: elr_lightning.data.TextDataModule
-  init_args:
-    sources: [corpus.txt]
-    seq_len: 16
-    batch_size: 2
-    cache_dir: cache
-"""
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +52,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "pickle": hostile.pickled_payload(root / "pickle.ckpt"),
         "plugin": hostile.untrusted_plugin(root / "plugin.ckpt"),
         "mixer": hostile.untrusted_mixer(root / "mixer.ckpt"),
+        "in_a_string": hostile.untrusted_in_a_string(root / "in_a_string.ckpt"),
         "sharded_index": hostile.sharded(root / "sharded_index", "metadata"),
         "sharded_meta": hostile.sharded(root / "sharded_meta", "meta"),
         "hf_config": hostile.hf_export_naming_untrusted_mixer(root / "hf_evil", export),
@@ -101,12 +76,15 @@ REFUSED = {
     "pickle": (UnsafeCheckpointError, "holds a pickled object (exec)"),
     "plugin": (UntrustedModuleError, "names 'elr_evil_plugin.Update' (hyper_parameters.update.class_path)"),
     "mixer": (UntrustedModuleError, "names 'elr_evil_plugin.Mixer' (hyper_parameters.arch.mixers.attention)"),
+    "in_a_string": (
+        UntrustedModuleError, "names 'elr_evil_plugin.Sampler' (hyper_parameters.sampler.init_args.after.class_path)"
+    ),
     "sharded_index": (UnsafeCheckpointError, "its .metadata names builtins.exec"),
     "sharded_meta": (UnsafeCheckpointError, "holds a pickled object (exec)"),
 }
 
 #: The Python entry points: name -> (loader, the hostile files it takes).
-FILES = ("pickle", "plugin", "mixer")
+FILES = ("pickle", "plugin", "mixer", "in_a_string")
 FOLDERS = ("sharded_index", "sharded_meta")
 LOADERS: dict[str, tuple[Callable[[Path], Any], tuple[str, ...]]] = {
     "load_model": (lambda p: load_model(str(p)), FILES + FOLDERS),
@@ -207,6 +185,7 @@ COMMAND_CASES = [
     )),
     *((command, "plugin") for command in ("generate", "serve", "eval", "export")),
     *((command, "mixer") for command in ("generate", "serve", "export")),
+    ("generate", "in_a_string"),
     *((command, "sharded_index") for command in ("generate", "serve", "fit --ckpt_path")),
     *((command, "sharded_meta") for command in ("generate", "serve", "export")),
     ("import --hf", "hf_config"),

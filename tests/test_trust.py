@@ -162,6 +162,19 @@ def test_a_name_that_is_not_a_module_name_is_refused() -> None:
         trust_modules("my lab")
 
 
+@pytest.mark.parametrize("hidden", [
+    "class_path: this.Foo",                                    # YAML, as jsonargparse reads a string
+    '{"class_path": "this.Foo", "init_args": {}}',            # JSON
+    "{class_path: elr_lightning.X, init_args: {a: [this.Foo]}}",  # deeper in
+    "- x\n- {class_path: this.Foo}",
+])  # fmt: skip
+def test_a_class_path_hidden_in_a_yaml_string_is_found(hidden: str) -> None:
+    assert "this" not in sys.modules
+    data = {"hyper_parameters": {"sampler": {"class_path": "elr_lightning.X", "init_args": {"after": hidden}}}}
+    with pytest.raises(UntrustedModuleError, match=r"would import the module 'this'"):
+        check_checkpoint_names(data, "x.ckpt")
+
+
 def test_strings_that_name_nothing_importable_pass(tmp_path: Path) -> None:
     """Data that merely looks dotted (file names, numbers) is not a class path anyone could import."""
     check_checkpoint_names({"hyper_parameters": {"a": "corpus.txt", "b": "1.5", "c": ["x.y.z", {"d": "torch.float32"}]}}, "x")
