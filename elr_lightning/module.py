@@ -422,19 +422,16 @@ class ELRModule(LightningModule):
         """Lightning's ``load_from_checkpoint``, the file read as data (:mod:`elr_lightning.safe_load`).
 
         ``weights_only`` is ``True`` unless given: a pickled object is refused in one line, and the
-        modules the hyperparameters name are checked before any is imported
-        (:func:`~elr_lightning.trust.check_checkpoint_names`; trust your own with ``ELR_TRUST_MODULES``
-        or :func:`~elr_lightning.trust.trust_modules`). An explicit ``weights_only=False`` trusts the
-        file whole, as in Lightning.
+        modules the hyperparameters name are checked before any is imported (trust your own with
+        ``ELR_TRUST_MODULES`` or :func:`~elr_lightning.trust.trust_modules`). An explicit
+        ``weights_only=False`` trusts the file whole, as in Lightning.
         """
-        load = super().load_from_checkpoint
-        if weights_only is False:
-            return load(checkpoint_path, map_location, hparams_file, strict, weights_only=False, **kwargs)
-        if hparams_file is None:  # else the hyperparameters come from that file, the user's own
+        if weights_only is not False and hparams_file is None:  # else the hyperparameters are the user's file
             check_checkpoint(checkpoint_path)
-        name = str(getattr(checkpoint_path, "name", checkpoint_path))
-        with refusing_pickles(name):
-            return load(checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs)
+        with refusing_pickles(str(getattr(checkpoint_path, "name", checkpoint_path))):
+            return super().load_from_checkpoint(
+                checkpoint_path, map_location, hparams_file, strict, weights_only=weights_only is not False, **kwargs
+            )
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
