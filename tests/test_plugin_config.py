@@ -201,6 +201,8 @@ def test_an_old_format_checkpoint_is_refused_and_upgraded_by_one_command(
         torch.testing.assert_close(_logits(upgraded)[k], logits, rtol=0, atol=0)
     assert upgraded.model.update.beta == 0.3 and upgraded.sampler.switch_step == 3
 
+    main(["upgrade-checkpoint", str(new), str(tmp_path / "again.ckpt")])  # nothing to convert, no --trust needed
+    assert "already loads without running code" in capsys.readouterr().err and not (tmp_path / "again.ckpt").exists()
     before = new.read_bytes()
     with pytest.raises(SystemExit):
         main(["upgrade-checkpoint", str(old), str(new), "--trust"])
