@@ -25,6 +25,7 @@ from elr_lightning.checkpoint_io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.generation import generate, load_model
 from elr_lightning.tokenizers import IncrementalDecoder, choose_tokenizer
+from elr_lightning.trust import add_trust_argument, apply_trust_argument
 
 
 def _command_parser() -> Any:
@@ -80,6 +81,7 @@ def _command_parser() -> Any:
     )
     parser.add_argument("--stats", action=ActionYesNo, default=False, help="Print KV memory and tokens/s to stderr.")
     parser.add_argument("--device", type=str, default="cpu", help="Device to run on, e.g. cpu or cuda.")
+    add_trust_argument(parser)
     parser.add_argument(
         "--dtype", type=Literal["float32", "bfloat16"], default="float32", help="bfloat16 runs under autocast."
     )
@@ -125,6 +127,7 @@ def generate_command(argv: list[str]) -> None:
     if (args.prompt is None) == (args.prompt_file is None):
         raise ValueError("give exactly one of --prompt and --prompt_file")
     text = _read_prompt(args.prompt, args.prompt_file)
+    apply_trust_argument(args.trust_module)
     verify_checkpoint_path(args.ckpt_path, "--ckpt_path")
     if not text:
         raise ValueError("the prompt is empty; pass some text with --prompt or --prompt_file")

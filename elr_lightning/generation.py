@@ -35,8 +35,9 @@ import torch
 from torch import Tensor
 
 from elr_lightning.cache import KVCache, PolicyLike
-from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, weights_only_first
+from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
 from elr_lightning.decode import AdaptiveDepth, Decoder, Depth, budget
+from elr_lightning.safe_load import UnsafeCheckpointError, read_checkpoint
 from elr_lightning.serving import FoldedLM
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
@@ -50,6 +51,7 @@ from elr_lightning.prompts import (
     same_device,
     unwrap,
 )
+from elr_lightning.trust import UntrustedModuleError
 
 __all__ = ["GenerationOutput", "filter_logits", "generate", "load_model", "sample_next", "stream_generate"]
 
@@ -386,39 +388,49 @@ def generate(
     )
 
 
-def load_model(ckpt_path: str, map_location: Union[str, torch.device] = "cpu") -> tuple[LoopedLM, ELRModule]:
+def load_model(
+    ckpt_path: str, map_location: Union[str, torch.device] = "cpu", meta: bool = False
+) -> tuple[LoopedLM, ELRModule]:
     """Load a Lightning checkpoint of an :class:`ELRModule` (or subclass) for generation.
 
-    Checkpoints are read with ``weights_only=True``: no code from the file runs, beyond importing
-    the modules its hyperparameters name and building the plug-ins (subclasses of the seams' base
-    classes) that they describe. A checkpoint written before plug-ins were saved as their
-    ``class_path`` + ``init_args`` holds pickled objects: it is unpickled with ``weights_only=False``
-    after a warning (:func:`~elr_lightning.checkpoint_io.weights_only_first`); load such a file only
-    if you made or trust it.
+    The file is data, never code: it is read with ``torch.load(..., weights_only=True)`` and a file
+    that holds a pickled object is refused (:mod:`elr_lightning.safe_load`; a checkpoint of an
+    earlier version is converted once with ``elr upgrade-checkpoint OLD NEW --trust``). The modules
+    its hyperparameters name (plug-ins, layers) are checked before anything is imported: only the
+    library's own, modules already imported and those you trust (``--trust_module``,
+    ``ELR_TRUST_MODULES`` or :func:`~elr_lightning.trust.trust_modules`) are accepted. Then the
+    plug-ins (subclasses of the seams' base classes) are built as they describe.
 
     Args:
         ckpt_path: Path of a ``.ckpt`` file written by ``elr fit`` or ``Trainer.save_checkpoint``, or of a
             sharded checkpoint folder (read with :func:`~elr_lightning.checkpoint_io.read_sharded_checkpoint`).
         map_location: Device to load the weights onto.
+        meta: Build the model on the meta device and read no weights: every check of a real load (the
+            file, the modules it names, the plug-ins, the tensors' names and shapes) in little time and
+            memory. ``elr serve`` checks a checkpoint so before it starts its workers.
 
     Returns:
         ``(model, module)``: the :class:`LoopedLM` in eval mode and the module that holds it.
 
     Raises:
         FileNotFoundError: No file at ``ckpt_path``.
+        UnsafeCheckpointError: The file holds a pickled object.
+        UntrustedModuleError: The checkpoint names a module that is not trusted.
         ValueError: The file is not a readable ELR Lightning checkpoint.
     """
     if is_sharded_checkpoint(ckpt_path):  # written under FSDP with save_distributed_checkpoint
+        raw = read_sharded_checkpoint(ckpt_path, weights="meta" if meta else True)
         with tempfile.TemporaryDirectory() as folder:
             single = os.path.join(folder, os.path.basename(os.path.normpath(ckpt_path)))
-            torch.save(read_sharded_checkpoint(ckpt_path), single)
-            return load_model(single, map_location)
+            torch.save(raw, single)
+            del raw
+            return load_model(single, map_location, meta)
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"checkpoint {ckpt_path!r} does not exist")
     try:
-        raw = weights_only_first(
-            lambda w: torch.load(ckpt_path, map_location="cpu", weights_only=w, mmap=True), ckpt_path
-        )
+        raw = read_checkpoint(ckpt_path, "meta" if meta else "cpu")
+    except (UnsafeCheckpointError, UntrustedModuleError):
+        raise
     except Exception as err:  # torch.load raises many types (pickle, zip, EOF) for a bad file
         raise ValueError(f"checkpoint {ckpt_path!r} is not a readable PyTorch checkpoint ({err})") from err
     if not isinstance(raw, dict) or "state_dict" not in raw or "hyper_parameters" not in raw:
@@ -427,14 +439,16 @@ def load_model(ckpt_path: str, map_location: Union[str, torch.device] = "cpu") -
             f"checkpoint {ckpt_path!r} is not a Lightning ELRModule checkpoint (need 'state_dict' and "
             f"'hyper_parameters', found {keys}); use one written by `elr fit` or Trainer.save_checkpoint"
         )
+    del raw
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*is an instance of `nn.Module`.*")
-            module = weights_only_first(
-                lambda w: ELRModule.load_from_checkpoint(
-                    ckpt_path, map_location=map_location, weights_only=w, meta_init=False  # real weights to load into
-                ),
+            warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter in the checkpoint to a meta")
+            module = ELRModule.load_from_checkpoint(
                 ckpt_path,
+                map_location="meta" if meta else map_location,
+                weights_only=True,
+                meta_init=meta,  # real weights to load into, unless only checking
             )
     except Exception as err:  # hparams that no longer match the module's signature, missing keys, ...
         raise ValueError(f"checkpoint {ckpt_path!r} could not be rebuilt as an ELRModule ({err})") from err

@@ -26,6 +26,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from elr_lightning.tokenizers import choose_tokenizer
+from elr_lightning.trust import add_trust_argument, apply_trust_argument
 
 _EVAL_ERRORS = (ValueError, FileNotFoundError, ImportError, KeyError)
 
@@ -121,6 +122,7 @@ def _parser() -> Any:
     p.add_argument("--output_dir", type=str, default="eval", help="Folder for the JSON results and the PNG.")
     p.add_argument("--log_dir", type=Optional[str], default=None, help="TensorBoard log folder.")
     p.add_argument("--seed", type=int, default=0, help="Seed of the harness's samplers and of sampled generation.")
+    add_trust_argument(p)
     return p
 
 
@@ -141,6 +143,7 @@ def run_eval(args: Any) -> dict[str, Any]:
         raise ValueError("--threshold and --max_loops are only read with --loops auto; add auto, e.g. --loops 1-3,auto")
     if not os.path.exists(args.ckpt_path):
         raise FileNotFoundError(f"--ckpt_path: checkpoint {args.ckpt_path!r} does not exist")
+    apply_trust_argument(args.trust_module)
     from lm_eval.tasks import TaskManager
 
     from elr_lightning.eval import LOCAL_GROUP, TASKS_DIR, ELRLM
