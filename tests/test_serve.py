@@ -116,6 +116,37 @@ def test_engine_stop_strings_and_text_before_them(model) -> None:
     assert texts["s"] == text[: text.find(stop)] and finish["s"] == "stop"
 
 
+class _EosBytes(ByteTokenizer):
+    """Bytes, with byte 0 as the end-of-sequence id."""
+
+    @property
+    def eos_id(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(
+    "script, stop, text, finish",
+    [
+        ("hello EN", ["END"], "hello EN", "stop"),  # held back as a possible start of END, then EOS
+        ("hello EN", ["END", "ENx"], "hello EN", "stop"),
+        ("hello \u00e9", ["\u00e9t\u00e9"], "hello \u00e9", "stop"),  # a held-back 2-byte character too
+        ("hello END", ["END"], "hello ", "stop"),
+        ("hello E", ["END"], "hello E", "length"),  # max_tokens: flushed as before
+    ],
+)
+def test_a_completion_that_ends_releases_the_text_held_back_for_a_stop_string(
+    model, monkeypatch: pytest.MonkeyPatch, script: str, stop: list[str], text: str, finish: str
+) -> None:
+    """Text held back because it could begin a stop string is sent when the completion ends, at EOS as at
+    ``max_tokens``, unless a stop string did appear."""
+    tokens = iter(TOK.encode(script) + [0])
+    monkeypatch.setattr("elr_lightning.serve.engine.sample_next", lambda *a, **k: torch.tensor([next(tokens)]))
+    max_tokens = len(TOK.encode(script)) + (1 if finish == "stop" else 0)
+    request = CompletionRequest(tuple(TOK.encode("x")), 2, max_tokens, 0.0, stop=tuple(stop))
+    texts, finishes = run_engine(DecodeEngine(model, _EosBytes(), "last_loop"), {"s": request})
+    assert (texts["s"], finishes["s"]) == (text, finish)
+
+
 def test_serving_uses_the_checkpoint_tokenizer_and_detokenises_bpe(tmp_path: Path) -> None:
     bpe = HFTokenizer(str(train_bpe(tmp_path / "bpe.json", vocab_size=300)))
     path = tmp_path / "bpe.ckpt"

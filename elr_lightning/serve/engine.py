@@ -239,17 +239,15 @@ class DecodeEngine:
         row.token = token
         row.generated += 1
         finish = None
-        eos = self.tokenizer.eos_id
-        if eos is not None and token == eos:
-            text, finish = row.stop.feed(row.decoder.flush())[0], "stop"
-        else:
-            text, stopped = row.stop.feed(row.decoder.push(token))
-            if stopped:
-                finish = "stop"
-            elif row.generated >= req.max_tokens:
-                tail, stopped = row.stop.feed(row.decoder.flush())
-                text += tail if stopped else tail + row.stop.flush()
-                finish = "stop" if stopped else "length"
+        at_eos = token == self.tokenizer.eos_id
+        text, stopped = ("", False) if at_eos else row.stop.feed(row.decoder.push(token))
+        if stopped:
+            finish = "stop"
+        elif at_eos or row.generated >= req.max_tokens:
+            # The completion ends here: release what the decoder and the stop matcher still hold back.
+            tail, stopped = row.stop.feed(row.decoder.flush())
+            text += tail if stopped else tail + row.stop.flush()
+            finish = "stop" if stopped or at_eos else "length"
         if finish is not None:
             self._rows.pop(slot)
             self._free.append(slot)
