@@ -274,9 +274,10 @@ def stream_generate(
         autocast_dtype: Run the model under ``torch.autocast(device.type, dtype)``, e.g.
             ``torch.bfloat16``; ``None`` runs in the weights' dtype.
         fold: Whether to decode with each loop's conditioning constants computed once for this
-            ``loops`` and the weights shared (:func:`~elr_lightning.serving.serving_model`, chosen
-            once per call, kept per k while the weights are unchanged): the same logits to fp32
-            round-off, without running the conditioner per token. ``None`` (default) follows
+            ``loops`` and the weights shared (:func:`~elr_lightning.serving.serving_model`, built
+            anew in every call from the weights as they are, so no change of the weights between
+            calls is missed): the same logits to fp32 round-off, without running the conditioner
+            per token. ``None`` (default) follows
             ``model.serve_folded`` (on), and a model whose conditioning has no constant form decodes
             as it is, with one warning; ``True`` asks for it (``NotImplementedError`` if impossible);
             ``False`` decodes with the model as it is. A model already folded
