@@ -126,8 +126,8 @@ def _prepare(
     *,
     loops: LoopsLike,
     max_loops: Optional[int],
-    threshold: float,
-    exit_criterion: str,
+    threshold: Optional[float],
+    exit_criterion: Optional[str],
     attention_mask: Optional[Tensor],
     max_new_tokens: int,
     kv_cache: Union[PolicyLike, KVCache],
@@ -224,8 +224,8 @@ def stream_generate(
     *,
     loops: LoopsLike = 1,
     max_loops: Optional[int] = None,
-    threshold: float = 1e-3,
-    exit_criterion: str = "kl",
+    threshold: Optional[float] = None,
+    exit_criterion: Optional[str] = None,
     attention_mask: Optional[Tensor] = None,
     max_new_tokens: int = 32,
     kv_cache: Union[PolicyLike, KVCache] = "per_loop",
@@ -255,9 +255,11 @@ def stream_generate(
         loops: The loop count k (any k >= 1; above ``arch.max_loops`` extrapolates), ``"auto"`` for
             adaptive depth per new token, or an :class:`~elr_lightning.decode.AdaptiveDepth`.
         max_loops: Budget of ``"auto"`` (``None``: ``arch.max_loops``); the prompt runs at it.
-        threshold: Exit threshold of ``"auto"``: a token leaves once its change is below it.
-        exit_criterion: ``"kl"`` (Huginn's) or ``"delta"`` (relative state change); see
-            :data:`~elr_lightning.decode.EXIT_CRITERIA`.
+        threshold: Exit threshold of ``"auto"``: a token leaves once its change is below it
+            (``None``: 0.001).
+        exit_criterion: ``"kl"`` (Huginn's, the default) or ``"delta"`` (relative state change); see
+            :data:`~elr_lightning.decode.EXIT_CRITERIA`. ``max_loops``, ``threshold`` and
+            ``exit_criterion`` are refused with another ``loops`` (they would be ignored).
         attention_mask: ``[B, T]`` with 1 on real tokens, 0 on (left) padding; honoured in every
             loop of prefill and decode.
         max_new_tokens: Most tokens to generate per sequence.
@@ -321,8 +323,8 @@ def generate(
     *,
     loops: LoopsLike = 1,
     max_loops: Optional[int] = None,
-    threshold: float = 1e-3,
-    exit_criterion: str = "kl",
+    threshold: Optional[float] = None,
+    exit_criterion: Optional[str] = None,
     attention_mask: Optional[Tensor] = None,
     max_new_tokens: int = 32,
     kv_cache: Union[PolicyLike, KVCache] = "per_loop",
