@@ -247,6 +247,14 @@ def stream_generate(
     sequence has produced ``eos_id``; a finished sequence yields ``pad_id`` from then on. Runs under
     ``torch.inference_mode()`` and on the model's device.
 
+    Under ``kv_cache="last_loop"`` at k > 1 the logits depend on how the text reached the cache: a
+    prompt prefilled in one pass runs loop i over the earlier tokens' loop-i keys and values, but a
+    token decoded alone reads their loop-k ones (the one entry per layer every loop overwrote). So
+    the same prompt decoded token by token gives other logits than prefilled (up to 3.8 at k = 2
+    and 4.3 at k = 3 on the quickstart checkpoint; 2e-5 under ``per_loop`` and at k = 1,
+    ``bench/last_loop.py``), and a continuation depends on where a prompt is split between prefill
+    and decoding. This function always prefills the whole prompt; ``per_loop`` is exact.
+
     Args:
         model: The model (an :class:`ELRModule` is unwrapped to its ``LoopedLM``), or one already
             folded for ``loops`` by :func:`~elr_lightning.serving.fold_conditioning`.

@@ -106,7 +106,10 @@ def _parser() -> Any:
     p.add_argument("--limit", type=Optional[float], default=None, help="At most this many documents per task (< 1: a fraction).")
     p.add_argument("--num_fewshot", type=Optional[int], default=None, help="Few-shot examples per prompt.")
     p.add_argument("--batch_size", type=int, default=16, help="Requests per forward pass.")
-    p.add_argument("--kv_cache", type=Literal["per_loop", "last_loop"], default="per_loop", help="KV-cache policy.")
+    p.add_argument(
+        "--kv_cache", type=Literal["per_loop", "last_loop"], default="per_loop",
+        help="KV-cache policy; per_loop (default) scores independently of the context/continuation split.",
+    )  # fmt: skip
     p.add_argument("--device", type=str, default="cpu", help="Device, e.g. cpu or cuda.")
     p.add_argument("--dtype", type=Literal["float32", "bfloat16", "float16"], default="float32", help="Autocast dtype.")
     p.add_argument("--tokenizer", type=Optional[str], default=None, help="Override the checkpoint's saved tokenizer.")
