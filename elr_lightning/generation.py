@@ -128,8 +128,8 @@ def _prepare(
     *,
     loops: LoopsLike,
     max_loops: Optional[int],
-    threshold: float,
-    exit_criterion: str,
+    threshold: Optional[float],
+    exit_criterion: Optional[str],
     attention_mask: Optional[Tensor],
     max_new_tokens: int,
     kv_cache: Union[PolicyLike, KVCache],
@@ -226,8 +226,8 @@ def stream_generate(
     *,
     loops: LoopsLike = 1,
     max_loops: Optional[int] = None,
-    threshold: float = 1e-3,
-    exit_criterion: str = "kl",
+    threshold: Optional[float] = None,
+    exit_criterion: Optional[str] = None,
     attention_mask: Optional[Tensor] = None,
     max_new_tokens: int = 32,
     kv_cache: Union[PolicyLike, KVCache] = "per_loop",
@@ -249,6 +249,14 @@ def stream_generate(
     sequence has produced ``eos_id``; a finished sequence yields ``pad_id`` from then on. Runs under
     ``torch.inference_mode()`` and on the model's device.
 
+    Under ``kv_cache="last_loop"`` at k > 1 the logits depend on how the text reached the cache: a
+    prompt prefilled in one pass runs loop i over the earlier tokens' loop-i keys and values, but a
+    token decoded alone reads their loop-k ones (the one entry per layer every loop overwrote). So
+    the same prompt decoded token by token gives other logits than prefilled (up to 3.8 at k = 2
+    and 4.3 at k = 3 on the quickstart checkpoint; 2e-5 under ``per_loop`` and at k = 1,
+    ``bench/last_loop.py``), and a continuation depends on where a prompt is split between prefill
+    and decoding. This function always prefills the whole prompt; ``per_loop`` is exact.
+
     Args:
         model: The model (an :class:`ELRModule` is unwrapped to its ``LoopedLM``), or one already
             folded for ``loops`` by :func:`~elr_lightning.serving.fold_conditioning`.
@@ -257,9 +265,11 @@ def stream_generate(
         loops: The loop count k (any k >= 1; above ``arch.max_loops`` extrapolates), ``"auto"`` for
             adaptive depth per new token, or an :class:`~elr_lightning.decode.AdaptiveDepth`.
         max_loops: Budget of ``"auto"`` (``None``: ``arch.max_loops``); the prompt runs at it.
-        threshold: Exit threshold of ``"auto"``: a token leaves once its change is below it.
-        exit_criterion: ``"kl"`` (Huginn's) or ``"delta"`` (relative state change); see
-            :data:`~elr_lightning.decode.EXIT_CRITERIA`.
+        threshold: Exit threshold of ``"auto"``: a token leaves once its change is below it
+            (``None``: 0.001).
+        exit_criterion: ``"kl"`` (Huginn's, the default) or ``"delta"`` (relative state change); see
+            :data:`~elr_lightning.decode.EXIT_CRITERIA`. ``max_loops``, ``threshold`` and
+            ``exit_criterion`` are refused with another ``loops`` (they would be ignored).
         attention_mask: ``[B, T]`` with 1 on real tokens, 0 on (left) padding; honoured in every
             loop of prefill and decode.
         max_new_tokens: Most tokens to generate per sequence.
@@ -276,9 +286,10 @@ def stream_generate(
         autocast_dtype: Run the model under ``torch.autocast(device.type, dtype)``, e.g.
             ``torch.bfloat16``; ``None`` runs in the weights' dtype.
         fold: Whether to decode with each loop's conditioning constants computed once for this
-            ``loops`` and the weights shared (:func:`~elr_lightning.serving.serving_model`, chosen
-            once per call, kept per k while the weights are unchanged): the same logits to fp32
-            round-off, without running the conditioner per token. ``None`` (default) follows
+            ``loops`` and the weights shared (:func:`~elr_lightning.serving.serving_model`, built
+            anew in every call from the weights as they are, so no change of the weights between
+            calls is missed): the same logits to fp32 round-off, without running the conditioner
+            per token. ``None`` (default) follows
             ``model.serve_folded`` (on), and a model whose conditioning has no constant form decodes
             as it is, with one warning; ``True`` asks for it (``NotImplementedError`` if impossible);
             ``False`` decodes with the model as it is. A model already folded
@@ -322,8 +333,8 @@ def generate(
     *,
     loops: LoopsLike = 1,
     max_loops: Optional[int] = None,
-    threshold: float = 1e-3,
-    exit_criterion: str = "kl",
+    threshold: Optional[float] = None,
+    exit_criterion: Optional[str] = None,
     attention_mask: Optional[Tensor] = None,
     max_new_tokens: int = 32,
     kv_cache: Union[PolicyLike, KVCache] = "per_loop",

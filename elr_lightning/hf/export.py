@@ -118,7 +118,7 @@ def _mixer_fields(mixer: Any) -> dict[str, Any]:
         return {
             "type": "moe", "num_experts": mixer.num_experts, "top_k": mixer.top_k, "expert_dim": mixer.expert_dim,
             "shared_expert_dim": 0 if mixer.shared_down is None else mixer.shared_down.in_features,
-            "replay": mixer.replay,
+            "replay": mixer.replay, "normalize_weights": mixer.normalize_weights,
         }
     raise ValueError(
         f"arch.token_pattern/channel_pattern: the mixer {type(mixer).__name__} has no Hugging Face counterpart; "
