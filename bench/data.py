@@ -129,7 +129,8 @@ def tokenisation(files: list[str], tokenizer: str, workers: int, work: str, roun
 
 
 def write_synthetic(folder: str, tokens: int, shard_tokens: int = 1 << 28) -> None:
-    """A prepared folder of ``tokens`` pseudo-random ``uint16`` ids (vocabulary 50257), no validation split.
+    """A prepared folder of ``tokens`` pseudo-random ids stored as ``uint16`` (as a GPT-2-sized vocabulary would
+    be), no validation split; the ids are bytes, so the index matches the byte tokenizer the loader is given.
 
     Written as :mod:`elr_lightning.data.prepare` lays folders out, one 1M-token random block
     repeated, so the folder takes seconds to write.
@@ -138,7 +139,7 @@ def write_synthetic(folder: str, tokens: int, shard_tokens: int = 1 << 28) -> No
     from elr_lightning.tokenizers import ByteTokenizer
 
     os.makedirs(os.path.join(folder, "shards"))
-    block = np.random.default_rng(0).integers(0, 50257, 1 << 20, dtype=np.uint16)
+    block = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint16)
     shards, left = [], tokens
     while left:
         n = min(left, shard_tokens)
@@ -152,11 +153,12 @@ def write_synthetic(folder: str, tokens: int, shard_tokens: int = 1 << 28) -> No
         left -= n
     index = {
         "format": PREPARED_FORMAT,
-        # the byte tokenizer's fingerprint: the loader checks it, and reads ids as the index's dtype says
+        # the byte tokenizer's fingerprint and vocabulary: the loader checks both, and reads ids as the index's
+        # dtype says (two bytes a token, the memory of a 50k vocabulary)
         "tokenizer_fingerprint": ByteTokenizer().fingerprint(),
-        "vocab_size": 50257,
+        "vocab_size": ByteTokenizer().vocab_size,
         "dtype": "uint16",
-        "separator": [50256],
+        "separator": [10],
         "text_field": "text",
         "val_fraction": 0.0,
         "shards": shards,

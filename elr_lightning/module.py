@@ -27,6 +27,7 @@ from elr_lightning.parameter_usage import check_plain_ddp
 from elr_lightning.plugin_config import PluginConfigError, build_plugin, plain_hyperparameters
 from elr_lightning.resume import check_resumed_schedule, planned_steps
 from elr_lightning.roles import copy_with_roles
+from elr_lightning.safe_load import check_checkpoint, refusing_pickles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, tokenizer_state
 from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats
@@ -412,6 +413,26 @@ class ELRModule(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- checkpoints -------------------------------------------------------------------------
+    @classmethod
+    @override
+    def load_from_checkpoint(  # type: ignore[override]
+        cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Optional[str] = None,
+        strict: Optional[bool] = None, weights_only: Optional[bool] = None, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """Lightning's ``load_from_checkpoint``, the file read as data (:mod:`elr_lightning.safe_load`).
+
+        ``weights_only`` is ``True`` unless given: a pickled object is refused in one line, and the
+        modules the hyperparameters name are checked before any is imported (trust your own with
+        ``ELR_TRUST_MODULES`` or :func:`~elr_lightning.trust.trust_modules`). An explicit
+        ``weights_only=False`` trusts the file whole, as in Lightning.
+        """
+        if weights_only is not False and hparams_file is None:  # else the hyperparameters are the user's file
+            check_checkpoint(checkpoint_path)
+        with refusing_pickles(str(getattr(checkpoint_path, "name", checkpoint_path))):
+            return super().load_from_checkpoint(
+                checkpoint_path, map_location, hparams_file, strict, weights_only=weights_only is not False, **kwargs
+            )
+
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the architecture; refuse to save non-finite weights or plug-ins that are not plain data.

@@ -103,7 +103,8 @@ class PreparedFolder:
 
     Raises:
         FileNotFoundError: The folder or one of its shards is missing.
-        ValueError: The prepare did not finish, the tokenizer differs, or a shard does not match the index.
+        ValueError: The prepare did not finish, the tokenizer differs (by fingerprint or by the index's
+            ``vocab_size``), or a shard does not match the index.
     """
 
     def __init__(self, path: str, tokenizer: Tokenizer) -> None:
@@ -132,6 +133,12 @@ class PreparedFolder:
                 f"data.tokenizer: {path!r} was prepared with another tokenizer (fingerprint "
                 f"{index['tokenizer_fingerprint'][:12]}, this run {tokenizer.fingerprint()[:12]}); use its tokenizer or "
                 "prepare the folder again"
+            )
+        if index.get("vocab_size") != tokenizer.vocab_size:
+            raise ValueError(
+                f"{FIELD}: {index_path!r} has vocab_size={index.get('vocab_size')}, but its tokenizer (the run's "
+                f"data.tokenizer) has {tokenizer.vocab_size} ids: the index does not describe these shards, whose ids "
+                "may not fit the model's arch.vocab_size; rerun elr prepare into a new folder"
             )
         self.index = index
         self.dtype = dtype

@@ -370,7 +370,8 @@ def source_logit_gap(directory: Path, module: Any, tokens: int = 32) -> float:
     """
     from transformers import AutoModelForCausalLM
 
-    source = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    # safetensors only: a pytorch_model.bin beside them is a pickle, never read
+    source = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, use_safetensors=True).eval()
     n = min(tokens, module.arch.max_seq_len)
     ids = (torch.arange(n) * 7919 % module.arch.vocab_size)[None]
     ours = module.model.eval()(ids, loops=1)

@@ -8,11 +8,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
-import torch
-
-from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, weights_only_first
+from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, verify_checkpoint_path
 from elr_lightning.config import ModelConfig
+from elr_lightning.safe_load import read_checkpoint
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, choose_tokenizer
+from elr_lightning.trust import add_trust_argument, apply_trust_argument
 
 
 def _parser() -> Any:
@@ -45,6 +45,7 @@ def _parser() -> Any:
         default="warning",
         help="Server log level (uvicorn's names); 'info' logs every finished request.",
     )
+    add_trust_argument(parser)
     return parser
 
 
@@ -78,7 +79,9 @@ def serve_command(argv: list[str]) -> None:
 
     Raises:
         ImportError: LitServe is not installed.
-        ValueError: A bad flag, or a checkpoint that is not an ELR checkpoint.
+        ValueError: A bad flag, or a checkpoint that is not an ELR checkpoint, is damaged, holds a
+            pickled object or names an untrusted module: the same one line as ``elr generate``, given
+            before any worker starts.
         FileNotFoundError: No file at ``--ckpt_path``.
     """
     args = _parser().parse_args(argv)
@@ -86,16 +89,17 @@ def serve_command(argv: list[str]) -> None:
         import litserve as ls
     except ImportError as err:
         raise ImportError('elr serve needs LitServe; install it with pip install "elr-lightning[serve]"') from err
+    from elr_lightning.generation import load_model
     from elr_lightning.serve.api import CompletionsSpec, ELRServeAPI
 
+    apply_trust_argument(args.trust_module)  # exported: the workers inherit it
+    verify_checkpoint_path(args.ckpt_path, "--ckpt_path")
     if is_sharded_checkpoint(args.ckpt_path):
         raw = read_sharded_checkpoint(args.ckpt_path, weights=False)
-    elif os.path.isfile(args.ckpt_path):
-        raw = weights_only_first(
-            lambda w: torch.load(args.ckpt_path, map_location="cpu", weights_only=w, mmap=True), args.ckpt_path
-        )
     else:
-        raise FileNotFoundError(f"--ckpt_path {args.ckpt_path!r} does not exist")
+        raw = read_checkpoint(args.ckpt_path)
+    # Every check of the workers' load (plug-ins, tensor names and shapes), on the meta device, before any starts.
+    load_model(args.ckpt_path, meta=True)
     if not isinstance(raw, Mapping):
         raise ValueError(f"--ckpt_path {args.ckpt_path!r} is not a Lightning checkpoint")
     config = checkpoint_arch(raw, args.ckpt_path)

@@ -165,13 +165,19 @@ class DecodeEngine:
             self._cancelled.add(uid)
 
     def reset(self) -> list[str]:
-        """Drop every queued and running request (after a failed step); return their ids."""
+        """Drop every queued and running request (after a failed step); return their ids.
+
+        Wherever the step failed, the engine starts again empty: every slot free, and the decoder's
+        slots emptied (:meth:`Decoder.reset`: no recurrent-state write of the failed pass reaches the
+        next commit).
+        """
         with self._lock:
             queued, self._queue = [uid for uid, _ in self._queue], deque()
             self._cancelled.clear()
         dropped = queued + [row.uid for row in self._rows.values()]
-        self._free += list(self._rows)
         self._rows = {}
+        self._free = list(range(len(self.decoder.lengths) - 1, -1, -1))
+        self.decoder.reset()
         return dropped
 
     @property
@@ -213,16 +219,19 @@ class DecodeEngine:
             with self._lock:
                 if not self._queue:
                     break
-                uid, request = self._queue.popleft()
-            slot = self._free.pop()
+                uid, request = self._queue[0]  # only this thread takes from the queue
             seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()).item())
-            self._rows[slot] = _Row(
+            row = _Row(
                 uid,
                 request,
                 torch.Generator(device=self.device).manual_seed(seed),
                 IncrementalDecoder(self.tokenizer),
                 _StopText(request.stop),
             )
+            with self._lock:
+                self._queue.popleft()
+            slot = self._free.pop()
+            self._rows[slot] = row
             ids = torch.tensor(request.prompt_ids, device=self.device)
             events.append(self._sample(slot, self.decoder.prefill(slot, ids, request.loops), budget(request.loops)))
         return events
@@ -239,17 +248,15 @@ class DecodeEngine:
         row.token = token
         row.generated += 1
         finish = None
-        eos = self.tokenizer.eos_id
-        if eos is not None and token == eos:
-            text, finish = row.stop.feed(row.decoder.flush())[0], "stop"
-        else:
-            text, stopped = row.stop.feed(row.decoder.push(token))
-            if stopped:
-                finish = "stop"
-            elif row.generated >= req.max_tokens:
-                tail, stopped = row.stop.feed(row.decoder.flush())
-                text += tail if stopped else tail + row.stop.flush()
-                finish = "stop" if stopped else "length"
+        at_eos = token == self.tokenizer.eos_id
+        text, stopped = ("", False) if at_eos else row.stop.feed(row.decoder.push(token))
+        if stopped:
+            finish = "stop"
+        elif at_eos or row.generated >= req.max_tokens:
+            # The completion ends here: release what the decoder and the stop matcher still hold back.
+            tail, stopped = row.stop.feed(row.decoder.flush())
+            text += tail if stopped else tail + row.stop.flush()
+            finish = "stop" if stopped or at_eos else "length"
         if finish is not None:
             self._rows.pop(slot)
             self._free.append(slot)
