@@ -126,7 +126,11 @@ def test_documented_command_parses(where: str, monkeypatch, capsys) -> None:
 
 
 def _raised_messages() -> list[str]:
-    """Every message the package raises, f-string fields as ``<expression>``."""
+    """Every message the package raises, f-string fields as ``<expression>``.
+
+    Also the messages of exceptions that a function builds and returns for its caller to raise
+    (``return UnsafeCheckpointError(...)``).
+    """
 
     def text(node: ast.AST) -> str | None:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -140,11 +144,20 @@ def _raised_messages() -> list[str]:
             return None if left is None or right is None else left + right
         return None
 
+    def exception(node: ast.AST) -> ast.Call | None:
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            return node.exc
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Call):
+            if isinstance(node.value.func, ast.Name) and node.value.func.id.endswith("Error"):
+                return node.value
+        return None
+
     messages = []
     for path in sorted((ROOT / "elr_lightning").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
-                message = text(node.exc.args[0])
+            built = exception(node)
+            if built is not None and built.args:
+                message = text(built.args[0])
                 if message:
                     messages.append(message)
     return messages
