@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Union
 
 import torch
 from torch import Tensor
@@ -163,11 +163,6 @@ def batch_dims(batch: Batch) -> tuple[int, int]:
         return batch.shape[0], batch.shape[1] - 1
     rows, seq_len = batch[INPUT_KEY].shape
     return rows, seq_len
-
-
-def is_labelled(batch: Any) -> bool:
-    """Whether ``batch`` is a mapping (the labelled form) rather than a tensor of token windows."""
-    return isinstance(batch, Mapping)
 
 
 def next_token_labels(input_ids: Tensor, targets: Tensor) -> Tensor:

@@ -71,6 +71,12 @@ class ELRModule(LightningModule):
     function of ``(seed, global_step, shard, num_shards)`` (DESIGN §4), and the loss is the token
     mean over the whole step.
 
+    A batch is a ``[B, T + 1]`` tensor of token windows or a labelled mapping ``{"input_ids",
+    "labels"}`` with :data:`~elr_lightning.batches.IGNORE_INDEX` where there is no target
+    (:mod:`elr_lightning.batches`); then every loss is the mean over labelled positions. Validation
+    logs ``{val,test}/loss_k{k}`` and, unless the data module's ``token_bytes`` are all zero,
+    ``bpb_k{k}`` (bits per UTF-8 byte of the targets).
+
     Args:
         arch: Architecture numbers; ``ModelConfig()`` by default.
         update: State-update rule; ``AdaptiveDelta()`` (eq. 2) by default.
@@ -164,6 +170,9 @@ class ELRModule(LightningModule):
         self.val_loss = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.val_bpb = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.register_buffer("token_bytes", torch.ones(arch.vocab_size), persistent=False)
+        #: Whether validation logs bits per byte: false when the data module's ``token_bytes`` are all
+        #: zero (targets that are not text, e.g. class ids of a synthetic task).
+        self.reports_bpb = True
         self._seed = loop_seed
         #: The training tokenizer: taken from the data module in :meth:`setup`, saved in every
         #: checkpoint and restored from it on load (``None`` when neither provided one).
@@ -252,6 +261,7 @@ class ELRModule(LightningModule):
             padded = torch.zeros(self.arch.vocab_size)
             padded[: len(token_bytes)] = torch.as_tensor(token_bytes, dtype=torch.float32)
             self.token_bytes = padded.to(self.token_bytes.device)
+            self.reports_bpb = bool(padded.any())
 
     @override
     def configure_model(self) -> None:
@@ -409,7 +419,8 @@ class ELRModule(LightningModule):
         for k in self.val_loops:
             losses[k] = float(self.val_loss[str(k)].compute())
             self.log(f"{prefix}/loss_k{k}", losses[k], prog_bar=k in (1, self.val_loops[-1]), sync_dist=True)
-            self.log(f"{prefix}/bpb_k{k}", self.val_bpb[str(k)].compute(), sync_dist=True)
+            if self.reports_bpb:
+                self.log(f"{prefix}/bpb_k{k}", self.val_bpb[str(k)].compute(), sync_dist=True)
             with torch.inference_mode(False):  # states re-made here must not be inference tensors
                 self.val_loss[str(k)].reset()
                 self.val_bpb[str(k)].reset()

@@ -278,17 +278,7 @@ class PromptCompletionDataModule(TokenDataModule):
             ValueError: There are fewer training examples than one global batch.
         """
         train, _ = self._require_setup()
-        rank, world_size = self._rank_and_world_size()
-        loader = self._train_loader
-        if loader is None or (loader.rank, loader.world_size) != (rank, world_size):
-            loader = StepIndexedLoader(train, self.batch_size, seed=self.seed, rank=rank, world_size=world_size)
-            if len(loader) == 0:
-                raise ValueError(
-                    f"data.batch_size: {len(train)} training examples cannot fill one global batch of "
-                    f"{self.batch_size} x {world_size} device(s); lower data.batch_size or add examples"
-                )
-            self._train_loader = loader
-        return loader
+        return self.resumable_loader(train, self.seed, "training examples", "lower data.batch_size or add examples")
 
     @override
     def val_dataloader(self) -> DataLoader:
