@@ -402,10 +402,7 @@ class ELRModule(LightningModule):
     def _evaluate(self, batch: Batch) -> None:
         tokens = TokenBatch.of(batch)
         count = tokens.labelled_tokens()
-        if tokens.masked:  # bytes of the labelled targets only
-            nbytes = (self.token_bytes[tokens.labels.clamp_min(0)] * tokens.mask()).sum()
-        else:
-            nbytes = self.token_bytes[tokens.labels].sum()
+        nbytes = (self.token_bytes[tokens.labels.clamp_min(0)] * tokens.mask()).sum()  # of labelled targets only
         for k in self.val_loops:
             nll = self.sequence_nll(batch, k).sum()
             self.val_loss[str(k)].update(nll / count, count)

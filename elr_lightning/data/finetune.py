@@ -201,6 +201,8 @@ class PromptCompletionDataModule(TokenDataModule):
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         self.train_examples: Optional[PromptCompletionExamples] = None
         self.val_examples: Optional[PromptCompletionExamples] = None
+        #: The validation examples' text, in the order of :attr:`val_examples` (for scoring generations).
+        self.val_pairs: list[Pair] = []
         self._train_loader: Optional[StepIndexedLoader] = None
 
     def _read(self, path: str, option: str) -> list[Pair]:
@@ -263,6 +265,7 @@ class PromptCompletionDataModule(TokenDataModule):
             )
         self.train_examples = self.encode(train, "data.path", self.path)
         self.val_examples = self.encode(val, val_option, val_path)
+        self.val_pairs = val
         self._train_loader = None
 
     def _require_setup(self) -> tuple[PromptCompletionExamples, PromptCompletionExamples]:
