@@ -89,7 +89,9 @@ class TokenBatch:
         inputs, labels = batch[INPUT_KEY], batch[LABEL_KEY]
         for key, value in ((INPUT_KEY, inputs), (LABEL_KEY, labels)):
             if not isinstance(value, Tensor) or value.ndim != 2 or value.is_floating_point() or value.is_complex():
-                what = f"shape {list(value.shape)}, dtype {value.dtype}" if isinstance(value, Tensor) else type(value).__name__
+                what = type(value).__name__
+                if isinstance(value, Tensor):
+                    what = f"shape {list(value.shape)}, dtype {value.dtype}"
                 raise ValueError(f"batch[{key!r}] must be an integer tensor [B, T]; got {what}")
         if inputs.shape != labels.shape:
             raise ValueError(
@@ -150,7 +152,9 @@ class TokenBatch:
         for key, values, bad in checks:
             if bad.any():
                 b, t = (int(i) for i in bad.nonzero()[0])
-                allowed = f"ids in [0, {vocab_size})" + (f" or {IGNORE_INDEX} for no target" if key == LABEL_KEY else "")
+                allowed = f"ids in [0, {vocab_size})"
+                if key == LABEL_KEY:
+                    allowed += f" or {IGNORE_INDEX} for no target"
                 raise ValueError(
                     f"batch[{key!r}][{b}, {t}] = {int(values[b, t])} is outside arch.vocab_size={vocab_size}; "
                     f"give {allowed}, or raise model.init_args.arch.vocab_size"

@@ -81,7 +81,9 @@ def read_pairs(path: str, prompt_field: str, completion_field: str, option: str)
     except UnicodeDecodeError as err:
         raise ValueError(f"{option}: {path!r} is not UTF-8 text ({err.reason}); convert it to UTF-8") from err
     if not pairs:
-        raise ValueError(f"{option}: {path!r} holds no example; give one JSON object per line with {list(fields.values())}")
+        raise ValueError(
+            f"{option}: {path!r} holds no example; give one JSON object per line with {list(fields.values())}"
+        )
     return pairs
 
 
@@ -95,7 +97,9 @@ class PromptCompletionExamples(Dataset):
         pad_id: Id placed after an example (never a target, never attended to by it).
     """
 
-    def __init__(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], seq_len: int, pad_id: int) -> None:
+    def __init__(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], seq_len: int, pad_id: int
+    ) -> None:
         lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
         if max(lengths, default=0) > seq_len + 1:
             raise ValueError(f"an example of {max(lengths)} tokens exceeds seq_len + 1 = {seq_len + 1}")
