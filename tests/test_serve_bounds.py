@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.requests import Request
 
-from _elr_ckpt import SERVE_ARCH, write_checkpoint
+from _elr_ckpt import SERVE_ARCH
 from elr_lightning.decode import AdaptiveDepth
 from elr_lightning.generation import load_model
 from elr_lightning.serve.api import CompletionsSpec, RequestError
@@ -30,21 +30,9 @@ from elr_lightning.serve.memory import (
     serving_memory,
 )
 from elr_lightning.tokenizers import ByteTokenizer
-from test_serve import TOK, free_port, post, start_server, stop_server
+from test_serve import TOK, checkpoint, free_port, model, post, start_server, stop_server  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("serve_bounds") / "tiny.ckpt"
-    write_checkpoint(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint: Path):
-    return load_model(str(checkpoint))[0]
 
 
 class Receiver:
