@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import http.client
 import json
+import os
 import re
 import threading
 from collections.abc import Iterable
@@ -24,9 +25,11 @@ from elr_lightning.serve.api import CompletionsSpec, RequestError
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine
 from elr_lightning.serve.memory import (
     ServingMemory,
+    available_bytes,
     check_fits,
     checkpoint_parameters,
     default_max_context,
+    resolve_accelerator,
     serving_memory,
 )
 from elr_lightning.tokenizers import ByteTokenizer
@@ -205,3 +208,18 @@ def test_server_caps_bodies_and_context_over_http(checkpoint: Path, tmp_path: Pa
     finally:
         clean = stop_server(server)
     assert clean, "processes of the server were left running after SIGTERM"
+
+
+def test_free_memory_is_asked_of_the_device_the_worker_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA: the first visible GPU's free memory from nvidia-smi (no CUDA context here); CPU: available RAM."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/asked"\necho 81920\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert available_bytes("cuda") == 81920 << 20
+    assert (tmp_path / "asked").read_text().split()[-2:] == ["-i", "3"]
+    assert 0 < available_bytes("cpu") <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert available_bytes("mps") is None and resolve_accelerator("gpu") == "cuda" == resolve_accelerator("cuda")
+    fake.write_text("#!/bin/sh\nexit 9\n")
+    assert available_bytes("cuda") is None  # unknown: the server starts without the check
