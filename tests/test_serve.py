@@ -484,11 +484,13 @@ def test_finished_and_abandoned_requests_leave_the_response_buffer(spec: Complet
     spec.data_streamer = LitServer.data_streamer
 
     class Body:
+        headers: dict[str, str] = {}
+
         def __init__(self, stream: bool) -> None:
             self.raw = json.dumps({"prompt": "ab", "max_tokens": 3, "stream": stream}).encode()
 
-        async def body(self) -> bytes:
-            return self.raw
+        async def stream(self):
+            yield self.raw
 
         async def is_disconnected(self) -> bool:
             return False
@@ -506,7 +508,8 @@ def test_finished_and_abandoned_requests_leave_the_response_buffer(spec: Complet
 
     async def scenario() -> list:
         answer = asyncio.ensure_future(spec.completions(Body(False)))
-        await asyncio.sleep(0)
+        while spec.request_queue.empty():  # the prompt is tokenised in a thread
+            await asyncio.sleep(0.001)
         feed(finish=True)
         plain = await answer
         streamed = await spec.completions(Body(True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, Optional
@@ -11,8 +12,20 @@ from typing import Any, Literal, Optional
 from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.safe_load import read_checkpoint
+from elr_lightning.serve.memory import (
+    available_bytes,
+    check_fits,
+    checkpoint_parameters,
+    default_max_context,
+    describe,
+    resolve_accelerator,
+    serving_memory,
+)
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, choose_tokenizer
 from elr_lightning.trust import add_trust_argument, apply_trust_argument
+
+#: Default ``--max_request_bytes``: 4 MiB, room for a 131,072-token prompt of plain text.
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 def _parser() -> Any:
@@ -36,6 +49,18 @@ def _parser() -> Any:
         type=Optional[str],
         default=None,
         help="'byte' or a tokenizer.json path; default: the one saved in the checkpoint (bytes if none).",
+    )
+    parser.add_argument(
+        "--max_context",
+        type=Optional[int],
+        default=None,
+        help="Positions (prompt plus completion) each cache slot holds; default min(arch.max_seq_len, 4096).",
+    )
+    parser.add_argument(
+        "--max_request_bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="Largest request body accepted; a larger one gets a 413 before it is read.",
     )
     parser.add_argument("--accelerator", type=str, default="auto", help="LitServe accelerator: auto, cpu or cuda.")
     parser.add_argument("--dtype", type=Literal["float32", "bfloat16"], default="float32", help="Autocast dtype.")
@@ -104,6 +129,7 @@ def serve_command(argv: list[str]) -> None:
         raise ValueError(f"--ckpt_path {args.ckpt_path!r} is not a Lightning checkpoint")
     config = checkpoint_arch(raw, args.ckpt_path)
     tokenizer = serving_tokenizer(raw, args.tokenizer, config)
+    params = checkpoint_parameters(raw, config)
     del raw
     loops_max = config.max_loops if args.loops_max is None else args.loops_max
     if loops_max < 1:
@@ -119,8 +145,17 @@ def serve_command(argv: list[str]) -> None:
         raise ValueError(f"--max_batch_size {args.max_batch_size} must be >= 1")
     if not 1024 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in 1024..65535")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max_request_bytes {args.max_request_bytes} must be >= 1")
+    max_context = default_max_context(config) if args.max_context is None else args.max_context
+    if not 1 <= max_context <= config.max_seq_len:
+        raise ValueError(f"--max_context {max_context} must be in 1..arch.max_seq_len ({config.max_seq_len})")
+    memory = serving_memory(config, args.kv_cache, loops_max, args.max_batch_size, max_context, args.dtype, params)
+    print(describe(memory, args.kv_cache, loops_max, args.max_batch_size, max_context), file=sys.stderr, flush=True)
+    accelerator = resolve_accelerator(args.accelerator)
+    check_fits(memory, available_bytes(accelerator), accelerator)
     name = os.path.splitext(os.path.basename(args.ckpt_path))[0]
-    spec = CompletionsSpec(config, tokenizer, name, args.loops_default, loops_max)
+    spec = CompletionsSpec(config, tokenizer, name, args.loops_default, loops_max, max_context, args.max_request_bytes)
     api = ELRServeAPI(args.ckpt_path, spec, args.kv_cache, args.max_batch_size, args.dtype, args.log_level)
     server = ls.LitServer(api, accelerator=args.accelerator, devices=1, workers_per_device=1, timeout=False)
 
