@@ -126,10 +126,10 @@ def test_documented_command_parses(where: str, monkeypatch, capsys) -> None:
 
 
 def _raised_messages() -> list[str]:
-    """Every message the package raises, f-string fields as ``<expression>``.
+    """Every message the package raises, f-string fields and other computed parts as ``<expression>``.
 
-    Also the messages of exceptions that a function builds and returns for its caller to raise
-    (``return UnsafeCheckpointError(...)``).
+    Also the messages of exceptions built before they are raised (``return UnsafeCheckpointError(...)``,
+    ``too_big = RequestError(...)``): every call of a class whose name ends in ``Error``.
     """
 
     def text(node: ast.AST) -> str | None:
@@ -139,17 +139,19 @@ def _raised_messages() -> list[str]:
             return "".join(
                 v.value if isinstance(v, ast.Constant) else f"<{ast.unparse(v.value)}>" for v in node.values
             )
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):  # "text " + (a if c else b)
             left, right = text(node.left), text(node.right)
-            return None if left is None or right is None else left + right
+            if left is None and right is None:
+                return None
+            left = f"<{ast.unparse(node.left)}>" if left is None else left
+            return left + (f"<{ast.unparse(node.right)}>" if right is None else right)
         return None
 
     def exception(node: ast.AST) -> ast.Call | None:
         if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
             return node.exc
-        if isinstance(node, ast.Return) and isinstance(node.value, ast.Call):
-            if isinstance(node.value.func, ast.Name) and node.value.func.id.endswith("Error"):
-                return node.value
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.endswith("Error"):
+            return node
         return None
 
     messages = []
