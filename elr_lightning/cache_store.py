@@ -160,7 +160,7 @@ class KVCache:
 
     A new policy is a subclass that overrides :meth:`key`; pass the class as ``kv_cache`` to
     :func:`elr_lightning.generation.generate`, which also counts its stores for memory accounting
-    (:func:`elr_lightning.generation.kv_cache_bytes`).
+    (:func:`elr_lightning.cache.kv_cache_bytes`).
 
     Args:
         max_len: Longest sequence (prompt plus generated tokens) the cache holds.
