@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Union
 
 import torch
 from torch import Tensor
@@ -89,7 +89,9 @@ class TokenBatch:
         inputs, labels = batch[INPUT_KEY], batch[LABEL_KEY]
         for key, value in ((INPUT_KEY, inputs), (LABEL_KEY, labels)):
             if not isinstance(value, Tensor) or value.ndim != 2 or value.is_floating_point() or value.is_complex():
-                what = f"shape {list(value.shape)}, dtype {value.dtype}" if isinstance(value, Tensor) else type(value).__name__
+                what = type(value).__name__
+                if isinstance(value, Tensor):
+                    what = f"shape {list(value.shape)}, dtype {value.dtype}"
                 raise ValueError(f"batch[{key!r}] must be an integer tensor [B, T]; got {what}")
         if inputs.shape != labels.shape:
             raise ValueError(
@@ -150,7 +152,9 @@ class TokenBatch:
         for key, values, bad in checks:
             if bad.any():
                 b, t = (int(i) for i in bad.nonzero()[0])
-                allowed = f"ids in [0, {vocab_size})" + (f" or {IGNORE_INDEX} for no target" if key == LABEL_KEY else "")
+                allowed = f"ids in [0, {vocab_size})"
+                if key == LABEL_KEY:
+                    allowed += f" or {IGNORE_INDEX} for no target"
                 raise ValueError(
                     f"batch[{key!r}][{b}, {t}] = {int(values[b, t])} is outside arch.vocab_size={vocab_size}; "
                     f"give {allowed}, or raise model.init_args.arch.vocab_size"
@@ -163,11 +167,6 @@ def batch_dims(batch: Batch) -> tuple[int, int]:
         return batch.shape[0], batch.shape[1] - 1
     rows, seq_len = batch[INPUT_KEY].shape
     return rows, seq_len
-
-
-def is_labelled(batch: Any) -> bool:
-    """Whether ``batch`` is a mapping (the labelled form) rather than a tensor of token windows."""
-    return isinstance(batch, Mapping)
 
 
 def next_token_labels(input_ids: Tensor, targets: Tensor) -> Tensor:

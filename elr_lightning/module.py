@@ -28,6 +28,7 @@ from elr_lightning.parameter_usage import check_plain_ddp
 from elr_lightning.plugin_config import PluginConfigError, build_plugin, plain_hyperparameters
 from elr_lightning.resume import check_resumed_schedule, planned_steps
 from elr_lightning.roles import copy_with_roles
+from elr_lightning.safe_load import check_checkpoint, refusing_pickles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, tokenizer_state
 from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats
@@ -70,6 +71,12 @@ class ELRModule(LightningModule):
     they make ``num_shards`` shards per optimizer step. The sampler assigns each shard its k as a pure
     function of ``(seed, global_step, shard, num_shards)`` (DESIGN §4), and the loss is the token
     mean over the whole step.
+
+    A batch is a ``[B, T + 1]`` tensor of token windows or a labelled mapping ``{"input_ids",
+    "labels"}`` with :data:`~elr_lightning.batches.IGNORE_INDEX` where there is no target
+    (:mod:`elr_lightning.batches`); then every loss is the mean over labelled positions. Validation
+    logs ``{val,test}/loss_k{k}`` and, unless the data module's ``token_bytes`` are all zero,
+    ``bpb_k{k}`` (bits per UTF-8 byte of the targets).
 
     Args:
         arch: Architecture numbers; ``ModelConfig()`` by default.
@@ -164,6 +171,9 @@ class ELRModule(LightningModule):
         self.val_loss = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.val_bpb = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.register_buffer("token_bytes", torch.ones(arch.vocab_size), persistent=False)
+        #: Whether validation logs bits per byte: false when the data module's ``token_bytes`` are all
+        #: zero (targets that are not text, e.g. class ids of a synthetic task).
+        self.reports_bpb = True
         self._seed = loop_seed
         #: The training tokenizer: taken from the data module in :meth:`setup`, saved in every
         #: checkpoint and restored from it on load (``None`` when neither provided one).
@@ -252,6 +262,7 @@ class ELRModule(LightningModule):
             padded = torch.zeros(self.arch.vocab_size)
             padded[: len(token_bytes)] = torch.as_tensor(token_bytes, dtype=torch.float32)
             self.token_bytes = padded.to(self.token_bytes.device)
+            self.reports_bpb = bool(padded.any())
 
     @override
     def configure_model(self) -> None:
@@ -392,10 +403,7 @@ class ELRModule(LightningModule):
     def _evaluate(self, batch: Batch) -> None:
         tokens = TokenBatch.of(batch)
         count = tokens.labelled_tokens()
-        if tokens.masked:  # bytes of the labelled targets only
-            nbytes = (self.token_bytes[tokens.labels.clamp_min(0)] * tokens.mask()).sum()
-        else:
-            nbytes = self.token_bytes[tokens.labels].sum()
+        nbytes = (self.token_bytes[tokens.labels.clamp_min(0)] * tokens.mask()).sum()  # of labelled targets only
         for k in self.val_loops:
             nll = self.sequence_nll(batch, k).sum()
             self.val_loss[str(k)].update(nll / count, count)
@@ -409,7 +417,8 @@ class ELRModule(LightningModule):
         for k in self.val_loops:
             losses[k] = float(self.val_loss[str(k)].compute())
             self.log(f"{prefix}/loss_k{k}", losses[k], prog_bar=k in (1, self.val_loops[-1]), sync_dist=True)
-            self.log(f"{prefix}/bpb_k{k}", self.val_bpb[str(k)].compute(), sync_dist=True)
+            if self.reports_bpb:
+                self.log(f"{prefix}/bpb_k{k}", self.val_bpb[str(k)].compute(), sync_dist=True)
             with torch.inference_mode(False):  # states re-made here must not be inference tensors
                 self.val_loss[str(k)].reset()
                 self.val_bpb[str(k)].reset()
@@ -451,6 +460,26 @@ class ELRModule(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- checkpoints -------------------------------------------------------------------------
+    @classmethod
+    @override
+    def load_from_checkpoint(  # type: ignore[override]
+        cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Optional[str] = None,
+        strict: Optional[bool] = None, weights_only: Optional[bool] = None, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """Lightning's ``load_from_checkpoint``, the file read as data (:mod:`elr_lightning.safe_load`).
+
+        ``weights_only`` is ``True`` unless given: a pickled object is refused in one line, and the
+        modules the hyperparameters name are checked before any is imported (trust your own with
+        ``ELR_TRUST_MODULES`` or :func:`~elr_lightning.trust.trust_modules`). An explicit
+        ``weights_only=False`` trusts the file whole, as in Lightning.
+        """
+        if weights_only is not False and hparams_file is None:  # else the hyperparameters are the user's file
+            check_checkpoint(checkpoint_path)
+        with refusing_pickles(str(getattr(checkpoint_path, "name", checkpoint_path))):
+            return super().load_from_checkpoint(
+                checkpoint_path, map_location, hparams_file, strict, weights_only=weights_only is not False, **kwargs
+            )
+
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the architecture; refuse to save non-finite weights or plug-ins that are not plain data.

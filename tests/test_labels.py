@@ -148,6 +148,29 @@ def test_backprop_loops_truncates_a_labelled_batch_like_a_window_batch():
     assert any(not torch.equal(plain[1][name], full[1][name]) for name in plain[1])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["compile_layers", "compile_model"])
+def test_compiled_models_train_labelled_batches_like_eager(flag, monkeypatch):
+    """``torch.compile`` of the layers or of the whole looped forward: the same labelled loss and gradient."""
+    compile_, compiled_calls = torch.compile, []
+
+    def compile_without_codegen(*args: Any, **kwargs: Any) -> Any:  # tracing: seconds, not minutes of C++ builds
+        compiled_calls.append(args)
+        return compile_(*args, **{**kwargs, "backend": "aot_eager_decomp_partition"})
+
+    monkeypatch.setattr(torch, "compile", compile_without_codegen)
+    batch = parity_batch(4, 16, seed=8)
+    batch["labels"][:2, :12] = IGNORE_INDEX
+    eager = perturbed(8, virtual_ranks=2)
+    compiled = perturbed(8, virtual_ranks=2, **{flag: True})
+    compiled.configure_model()
+    assert compiled_calls
+    for loops in ([1, 3], [2, 2]):
+        want, got = loss_and_grads(eager, batch, loops), loss_and_grads(compiled, batch, loops)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+        assert_same_grads(got[1], want[1], rtol=1e-4, atol=1e-6)
+
+
 # ---- refusals ----------------------------------------------------------------------------------
 
 
@@ -272,6 +295,14 @@ def test_validation_and_prediction_count_labelled_targets_only():
             assert metrics[f"val/bpb_k{k}"] == pytest.approx(metrics[f"val/loss_k{k}"] / math.log(2), rel=1e-5)
             per_row = torch.cat([p[k] for p in predictions])
             torch.testing.assert_close(per_row, nll.sum(1) / mask.sum(1), rtol=1e-5, atol=1e-6)
+
+
+def test_targets_without_bytes_log_no_bits_per_byte():
+    """A data module whose targets are not text (``token_bytes`` all zero) gets loss per k and no bpb."""
+    data = ParityData()
+    data.token_bytes = torch.zeros(4, dtype=torch.long)
+    metrics = trainer(limit_val_batches=None).validate(perturbed(9, val_loops=[1, 2]), datamodule=data, verbose=False)[0]
+    assert set(metrics) == {"val/loss_k1", "val/loss_k2"}
 
 
 def test_validation_of_a_batch_without_labels_is_not_nan():

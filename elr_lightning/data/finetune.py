@@ -81,7 +81,9 @@ def read_pairs(path: str, prompt_field: str, completion_field: str, option: str)
     except UnicodeDecodeError as err:
         raise ValueError(f"{option}: {path!r} is not UTF-8 text ({err.reason}); convert it to UTF-8") from err
     if not pairs:
-        raise ValueError(f"{option}: {path!r} holds no example; give one JSON object per line with {list(fields.values())}")
+        raise ValueError(
+            f"{option}: {path!r} holds no example; give one JSON object per line with {list(fields.values())}"
+        )
     return pairs
 
 
@@ -95,7 +97,9 @@ class PromptCompletionExamples(Dataset):
         pad_id: Id placed after an example (never a target, never attended to by it).
     """
 
-    def __init__(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], seq_len: int, pad_id: int) -> None:
+    def __init__(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], seq_len: int, pad_id: int
+    ) -> None:
         lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
         if max(lengths, default=0) > seq_len + 1:
             raise ValueError(f"an example of {max(lengths)} tokens exceeds seq_len + 1 = {seq_len + 1}")
@@ -201,6 +205,8 @@ class PromptCompletionDataModule(TokenDataModule):
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         self.train_examples: Optional[PromptCompletionExamples] = None
         self.val_examples: Optional[PromptCompletionExamples] = None
+        #: The validation examples' text, in the order of :attr:`val_examples` (for scoring generations).
+        self.val_pairs: list[Pair] = []
         self._train_loader: Optional[StepIndexedLoader] = None
 
     def _read(self, path: str, option: str) -> list[Pair]:
@@ -263,6 +269,7 @@ class PromptCompletionDataModule(TokenDataModule):
             )
         self.train_examples = self.encode(train, "data.path", self.path)
         self.val_examples = self.encode(val, val_option, val_path)
+        self.val_pairs = val
         self._train_loader = None
 
     def _require_setup(self) -> tuple[PromptCompletionExamples, PromptCompletionExamples]:
@@ -278,17 +285,7 @@ class PromptCompletionDataModule(TokenDataModule):
             ValueError: There are fewer training examples than one global batch.
         """
         train, _ = self._require_setup()
-        rank, world_size = self._rank_and_world_size()
-        loader = self._train_loader
-        if loader is None or (loader.rank, loader.world_size) != (rank, world_size):
-            loader = StepIndexedLoader(train, self.batch_size, seed=self.seed, rank=rank, world_size=world_size)
-            if len(loader) == 0:
-                raise ValueError(
-                    f"data.batch_size: {len(train)} training examples cannot fill one global batch of "
-                    f"{self.batch_size} x {world_size} device(s); lower data.batch_size or add examples"
-                )
-            self._train_loader = loader
-        return loader
+        return self.resumable_loader(train, self.seed, "training examples", "lower data.batch_size or add examples")
 
     @override
     def val_dataloader(self) -> DataLoader:

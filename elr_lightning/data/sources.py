@@ -110,7 +110,15 @@ def read_text(path: str) -> str:
             UTF-8.
     """
     with open(path, "rb") as f:
-        data = f.read()
+        return decode_text(f.read(), path)
+
+
+def decode_text(data: bytes, path: str) -> str:
+    """``data``, read from ``path``, as UTF-8 text, refusing binary content by name (see :func:`read_text`).
+
+    Raises:
+        ValueError: ``data`` holds a NUL byte or bytes that are not UTF-8.
+    """
     nul = data.find(b"\0")
     if nul >= 0:
         raise ValueError(

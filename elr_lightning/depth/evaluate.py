@@ -90,9 +90,10 @@ def run_depth_eval(args: Any, model: LoopedLM, task: DepthTask) -> dict[str, Any
     if auto:
         budget = max_loops if args.max_loops is None else args.max_loops
         summary["adaptive"] = {}
+        criterion = args.exit_criterion or "kl"
         for threshold in parse_thresholds(args.threshold) if args.threshold is not None else [1e-3]:
-            depth = AdaptiveDepth(budget, threshold, args.exit_criterion)
-            summary["adaptive"][auto_label(args.exit_criterion, threshold)] = score_adaptive(
+            depth = AdaptiveDepth(budget, threshold, criterion)
+            summary["adaptive"][auto_label(criterion, threshold)] = score_adaptive(
                 model, task, difficulties, depth, n, args.seed, args.kv_cache
             )
     print(_report(table, task, summary))
