@@ -242,3 +242,38 @@ def test_ablate_scores_depth_arms_and_checks_the_targets(tmp_path):
     report = (tmp_path / "out" / "ablate.md").read_text()
     assert "## Depth task `root`" in report and "k = 1 within 2 points of the baseline" in report
     assert (tmp_path / "out" / "depth_heatmaps.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_quickstart_trains_then_eval_tables_and_generate_decodes_in_the_alphabet(tmp_path, capsys):
+    """The shipped depth config (shrunk) through `elr fit` with its DepthAccuracy callback, `elr eval` and `elr generate`."""
+    import json
+
+    import yaml
+
+    from elr_lightning.cli import run
+
+    path = _depth_config(tmp_path)
+    config = yaml.safe_load(open(path))
+    config["trainer"].update(default_root_dir=str(tmp_path / "runs"), logger=False, callbacks=[
+        {"class_path": "elr_lightning.callbacks.DepthAccuracy", "init_args": {"n": 4}},
+        {"class_path": "elr_lightning.callbacks.AtomicModelCheckpoint", "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True}},
+    ])  # fmt: skip
+    open(path, "w").write(yaml.safe_dump(config))
+    run(["fit", "--config", path])
+    ckpt = str(tmp_path / "ckpt" / "last.ckpt")
+    capsys.readouterr()
+    run(["eval", "--ckpt_path", ckpt, "--limit", "4", "--loops", "1,2,4,auto", "--threshold", "0.1,0.01", "--allow_extrapolation",
+         "--output_dir", str(tmp_path / "eval")])  # fmt: skip
+    table = capsys.readouterr().out
+    assert "exact match (%) of 4 held-out instances per difficulty" in table
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["task"] == "root" and summary["difficulties"] == [1, 2] and summary["loops"] == [1, 2, 4]
+    assert set(summary["exact"]["1"]) == {"1", "2", "4"} and set(summary["adaptive"]) == {"auto:kl:0.1", "auto:kl:0.01"}
+    assert all(0.0 <= v <= 100.0 for row in summary["exact"].values() for v in row.values())
+    assert (tmp_path / "eval" / "depth_heatmap.png").stat().st_size > 0
+    run(["generate", "--ckpt_path", ckpt, "--loops", "2", "--max_new_tokens", "3", "--temperature", "0",
+         "--prompt", "A1B12"])  # fmt: skip
+    text = capsys.readouterr().out.strip()
+    alphabet = get_task("root").alphabet
+    assert text.startswith("A1B12") and len(text) == 8 and set(text) <= set(alphabet)
