@@ -16,23 +16,12 @@ from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from elr_lightning.data import MixtureLoader, PreparedDataModule
-from test_data import Recorder
+from test_data import Recorder, _take
 from test_data_mixture import _streams, folders  # noqa: F401 (fixture)
 
 
 def _loader(streams: list, prefetch: int, batch_size: int = 3, rank: int = 0, world_size: int = 1) -> MixtureLoader:
     return MixtureLoader(streams, ["a", "b"], [0.7, 0.3], ["fa", "fb"], 7, batch_size, 5, rank, world_size, prefetch)
-
-
-def _take(loader: MixtureLoader, n: int) -> list[torch.Tensor]:
-    """``n`` batches, iterating again at each epoch's end (as Lightning does)."""
-    out: list[torch.Tensor] = []
-    while len(out) < n:
-        for batch in loader:
-            out.append(batch)
-            if len(out) == n:
-                break
-    return out
 
 
 def _prefetch_threads() -> list[threading.Thread]:
