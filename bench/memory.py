@@ -33,7 +33,7 @@ time at most 1.4x that of ``none``; ``bp1`` step time at k = 4 at most 0.6x that
 the first of ``--settings`` (``none`` by default): for every k, the same model with and without a
 ``LoopConditioner``,
 
-* counted, in this process: the bytes a forward pass leaves alive for the backward pass (every
+* counted, in this process on the CPU: the bytes a forward pass leaves alive for the backward pass (every
   storage an op made during the forward that is still alive after it, parameters excluded; a
   dispatch mode sees them whatever saved-tensor hooks keep them) and, of these, the elements of
   storages shaped like a mixer weight (or its transpose): per-loop weight copies;
@@ -95,10 +95,13 @@ def _model(args: argparse.Namespace, conditioning: bool):
     from elr_lightning.config import ModelConfig
     from elr_lightning.model import LoopedLM
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from overhead import arch_fields  # the same --arch models as bench/overhead.py
+
     n_in, n_rec, n_out = args.layers
     cfg = ModelConfig(
         vocab_size=args.vocab, d_model=args.d_model, n_heads=args.n_heads, n_in=n_in, n_rec=n_rec, n_out=n_out,
-        max_seq_len=args.seq_len, max_loops=max(args.loops),
+        max_seq_len=args.seq_len, max_loops=max(args.loops), **arch_fields(args.arch, args.d_model, args.n_heads),
     )
     return LoopedLM(cfg, conditioner=LoopConditioner() if conditioning else None)
 
@@ -157,8 +160,9 @@ def conditioning_table(args: argparse.Namespace, run) -> None:
         model.set_backprop(**SETTINGS[setting])
         for k in args.loops:
             def forward():
-                logits = model(batch[:, :-1], k)
-                return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+                    logits = model(batch[:, :-1], k)
+                return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
             counted[(conditioning, k)] = kept_for_backward(model, forward)[1]
     peaks: dict[tuple[bool, int], list[int]] = {key: [] for key in counted}
@@ -271,6 +275,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     parser.add_argument("--time_repeats", type=int, default=2, help="timing processes per k, interleaved over k")
     parser.add_argument("--memory_repeats", type=int, default=1, help="fresh processes per (setting, k) for the peak")
+    parser.add_argument("--arch", choices=["attention", "hybrid", "moe"], default="attention",
+                        help="the mixers, as bench/overhead.py --arch (hybrid: GDP layers; moe: top-2 of 8 experts)")
     parser.add_argument("--conditioning_table", action="store_true",
                         help="eq. 4's cost: conditioned against unconditioned at each k (see above), nothing else")
     parser.add_argument("--out", default="bench/results/memory.json")
