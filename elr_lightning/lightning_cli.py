@@ -7,19 +7,18 @@ import glob
 import os
 import sys
 import warnings
-import zipfile
 from typing import Any, Optional
 
-import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
 from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
-from elr_lightning.checkpoint_io import verify_checkpoint_path, weights_only_first
+from elr_lightning.checkpoint_io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import resolve_sources
 from elr_lightning.module import ARCH_FREE_FIELDS, ELRModule
+from elr_lightning.safe_load import load_weights_only
 from elr_lightning.tokenizers import load_tokenizer
 
 
@@ -71,11 +70,8 @@ class ELRCLI(LightningCLI):
         verify_checkpoint_path(str(ckpt_path), "--ckpt_path")
         if not os.path.isfile(str(ckpt_path)):
             return
-        path = str(ckpt_path)  # mmap: only the small hparams entries are read; legacy files cannot be mapped
-        mmap = zipfile.is_zipfile(path)
-        checkpoint = weights_only_first(
-            lambda w: torch.load(path, map_location="cpu", weights_only=w, mmap=mmap), path
-        )
+        path = str(ckpt_path)
+        checkpoint = load_weights_only(path)  # mapped: only the small hparams entries are read
         model = config.get("model")
         mine = model.get("init_args") if model is not None and "init_args" in model else model
         problems = checkpoint_conflicts(checkpoint, mine.as_dict() if mine is not None else {}, subcommand)
