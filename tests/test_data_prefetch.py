@@ -1,10 +1,10 @@
 """Background prefetch of the training batches (``StepLoader(prefetch=n)``): the same batches in the
-same order, the same resume position, exceptions where the batch is asked for, and no worker left behind."""
+same order, the same resume position, exceptions where the batch is asked for, and no thread left behind."""
 
 from __future__ import annotations
 
 import gc
-import multiprocessing
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -24,9 +24,8 @@ def _loader(streams: list, prefetch: int, batch_size: int = 3, rank: int = 0, wo
     return MixtureLoader(streams, ["a", "b"], [0.7, 0.3], ["fa", "fb"], 7, batch_size, 5, rank, world_size, prefetch)
 
 
-def _workers() -> list:
-    """This process' live child processes (the prefetch worker is one)."""
-    return multiprocessing.active_children()
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "elr-data-prefetch"]
 
 
 @pytest.fixture(scope="module")
@@ -65,17 +64,17 @@ def test_a_cursor_moved_while_iterating_reads_from_the_new_position(streams: lis
     assert torch.equal(next(it), plain.batch_at(0, 1))
 
 
-def test_the_worker_stops_at_the_epochs_end_and_when_the_iterator_is_dropped(streams: list) -> None:
-    before = len(_workers())
+def test_the_thread_stops_at_the_epochs_end_and_when_the_iterator_is_dropped(streams: list) -> None:
+    before = len(_prefetch_threads())
     loader = _loader(streams, 2)
     batches = list(loader)  # a whole epoch
-    assert len(batches) == len(loader) and len(_workers()) == before
+    assert len(batches) == len(loader) and len(_prefetch_threads()) == before
     it = iter(loader)  # the next epoch, left after one batch (a run that stops at max_steps)
     next(it)
-    assert len(_workers()) == before + 1
+    assert len(_prefetch_threads()) == before + 1
     del it
     gc.collect()
-    assert len(_workers()) == before
+    assert len(_prefetch_threads()) == before
 
 
 class Broken(MixtureLoader):
@@ -90,7 +89,7 @@ class Broken(MixtureLoader):
 
 
 def test_an_error_reading_a_batch_is_raised_where_that_batch_is_asked_for(streams: list) -> None:
-    before = len(_workers())
+    before = len(_prefetch_threads())
     loader = Broken(streams, ["a", "b"], [0.7, 0.3], ["fa", "fb"], 7, 3, 5, prefetch=4)
     it = iter(loader)
     next(it)
@@ -98,7 +97,7 @@ def test_an_error_reading_a_batch_is_raised_where_that_batch_is_asked_for(stream
     with pytest.raises(ValueError, match="the folder is damaged"):
         next(it)
     assert loader.state_dict()["position"] == 2  # the failed batch was not counted
-    assert len(_workers()) == before
+    assert len(_prefetch_threads()) == before
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
@@ -132,7 +131,7 @@ def _fit(tmp_path: Path, folders: list[Path], ckpt_dir: Optional[Path], ckpt_pat
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_lightning_resume_with_prefetch_is_exact(tmp_path: Path, folders: list[Path]) -> None:  # noqa: F811
-    before = len(_workers())
+    before = len(_prefetch_threads())
     ckpts = tmp_path / "ckpts"
     full = _fit(tmp_path, folders, ckpts, None)
     dm = PreparedDataModule([str(f) for f in folders], weights=[0.7, 0.3], seq_len=128, batch_size=64, prefetch=0)
@@ -144,4 +143,4 @@ def test_lightning_resume_with_prefetch_is_exact(tmp_path: Path, folders: list[P
     for step in (2, per_epoch, per_epoch + 1):  # mid-epoch, at the epoch's end, in the next epoch
         assert _fit(tmp_path, folders, None, str(ckpts / f"step={step}.ckpt")) == full[step:], step
     gc.collect()
-    assert len(_workers()) == before
+    assert len(_prefetch_threads()) == before

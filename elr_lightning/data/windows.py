@@ -1,13 +1,15 @@
 """Fixed windows over a token stream, and the step-indexed training loader that resumes exactly."""
 
 import hashlib
+import queue
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset
 from typing_extensions import override
 
 from elr_lightning.batches import Batch
@@ -92,31 +94,66 @@ def check_prefetch(prefetch: object) -> None:
         raise ValueError(f"data.prefetch must be an integer >= 0 (0: no background reads), got {prefetch!r}")
 
 
-class _Positions(Sampler):
-    """``(epoch, position)`` from a loader's cursor to the end of its epoch, read when an iteration starts."""
+class _Prefetcher:
+    """Builds ``batch_at(epoch, p)`` for ``p = start, start + 1, ... < stop`` in a daemon thread, ``depth`` ahead.
 
-    def __init__(self, loader: "StepLoader") -> None:
-        self.loader = loader
+    The batches come out in order through a queue of ``depth`` places, so the thread never runs more
+    than ``depth`` batches ahead of the step. An exception raised by ``batch_at`` is handed over
+    in the batch's place and raised by :meth:`get`, where the batch was asked for; the thread then
+    stops. :meth:`close` stops the thread and waits for it to finish the batch it is building.
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        epoch, start = self.loader.epoch, self.loader.position
-        return ((epoch, position) for position in range(start, len(self.loader)))
+    Attributes:
+        epoch: The epoch it reads.
+        next: The position :meth:`get` returns next.
+    """
 
+    #: Seconds :meth:`close` waits for the thread to finish the batch it is building.
+    JOIN_S = 30.0
 
-class _Batches(Dataset):
-    """``(epoch, position) -> (epoch, position, batch, None)``, or the exception building it raised in the
-    batch's place: the training loop raises it where the batch is asked for, as it is (a worker's own
-    re-raise would wrap it in a traceback)."""
+    def __init__(
+        self, batch_at: Callable[[int, int], Batch], epoch: int, start: int, stop: int, depth: int
+    ) -> None:
+        self.epoch, self.next = epoch, start
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(batch_at, epoch, start, stop), name="elr-data-prefetch", daemon=True
+        )
+        self._thread.start()
 
-    def __init__(self, loader: "StepLoader") -> None:
-        self.loader = loader
+    def _run(self, batch_at: Callable[[int, int], Batch], epoch: int, start: int, stop: int) -> None:
+        for position in range(start, stop):
+            try:
+                item: tuple[Optional[Batch], Optional[BaseException]] = (batch_at(epoch, position), None)
+            except BaseException as err:  # raised in the training loop, at this batch
+                item = (None, err)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or item[1] is not None:
+                return
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[int, int, Optional[torch.Tensor], Optional[Exception]]:
-        epoch, position = key
-        try:
-            return epoch, position, self.loader.batch_at(epoch, position), None
-        except Exception as err:
-            return epoch, position, None, err
+    def get(self) -> Batch:
+        """The batch at :attr:`next` (waiting for it if it is not built yet); raises what building it raised."""
+        while True:
+            try:
+                batch, err = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the data prefetch thread stopped before building the next batch") from None
+        if err is not None:
+            raise err
+        self.next += 1
+        return batch
+
+    def close(self) -> None:
+        """Stop the thread and wait for it (it finishes the batch it is building)."""
+        self._stop.set()
+        self._thread.join(self.JOIN_S)
 
 
 class StepLoader(ABC):
@@ -134,21 +171,19 @@ class StepLoader(ABC):
     does not fetch ahead from a loader that has ``__len__``, so at checkpoint time that number is
     exactly the number of batches trained on (checked in the tests with a real ``Trainer``).
 
-    With ``prefetch`` > 0 one worker process (torch's ``DataLoader``, ``num_workers=1``,
-    ``prefetch_factor=prefetch``) builds the next batches of the epoch while the step runs, at most
-    ``prefetch`` ahead. A process rather than a thread: building a batch is mostly Python holding
-    the GIL, and a thread made the training loop wait for the GIL longer than the read took. The
+    With ``prefetch`` > 0 a background thread builds the next batches of the epoch while the step
+    runs (at most ``prefetch`` ahead; reading windows is I/O and NumPy, which release the GIL). The
     batches and the saved position are the same as without it: a batch counts as yielded when the
     loop takes it, and a batch is a pure function of its position. A cursor moved while iterating
-    (:meth:`load_state_dict`) restarts the worker there. The worker stops when the epoch's batches
-    are built, when the iterator is closed or dropped, and after an exception, which is raised as
-    it is where its batch is asked for.
+    (:meth:`load_state_dict`) restarts the thread there. The thread stops when the epoch's batches
+    are built, when the iterator is closed or dropped, and after an exception (raised where its
+    batch is asked for).
 
     Args:
         batch_size: Windows per batch on this rank.
         rank: This process' rank.
         world_size: Number of processes sharing each global batch.
-        prefetch: Batches built ahead in a worker process; 0 builds each when it is asked for.
+        prefetch: Batches built ahead in a background thread; 0 builds each when it is asked for.
     """
 
     #: How the refusal of a foreign layout tells the user to fix it.
@@ -192,29 +227,22 @@ class StepLoader(ABC):
         if self.position >= len(self):
             self.epoch += 1
             self.position = 0
-        if not self.prefetch:
-            while self.position < len(self):
-                batch = self.batch_at(self.epoch, self.position)
-                self.position += 1
-                yield batch
-            return
-        reader = DataLoader(
-            _Batches(self), batch_size=None, sampler=_Positions(self), num_workers=1, prefetch_factor=self.prefetch
-        )
-        ahead = None
+        ahead: Optional[_Prefetcher] = None
         try:
             while self.position < len(self):
-                ahead = iter(reader)  # a worker process reading from the cursor on
-                for epoch, position, batch, err in ahead:
-                    if (epoch, position) != (self.epoch, self.position):
-                        break  # the cursor moved (load_state_dict): read from there
-                    if err is not None:
-                        raise err
-                    self.position += 1
-                    yield batch
-                ahead = None  # stops the worker
+                if not self.prefetch:
+                    batch = self.batch_at(self.epoch, self.position)
+                else:
+                    if ahead is None or (ahead.epoch, ahead.next) != (self.epoch, self.position):
+                        if ahead is not None:  # the cursor moved (load_state_dict): read from there
+                            ahead.close()
+                        ahead = _Prefetcher(self.batch_at, self.epoch, self.position, len(self), self.prefetch)
+                    batch = ahead.get()
+                self.position += 1
+                yield batch
         finally:
-            ahead = None  # on an error or a close, now rather than when a traceback holding this frame is freed
+            if ahead is not None:
+                ahead.close()
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor and the layout it is valid for.
