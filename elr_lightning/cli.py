@@ -11,6 +11,7 @@ import torch
 from elr_lightning.ablate import main as ablate_main
 from elr_lightning.cost import main as cost_main
 from elr_lightning.data.prepare import prepare_command
+from elr_lightning.estimate_report import main as estimate_main
 from elr_lightning.errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, report_errors
 from elr_lightning.generate_cli import generate_command
 from elr_lightning.hf.export import export_command, import_command
@@ -39,6 +40,7 @@ def _eval_tasks(argv: list[str]) -> None:
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "ablate": ablate_main,
     "cost": cost_main,
+    "estimate": estimate_main,
     "eval": _eval,
     "eval-tasks": _eval_tasks,
     "export": export_command,
