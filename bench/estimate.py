@@ -70,7 +70,7 @@ def worker(config_path: str, loops: int, mode: str, micro_batch: int, seq_len: i
     target = Target("single", 1, single.precision, single.gradient_clip_val)
     module = ELRModule(**config["model"]["init_args"])
     module.train()
-    optimizer = primed_optimizer(module)
+    optimizer = primed_optimizer(module, target.gradient_clip_val)
     checkpointing, backprop = MODES[mode]
     setting = Setting(loops, checkpointing, backprop, micro_batch, seq_len)
     warm = Setting(loops, checkpointing, backprop, module.virtual_ranks, 2)

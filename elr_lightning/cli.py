@@ -11,7 +11,6 @@ import torch
 from elr_lightning.ablate import main as ablate_main
 from elr_lightning.cost import main as cost_main
 from elr_lightning.data.prepare import prepare_command
-from elr_lightning.estimate_report import main as estimate_main
 from elr_lightning.errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, report_errors
 from elr_lightning.generate_cli import generate_command
 from elr_lightning.hf.export import export_command, import_command
@@ -28,6 +27,14 @@ def _eval_module() -> Any:
     return command
 
 
+def _estimate(argv: list[str]) -> None:
+    try:  # torch's memory tools (torch.distributed._tools) are newer than the oldest torch we run on
+        from elr_lightning.estimate_report import main as estimate_main
+    except ImportError as err:
+        raise SystemExit(f"elr estimate: error: {err}; it needs torch >= 2.6") from None
+    estimate_main(argv)
+
+
 def _eval(argv: list[str]) -> None:
     _eval_module().eval_command(argv)
 
@@ -40,7 +47,7 @@ def _eval_tasks(argv: list[str]) -> None:
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "ablate": ablate_main,
     "cost": cost_main,
-    "estimate": estimate_main,
+    "estimate": _estimate,
     "eval": _eval,
     "eval-tasks": _eval_tasks,
     "export": export_command,

@@ -15,7 +15,8 @@ NCCL's buffers. Two pieces of a GPU run cannot run on fake tensors and are stood
 fla's Triton kernels of the GDP layers (:mod:`elr_lightning.estimate_fla` allocates what they
 allocate, with ``Target(fla_kernels=True)``; else the layers run the PyTorch chunked path), and
 torch's DDP reducer (it reads parameter data), whose gradient buckets are added as one
-gradient-sized buffer per rank (the gradients live in them with ``gradient_as_bucket_view``). ``elr estimate`` (:mod:`elr_lightning.estimate_report`) prints the table.
+gradient-sized buffer per rank (the gradients live in them with ``gradient_as_bucket_view``).
+``elr estimate`` (:mod:`elr_lightning.estimate_report`) prints the table.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class Target:
             raise ValueError(f"strategy={self.strategy!r} must be one of {STRATEGIES}")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size={self.world_size!r} must be an integer >= 1 (devices x nodes)")
-        lightning_precision(self.precision)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} must be one of {tuple(PRECISIONS)} (see lightning_precision)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,11 +225,16 @@ class TrainingStep(nn.Module):
         return loss + sum(aux.values(), start=torch.zeros_like(loss))
 
 
-def primed_optimizer(module: ELRModule) -> torch.optim.Optimizer:
+def primed_optimizer(module: ELRModule, gradient_clip_val: Optional[float] = None) -> torch.optim.Optimizer:
     """The module's AdamW (its groups, learning rates and fused kernel) holding state for every trainable parameter.
 
-    The state is made by one step on zero gradients, so a traced step sees it as a run does from
-    its second step on (after the delayed switch every parameter has state).
+    The state is made by one step on zero gradients (clipped first when ``gradient_clip_val`` is
+    set), so a traced step sees it as a run does from its second step on (after the delayed switch
+    every parameter has state). Under FSDP2 this also runs each of the step's operations on the
+    sharded parameters once before any tracing: DTensor derives an operation's output layout the
+    first time it meets it by running it on fake tensors of the global (unsharded) shapes, in the
+    active ``FakeTensorMode``, where a tracker would count them (clipping 8 shards would count as
+    8 full copies of the gradients); later calls reuse the layout.
     """
     hp = module.hparams
     model = module.model
@@ -235,6 +242,8 @@ def primed_optimizer(module: ELRModule) -> torch.optim.Optimizer:
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
+    if gradient_clip_val:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), gradient_clip_val)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return optimizer
@@ -371,13 +380,13 @@ def _fake_steps(
     if any(not p.is_meta for p in model.parameters()):
         raise ValueError("the memory estimate needs a module built on the meta device (under torch.device('meta'))")
     model.to(param_dtype)
-    with _fake_mode():
+    with fake_mode():
         if target.strategy == "fsdp":
             policy = mixed_precision_policy(target.precision)
             shard_looped_lm(model, mesh, reshard_after_forward=target.reshard_after_forward, mp_policy=policy)
         model.to_empty(device="cpu")
         model.train()
-        optimizer = primed_optimizer(module)
+        optimizer = primed_optimizer(module, target.gradient_clip_val)
         yield lambda setting: traced_step(module, optimizer, target, setting)
 
 
@@ -388,10 +397,10 @@ def estimate_steps(build: Callable[[], ELRModule], target: Target, settings: Seq
         return [step(setting) for setting in settings]
 
 
-def _fake_mode() -> contextlib.AbstractContextManager:
+def fake_mode() -> contextlib.AbstractContextManager:
+    """The estimate's ``FakeTensorMode``: meta parameters from outside it become fake leaves under ``to_empty``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    # Meta parameters come from outside the mode; to_empty turns each into a fake leaf parameter.
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
@@ -449,7 +458,7 @@ def measured_steps(module: ELRModule, target: Target, settings: Sequence[Setting
         raise ValueError("measured_steps runs one rank without sharding: use strategy 'single' or 'ddp'")
     _, param_dtype = PRECISIONS[target.precision]
     module.model.to(param_dtype).train()
-    optimizer = primed_optimizer(module)
+    optimizer = primed_optimizer(module, target.gradient_clip_val)
     return [traced_step(module, optimizer, target, setting) for setting in settings]
 
 
@@ -464,6 +473,7 @@ __all__ = [
     "TrainingStep",
     "ddp_bucket_bytes",
     "estimate_steps",
+    "fake_mode",
     "fake_process_group",
     "fake_training",
     "largest_fitting",

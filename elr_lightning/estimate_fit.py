@@ -9,6 +9,7 @@ is traced, so CPU runs start as fast as before.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from collections.abc import Callable
@@ -16,13 +17,12 @@ from typing import TYPE_CHECKING, Any, Optional, TextIO
 
 import torch
 
-from elr_lightning.estimate import Setting, StepMemory, Target, fake_training, lightning_precision
-from elr_lightning.estimate_report import half_precision
-from elr_lightning.mixers.delta_rule import _fla_kernel
 from elr_lightning.module import ELRModule
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+    from elr_lightning.estimate import StepMemory, Target
 
 _GIB = 2**30
 
@@ -34,13 +34,17 @@ def cuda_total_memory(device: torch.device) -> Optional[int]:
     return int(torch.cuda.get_device_properties(device).total_memory)
 
 
-def target_of_trainer(trainer: "pl.Trainer") -> Target:
+def target_of_trainer(trainer: "pl.Trainer") -> "Target":
     """The :class:`~elr_lightning.estimate.Target` of a live trainer (before its strategy is set up).
 
     Raises:
         ValueError: A strategy or precision the estimate does not cover.
     """
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+    from elr_lightning.estimate import Target, lightning_precision
+    from elr_lightning.estimate_report import half_precision
+    from elr_lightning.mixers.delta_rule import _fla_kernel
 
     strategy = trainer.strategy
     options: dict[str, Any] = {}
@@ -73,7 +77,7 @@ def log_fit_estimate(
     total_memory: Optional[Callable[[torch.device], Optional[int]]] = None,
     headroom: float = 0.1,
     stream: Optional[TextIO] = None,
-) -> Optional[StepMemory]:
+) -> Optional["StepMemory"]:
     """At the start of ``elr fit`` on a GPU: estimate the run's worst step once and say whether it fits.
 
     Only global rank 0, and only where ``total_memory`` (default :func:`cuda_total_memory`) knows
@@ -92,6 +96,8 @@ def log_fit_estimate(
     out = sys.stderr if stream is None else stream
     model = module.model
     try:
+        from elr_lightning.estimate import Setting, fake_training  # torch's memory tools: imported on a GPU only
+
         target = target_of_trainer(trainer)
         setting = Setting(
             model.config.max_loops,
@@ -100,7 +106,8 @@ def log_fit_estimate(
             getattr(datamodule, "batch_size", None),
             getattr(datamodule, "seq_len", None),
         )
-        hparams = dict(module.hparams)
+        accepted = inspect.signature(type(module).__init__).parameters
+        hparams = {key: value for key, value in module.hparams.items() if key in accepted}  # not the CLI's _class_path
 
         def build() -> ELRModule:
             with torch.device("meta"):

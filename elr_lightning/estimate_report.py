@@ -20,6 +20,7 @@ from typing import Any, Optional, TextIO, Union
 
 import torch
 
+from elr_lightning.core import CHECKPOINTING
 from elr_lightning.cost import build_module, merged_config
 from elr_lightning.errors import root_cause
 from elr_lightning.estimate import PRECISIONS, STRATEGIES, Setting, StepMemory, Target, fake_training, largest_fitting, lightning_precision
@@ -231,6 +232,8 @@ def memory_report(
     search: bool = True,
     conditioning: bool = True,
     gdp_kernels: str = "auto",
+    activation_checkpointing: Optional[str] = None,
+    backprop_loops: Optional[int] = None,
     progress: Optional[TextIO] = None,
 ) -> dict[str, Any]:
     """The estimate table of one or more merged config files, with the micro-batch search and the verdict.
@@ -250,6 +253,9 @@ def memory_report(
         search: Search the largest micro-batch that fits (a few more traced steps).
         conditioning: Eq. 4 conditioning on (as after the delayed switch) or off.
         gdp_kernels: ``auto``, ``fla`` or ``torch`` (:func:`target_of_config`).
+        activation_checkpointing: The run's setting instead of ``model.init_args.activation_checkpointing``:
+            the verdict and the micro-batch search are about the run's setting at k = K.
+        backprop_loops: The run's setting instead of ``model.init_args.backprop_loops``.
         progress: Where to print a line per traced step (``None``: nowhere).
 
     Raises:
@@ -271,7 +277,14 @@ def memory_report(
     arch = args.get("arch") or {}
     k_max = int(arch.get("max_loops", 4))
     loops = list(range(1, k_max + 1)) if loops is None else [_count(k, "--loops") for k in loops]
-    own = (args.get("activation_checkpointing") or "none", args.get("backprop_loops"))
+    own = (
+        activation_checkpointing or args.get("activation_checkpointing") or "none",
+        backprop_loops if backprop_loops is not None else args.get("backprop_loops"),
+    )
+    if own[0] not in CHECKPOINTING:
+        raise ValueError(f"--activation_checkpointing {own[0]!r} must be one of {', '.join(CHECKPOINTING)}")
+    if own[1] is not None:
+        _count(own[1], "--backprop_loops")
     virtual_ranks = int(args.get("virtual_ranks") or 1)
     if batch < virtual_ranks:
         raise ValueError(
@@ -288,7 +301,7 @@ def memory_report(
         for name in modes:
             checkpointing, backprop = MODES[name]
             settings.append(Setting(k, checkpointing, backprop if name == "bp1" else own[1], batch, length))
-    configured = Setting(max(loops), own[0], own[1], batch, length)
+    configured = Setting(k_max, own[0], own[1], batch, length)  # the run's worst step: every shard at K
     results: dict[Setting, StepMemory] = {}
     with fake_training(meta_builder(config, path, conditioning), target) as trace:
 
@@ -404,6 +417,11 @@ def main(argv: list[str]) -> None:
         "--gdp_kernels", type=str, default="auto",
         help="GDP layers: fla (its kernels, as on a GPU), torch (chunked path), auto (fla in half precision).",
     )
+    parser.add_argument(
+        "--activation_checkpointing", type=Optional[str], default=None,
+        help="The run's none, loop or layer instead of the config's (the verdict and search are about it).",
+    )
+    parser.add_argument("--backprop_loops", type=Optional[int], default=None, help="The run's instead of the config's.")
     parser.add_argument("--json", type=bool, default=False, help="Print JSON instead of a table.")
     args = parser.parse_args(argv)
     report = memory_report(
@@ -420,6 +438,8 @@ def main(argv: list[str]) -> None:
         search=args.search,
         conditioning=args.conditioning,
         gdp_kernels=args.gdp_kernels,
+        activation_checkpointing=args.activation_checkpointing,
+        backprop_loops=args.backprop_loops,
         progress=sys.stderr,
     )
     print(json.dumps(report, indent=2) if args.json else format_memory_report(report))
