@@ -17,8 +17,17 @@ Three measurements, each against a baseline taken in the same run:
   quickstart model's training tokens/s (``config/quickstart.yaml``, fp32, one thread). Target: at
   least 20x.
 
+With ``--prepare_rss`` it measures only **elr prepare memory**: the peak RSS of the ``elr prepare``
+process and of its ``--prepare_workers`` worker processes (``ru_maxrss`` of itself and of its
+children, in a fresh process per input) on one plain-text file and one ``.jsonl.zst`` of each
+``--prepare_mb`` size (MB of text, of JSONL before compression), made of the standard library's
+sources repeated and deleted after their run. Target: the 2 GB inputs within 1.10x the 200 MB ones,
+since a worker holds one ``--shard-mb`` span whatever the file's size.
+
     OMP_NUM_THREADS=1 python bench/data.py                       # writes bench/results/data.json
     OMP_NUM_THREADS=1 python bench/data.py --mb 4 --big_tokens 200000000   # a quick look
+    python bench/data.py --prepare_rss                           # writes bench/results/data_prepare.json
+    python bench/data.py --prepare_rss --prepare_mb 20 100 --prepare_shard_mb 8   # a quick look
 """
 
 from __future__ import annotations
@@ -129,7 +138,8 @@ def tokenisation(files: list[str], tokenizer: str, workers: int, work: str, roun
 
 
 def write_synthetic(folder: str, tokens: int, shard_tokens: int = 1 << 28) -> None:
-    """A prepared folder of ``tokens`` pseudo-random ``uint16`` ids (vocabulary 50257), no validation split.
+    """A prepared folder of ``tokens`` pseudo-random ids stored as ``uint16`` (as a GPT-2-sized vocabulary would
+    be), no validation split; the ids are bytes, so the index matches the byte tokenizer the loader is given.
 
     Written as :mod:`elr_lightning.data.prepare` lays folders out, one 1M-token random block
     repeated, so the folder takes seconds to write.
@@ -138,7 +148,7 @@ def write_synthetic(folder: str, tokens: int, shard_tokens: int = 1 << 28) -> No
     from elr_lightning.tokenizers import ByteTokenizer
 
     os.makedirs(os.path.join(folder, "shards"))
-    block = np.random.default_rng(0).integers(0, 50257, 1 << 20, dtype=np.uint16)
+    block = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint16)
     shards, left = [], tokens
     while left:
         n = min(left, shard_tokens)
@@ -152,11 +162,12 @@ def write_synthetic(folder: str, tokens: int, shard_tokens: int = 1 << 28) -> No
         left -= n
     index = {
         "format": PREPARED_FORMAT,
-        # the byte tokenizer's fingerprint: the loader checks it, and reads ids as the index's dtype says
+        # the byte tokenizer's fingerprint and vocabulary: the loader checks both, and reads ids as the index's
+        # dtype says (two bytes a token, the memory of a 50k vocabulary)
         "tokenizer_fingerprint": ByteTokenizer().fingerprint(),
-        "vocab_size": 50257,
+        "vocab_size": ByteTokenizer().vocab_size,
         "dtype": "uint16",
-        "separator": [50256],
+        "separator": [10],
         "text_field": "text",
         "val_fraction": 0.0,
         "shards": shards,
@@ -245,6 +256,99 @@ def quickstart_tokens_per_s(steps: int) -> float:
     return steps * data_args["batch_size"] * data_args["seq_len"] / (times[-1] - times[3])
 
 
+# ---- elr prepare memory against input size (--prepare_rss) --------------------------------------------
+
+
+def write_prepare_input(path: str, megabytes: float) -> int:
+    """A file of at least ``megabytes`` MB made of the standard library's sources, repeated: plain text for
+    ``.txt``, one ``{"text": source}`` record per line compressed with zstd (level 3) for ``.jsonl.zst``.
+
+    Returns:
+        The bytes of text (of JSONL, before compression) written.
+    """
+    from elr_lightning.data import default_corpus_files
+
+    texts = []
+    for p in default_corpus_files():
+        data = open(p, "rb").read()
+        if b"\0" not in data:
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            texts.append(data)
+    target, written = int(megabytes * 1e6), 0
+    with open(path, "wb") as raw:
+        sink: Any = raw
+        if path.endswith(".zst"):
+            import zstandard
+
+            sink = zstandard.ZstdCompressor(level=3).stream_writer(raw, closefd=False)
+        while written < target:
+            for data in texts:
+                if path.endswith(".zst"):
+                    data = (json.dumps({"text": data.decode("utf-8")}) + "\n").encode()
+                sink.write(data)
+                written += len(data)
+                if written >= target:
+                    break
+        if sink is not raw:
+            sink.close()
+    return written
+
+
+def prepare_worker(source: str, out: str, workers: int, shard_mb: float) -> dict[str, float]:
+    """In this process: ``elr prepare`` one file; peak RSS of this process and of its worker processes."""
+    from elr_lightning.data import prepare_corpus
+
+    wall, cpu = _timed(lambda: prepare_corpus([source], out, workers=workers, shard_bytes=int(shard_mb * 2**20),
+                                              progress=False))
+    return {
+        "main_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        "seconds": wall,
+        "cpu_seconds": cpu,
+    }
+
+
+def prepare_rss(args: argparse.Namespace, work: str) -> dict[str, Any]:
+    """Peak RSS of ``elr prepare --workers W`` on one text file and one ``.jsonl.zst`` of each size, each in a
+    fresh process, the inputs written to ``work`` and deleted after their run."""
+    rows = []
+    for kind in ("txt", "jsonl.zst"):
+        for megabytes in args.prepare_mb:
+            source, out = os.path.join(work, f"input.{kind}"), os.path.join(work, "prepared")
+            text_bytes = write_prepare_input(source, megabytes)
+            row = {"input": kind, "text_mb": text_bytes / 1e6, "file_mb": os.path.getsize(source) / 1e6}
+            done = subprocess.run(
+                [sys.executable, __file__, "--prepare_worker", source, out, str(args.prepare_workers),
+                 str(args.prepare_shard_mb)],
+                check=True, capture_output=True, text=True,
+            )
+            row.update(json.loads(done.stdout.strip().splitlines()[-1]))
+            with open(os.path.join(out, "index.json")) as f:
+                row["shards"] = len(json.load(f)["shards"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            os.remove(source)
+            shutil.rmtree(out)
+    return {"workers": args.prepare_workers, "shard_mb": args.prepare_shard_mb, "rows": rows}
+
+
+def report_prepare(result: dict[str, Any]) -> None:
+    """The RSS table: each input against the smallest of its kind."""
+    print(f"\nelr prepare --workers {result['workers']} --shard-mb {result['shard_mb']} (byte tokenizer), peak RSS")
+    print("| input | text MB | file MB | shards | main process MB | worker MB | worker / smallest | seconds |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in result["rows"]:
+        base = min((r for r in result["rows"] if r["input"] == row["input"]), key=lambda r: r["text_mb"])
+        print(
+            f"| {row['input']} | {row['text_mb']:.0f} | {row['file_mb']:.0f} | {row['shards']} | "
+            f"{row['main_peak_rss_mb']:.0f} | {row['worker_peak_rss_mb']:.0f} | "
+            f"{row['worker_peak_rss_mb'] / base['worker_peak_rss_mb']:.2f} | {row['seconds']:.0f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=float, default=16.0, help="MB of stdlib sources to tokenise")
@@ -256,10 +360,32 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "data.json"))
     parser.add_argument("--loader_worker", nargs=4, metavar=("FOLDER", "BATCHES", "BATCH", "SEQ"), help=argparse.SUPPRESS)
+    parser.add_argument("--prepare_rss", action="store_true", help="measure only elr prepare's RSS against input size")
+    parser.add_argument("--prepare_mb", type=float, nargs="+", default=[200.0, 2000.0], help="input sizes, MB of text")
+    parser.add_argument("--prepare_workers", type=int, default=2)
+    parser.add_argument("--prepare_shard_mb", type=float, default=64.0, help="elr prepare --shard-mb")
+    parser.add_argument("--prepare_worker", nargs=4, metavar=("SOURCE", "OUT", "WORKERS", "SHARD_MB"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.loader_worker:
         folder, batches, batch, seq = args.loader_worker
         print(json.dumps(loader_worker(folder, int(batches), int(batch), int(seq))))
+        return
+    if args.prepare_worker:
+        source, out, workers, shard_mb = args.prepare_worker
+        print(json.dumps(prepare_worker(source, out, int(workers), float(shard_mb))))
+        return
+    if args.prepare_rss:
+        work = args.work or tempfile.mkdtemp(prefix="elr-bench-prepare-")
+        try:
+            result = prepare_rss(args, work)
+        finally:
+            if args.work is None:
+                shutil.rmtree(work, ignore_errors=True)
+        report_prepare(result)
+        out = os.path.join(os.path.dirname(args.out), "data_prepare.json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
         return
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     work = args.work or tempfile.mkdtemp(prefix="elr-bench-data-")

@@ -7,6 +7,14 @@ tokens over the rest); the non-recurrent baseline (``LoopedLM.baseline``, the sa
 the same way at k = 1. Variants are measured round-robin, after a warm-up, and the median of the
 repeats is reported. Also the ELR model without conditioning at every k, and at k = 1 a batch of 16.
 
+**Per-call constants.** ``generate`` builds each k's eq. 4 constants anew in every call (nothing is
+kept across calls, so no change of the weights can leave them stale). The ``per_call`` table times,
+in process CPU time (steady under other load, unlike wall clock), the build alone and whole
+``generate`` calls (the prompt, then the new tokens, per-loop cache) against the same calls given a
+runner built once beforehand (``serving_model(model, k)`` passed as the model: what the earlier
+cross-call cache served on a hit), interleaved, median of ``--repeats``. ``--only per_call`` runs
+that table alone.
+
 The conditioned model decodes as ``generate`` serves it by default: each loop's eq. 4 constants
 computed once per k, the weights shared (``elr_lightning.serving``; on the CPU the RMSNorm's
 per-token scalar is taken after the FiLM-and-adapter map, which dispatches fewer ops than
@@ -39,9 +47,9 @@ import torch
 from elr_lightning.cache import KVCache
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
-from elr_lightning.serving import FoldedLM, fold_conditioning
+from elr_lightning.serving import FoldedLM, fold_conditioning, serving_model
 from elr_lightning.cache import CACHE_POLICIES, kv_cache_bytes, layer_caches
-from elr_lightning.generation import stream_generate
+from elr_lightning.generation import generate, stream_generate
 from elr_lightning.model import LoopedLM
 
 CONFIG = ModelConfig(
@@ -91,6 +99,45 @@ def measure(
     }
 
 
+def per_call_cost(model: LoopedLM, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Per k: process CPU ms of building the constants, of a ``generate`` call, and of one given a prebuilt runner."""
+
+    def cpu_ms(fn: Callable[[], Any]) -> float:
+        start = time.process_time()
+        fn()
+        return 1000 * (time.process_time() - start)
+
+    table = {}
+    for k in LOOPS:
+        runner = serving_model(model, k)
+        calls = {
+            "build_ms": lambda: serving_model(model, k),
+            "call_ms": lambda: generate(model, prompt, loops=k, max_new_tokens=new_tokens, greedy=True),
+            "prebuilt_call_ms": lambda: generate(runner, prompt, loops=k, max_new_tokens=new_tokens, greedy=True),
+        }
+        for fn in calls.values():
+            fn()
+        samples: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(repeats):
+            for name, fn in calls.items():
+                samples[name].append(cpu_ms(fn))
+        row = {name: statistics.median(values) for name, values in samples.items()}
+        row["call_over_prebuilt"] = row["call_ms"] / row["prebuilt_call_ms"]
+        table[f"k{k}"] = row
+    return table
+
+
+def print_per_call(table: dict[str, dict[str, float]], prompt_len: int, new_tokens: int) -> None:
+    """Print :func:`per_call_cost`'s table."""
+    print(f"per-call constants (generate's default) against a runner built once; process CPU ms, prompt "
+          f"{prompt_len}, {new_tokens} new tokens, per-loop cache")
+    print(f"{'k':>2} {'build':>7} {'call':>8} {'prebuilt':>8} {'ratio':>6}")
+    for k in LOOPS:
+        row = table[f"k{k}"]
+        print(f"{k:>2} {row['build_ms']:>7.2f} {row['call_ms']:>8.1f} {row['prebuilt_call_ms']:>8.1f} "
+              f"{row['call_over_prebuilt']:>6.3f}")
+
+
 def main() -> None:
     """Run the benchmark, print the tables and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -99,6 +146,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="Timed repeats per variant (median reported).")
     parser.add_argument("--prompt_len", type=int, default=128, help="Prompt tokens.")
     parser.add_argument("--new_tokens", type=int, default=64, help="Generated tokens per run.")
+    parser.add_argument("--only", choices=["all", "per_call"], default="all", help="Run one table only.")
     args = parser.parse_args()
 
     torch.set_flush_denormal(True)
@@ -110,6 +158,11 @@ def main() -> None:
     prompt = torch.randint(0, CONFIG.vocab_size, (1, args.prompt_len))
     batch_prompt = torch.randint(0, CONFIG.vocab_size, (16, args.prompt_len))
     n = args.new_tokens
+    if args.only == "per_call":
+        table = per_call_cost(elr, prompt, n, args.repeats)
+        print_per_call(table, args.prompt_len, n)
+        write(args.out, {"config": vars(CONFIG), "settings": vars(args), "per_call": table})
+        return
 
     def run(
         model: LoopedLM | FoldedLM, loops: int, policy: str, ids: torch.Tensor = prompt, fold: bool | None = None
@@ -128,6 +181,7 @@ def main() -> None:
     load_before = os.getloadavg()
     start = time.perf_counter()
     results = measure(variants, args.repeats)
+    per_call = per_call_cost(elr, prompt, n, args.repeats)
     wall = time.perf_counter() - start
     load_after = os.getloadavg()
 
@@ -199,6 +253,8 @@ def main() -> None:
         "per_loop_k4_kv_over_k1": rows["elr/k4/per_loop"]["kv_bytes_used"] / k1_bytes,
     }
     print()
+    print_per_call(per_call, args.prompt_len, n)
+    print()
     print("ratios (k = 1 over the baseline; target >= 0.95 for the served conditioned model):")
     for name, value in ratios.items():
         print(f"  {name:45s} {value:.3f}")
@@ -221,12 +277,18 @@ def main() -> None:
             "load_average_after": load_after,
         },
         "results": rows,
+        "per_call": per_call,
         "ratios": ratios,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
+    write(args.out, report)
+
+
+def write(path: str, report: dict[str, Any]) -> None:
+    """Write ``report`` as JSON to ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -245,7 +245,10 @@ def reasoning_scores(config: dict[str, Any], n: int) -> dict[str, dict[str, dict
     from elr_lightning.generation import load_model
     from elr_lightning.reasoning import GENERATORS, score_levels
     from elr_lightning.tokenizers import choose_tokenizer
+    from elr_lightning.trust import named_packages, trust_modules
 
+    # The checkpoint's plug-ins and layers come from the user's own config, which trained it.
+    trust_modules(*named_packages(config.get("model"), class_paths_only=False))
     model, module = load_model(os.path.join(config["trainer"]["default_root_dir"], "checkpoints", "last.ckpt"))
     data_args = (config.get("data") or {}).get("init_args") or {}
     tasks = data_args.get("reasoning_tasks") or dict.fromkeys(GENERATORS)

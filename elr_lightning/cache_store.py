@@ -66,6 +66,11 @@ class LayerStore:
             self._state[name][rows] = value
         self._row_pending.clear()
 
+    def discard(self) -> None:
+        """Drop the states recorded since the last :meth:`commit` (a forward pass that failed mid-way)."""
+        self._pending.clear()
+        self._row_pending.clear()
+
     def allocate(self, like: Tensor) -> None:
         """Zeroed key and value buffers for ``cache.slots`` rows, shaped after ``like`` ``[n, H_kv, T, hd]``."""
         if self.k is None:
@@ -155,7 +160,7 @@ class KVCache:
 
     A new policy is a subclass that overrides :meth:`key`; pass the class as ``kv_cache`` to
     :func:`elr_lightning.generation.generate`, which also counts its stores for memory accounting
-    (:func:`elr_lightning.generation.kv_cache_bytes`).
+    (:func:`elr_lightning.cache.kv_cache_bytes`).
 
     Args:
         max_len: Longest sequence (prompt plus generated tokens) the cache holds.
@@ -190,6 +195,11 @@ class KVCache:
         """Make the recurrent state recorded since the last commit visible."""
         for store in self._stores.values():
             store.commit()
+
+    def discard(self) -> None:
+        """Drop the recurrent state recorded since the last commit, which a failed forward pass left behind."""
+        for store in self._stores.values():
+            store.discard()
 
     def rows(self, rows: Tensor, pos: Optional[Tensor], end: int, fresh: bool = False) -> RowView:
         """A view of slots ``rows`` writing at ``pos`` (see :class:`RowView`); used by :class:`~elr_lightning.decode.Decoder`."""

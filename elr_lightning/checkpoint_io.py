@@ -9,82 +9,51 @@ never a mix. The checks that a loaded checkpoint fits its model (:func:`state_di
 that a checkpoint about to be written is finite (:func:`non_finite_tensors`) live here too.
 
 Every loader of the library reads checkpoints with ``torch.load(..., weights_only=True)``, which runs
-no code from the file, through :func:`weights_only_first`. Only a file written before plug-ins were
-saved as their ``class_path`` + ``init_args`` (:mod:`elr_lightning.plugin_config`) is unpickled with
-``weights_only=False``, after a warning: load such a file only if you trust it, and convert it once
-with :func:`upgrade_checkpoint`.
+no code from the file (:mod:`elr_lightning.safe_load`); a file that holds a pickled object is refused,
+never unpickled. :func:`upgrade_checkpoint` (``elr upgrade-checkpoint OLD NEW --trust``) converts a
+checkpoint of an earlier version, whose plug-ins are pickled objects, once and by its owner's choice.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import pickle
 import re
 import uuid
 import warnings
 import zipfile
-from typing import IO, Any, Callable, Optional, TypeVar
+from typing import IO, Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from elr_lightning.plugin_config import plain_hyperparameters
+from elr_lightning.safe_load import check_sharded_index, load_weights_only, refused_global, refusing_pickles
 
-T = TypeVar("T")
-_warned_old_format = False
+def upgrade_checkpoint(src: str, dst: str, trust: bool = False) -> None:
+    """Rewrite a checkpoint of an earlier version so that it loads with ``torch.load(..., weights_only=True)``.
 
-
-def _refused_global(err: BaseException) -> Optional[str]:
-    """The global that ``torch.load(..., weights_only=True)`` refused, or ``None`` for any other error."""
-    if not isinstance(err, pickle.UnpicklingError) or "Weights only load failed" not in str(err):
-        return None
-    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
-    return found.group(1) if found else "an object"
-
-
-def weights_only_first(load: Callable[[bool], T], path: str) -> T:
-    """``load(True)``, where ``load(weights_only)`` reads ``path`` with ``torch.load(..., weights_only=...)``.
-
-    ``weights_only=True`` runs no code from the file. A file it refuses (written before plug-ins were
-    saved as their ``class_path`` + ``init_args``: they are pickled objects) is read by ``load(False)``
-    instead, which unpickles arbitrary objects, after a warning (once per process) that names the
-    file and how to convert it (:func:`upgrade_checkpoint`). Every other error is raised as it is.
-    """
-    global _warned_old_format
-    try:
-        return load(True)
-    except Exception as err:
-        refused = _refused_global(err)
-        if refused is None:
-            raise
-    if not _warned_old_format:
-        _warned_old_format = True
-        rank_zero_warn(
-            f"checkpoint {str(path)!r} holds {refused}, which torch.load(weights_only=True) refuses: it was written "
-            "before elr-lightning saved plug-ins as class_path + init_args. Loading it with weights_only=False, "
-            "which runs code from the file: do so only for checkpoints you trust. Convert it once with "
-            "elr_lightning.checkpoint_io.upgrade_checkpoint(old, new)"
-        )
-    return load(False)
-
-
-def upgrade_checkpoint(src: str, dst: str) -> None:
-    """Rewrite an old checkpoint file so that it loads with ``torch.load(..., weights_only=True)``.
-
-    Reads ``src`` with ``weights_only=False`` (trust it), turns its hyperparameters into plain data
-    (plug-ins as ``class_path`` + ``init_args``, see :func:`~elr_lightning.plugin_config.plain_value`) and
-    writes ``dst`` atomically; ``src`` is left as it is.
+    Reads ``src`` with ``weights_only=False``, which **runs code from the file** (that is how its
+    pickled plug-ins are rebuilt), so it asks for ``trust=True``: convert only a file you made or
+    trust. Turns its hyperparameters into plain data (plug-ins as ``class_path`` + ``init_args``, see
+    :func:`~elr_lightning.plugin_config.plain_value`) and creates ``dst`` atomically; ``src`` is
+    left as it is and an existing ``dst`` is never replaced.
 
     Raises:
+        UnsafeCheckpointError: ``src`` holds pickled objects and ``trust`` is false.
+        FileExistsError: ``dst`` exists.
         PluginConfigError: A plug-in whose constructor arguments cannot be recovered, naming the field.
         ValueError: ``src`` holds objects outside the hyperparameters that still need ``weights_only=False``.
     """
-    checkpoint = torch.load(src, map_location="cpu", weights_only=False)
+    if os.path.lexists(dst):
+        raise FileExistsError(f"{dst!r} exists; elr upgrade-checkpoint never replaces a file, give a new path")
+    if trust:
+        checkpoint = torch.load(src, map_location="cpu", weights_only=False)
+    else:
+        checkpoint = load_weights_only(src, mmap=False)  # refuses a pickled object, naming it
     if isinstance(checkpoint, dict) and "hyper_parameters" in checkpoint:
         checkpoint["hyper_parameters"] = plain_hyperparameters(checkpoint["hyper_parameters"])
     buffer = io.BytesIO()
@@ -92,14 +61,14 @@ def upgrade_checkpoint(src: str, dst: str) -> None:
     try:
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as err:
-        refused = _refused_global(err)
+        refused = refused_global(err)
         if refused is None:
             raise
         raise ValueError(
             f"checkpoint {src!r} still holds {refused} outside its hyperparameters after the upgrade; "
             "save that entry (a callback's state, ...) as tensors and plain data"
         ) from err
-    write_atomically(dst, lambda f: f.write(buffer.getvalue()))
+    write_atomically(dst, lambda f: f.write(buffer.getvalue()), overwrite=False)
 
 
 class CorruptCheckpointError(RuntimeError, ValueError):
@@ -124,7 +93,7 @@ def fsync_folder(folder: str) -> None:
 TEMPORARY_NAME = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")
 
 
-def replace_atomically(path: str, fill: Callable[[str], None]) -> None:
+def replace_atomically(path: str, fill: Callable[[str], None], overwrite: bool = True) -> None:
     """Make ``path`` anew through a temporary path in its folder, then ``os.replace`` it into place.
 
     If ``fill`` raises (or the process dies) only the temporary path is affected: ``path`` keeps
@@ -134,17 +103,25 @@ def replace_atomically(path: str, fill: Callable[[str], None]) -> None:
     Args:
         path: The destination.
         fill: Creates the complete new contents at the (not yet existing) temporary path it is given.
+        overwrite: Replace an existing ``path``. When false, the new file is hard-linked into place,
+            which fails if ``path`` exists however it came to (on a file system without hard links,
+            a check just before the rename stands in).
 
     Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is false; nothing was written.
         OSError: The folder cannot be created or written, naming the folder (not the hidden
             temporary path) and the fix.
     """
     folder = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    exists = False
     try:
         os.makedirs(folder, exist_ok=True)
         fill(tmp)
-        os.replace(tmp, path)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            exists = not _link_new(tmp, path)
     except OSError as err:
         _remove_quietly(tmp)
         raise type(err)(
@@ -154,7 +131,26 @@ def replace_atomically(path: str, fill: Callable[[str], None]) -> None:
     except BaseException:
         _remove_quietly(tmp)
         raise
+    if exists:
+        raise FileExistsError(f"{path!r} exists and is never replaced; give a new path or remove it first")
     fsync_folder(folder)
+
+
+def _link_new(tmp: str, path: str) -> bool:
+    """Move ``tmp`` to ``path`` unless ``path`` exists; whether it was moved (``tmp`` is gone either way)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        _remove_quietly(tmp)
+        return False
+    except OSError:  # no hard links on this file system
+        if os.path.lexists(path):
+            _remove_quietly(tmp)
+            return False
+        os.replace(tmp, path)
+        return True
+    _remove_quietly(tmp)
+    return True
 
 
 def _remove_quietly(path: str) -> None:
@@ -187,20 +183,24 @@ def is_sharded_checkpoint(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def read_sharded_checkpoint(folder: str, weights: bool = True) -> dict[str, Any]:
+def read_sharded_checkpoint(folder: str, weights: Union[bool, Literal["meta"]] = True) -> dict[str, Any]:
     """A sharded (``torch.distributed.checkpoint``) Lightning checkpoint as one checkpoint dict, in one process.
 
     Every entry of the folder's ``meta.pt`` (hyperparameters, loop state, the ``elr`` entry) and,
     with ``weights``, the full ``state_dict`` gathered from every rank's shard. Optimizer state is
     left out: the result serves inference (``elr generate``, ``eval``, ``serve``, ``export``), not
-    resuming.
+    resuming. The index is checked before torch unpickles it
+    (:func:`~elr_lightning.safe_load.check_sharded_index`) and ``meta.pt`` is read with
+    ``weights_only=True``.
 
     Args:
         folder: The checkpoint folder.
-        weights: Also read the model weights (else only ``meta.pt``).
+        weights: Also read the model weights (else only ``meta.pt``); ``"meta"``: the ``state_dict`` as
+            meta-device tensors of the saved shapes and dtypes, no weight read.
 
     Raises:
         ValueError: ``folder`` is not a sharded Lightning checkpoint.
+        UnsafeCheckpointError: Its index or ``meta.pt`` would run code.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -208,19 +208,22 @@ def read_sharded_checkpoint(folder: str, weights: bool = True) -> dict[str, Any]
     meta = os.path.join(folder, "meta.pt")
     if not is_sharded_checkpoint(folder) or not os.path.isfile(meta):
         raise ValueError(f"{folder!r} is not a sharded Lightning checkpoint (it needs .metadata and meta.pt)")
-    checkpoint = weights_only_first(lambda w: torch.load(meta, map_location="cpu", weights_only=w), meta)
+    check_sharded_index(folder)
+    checkpoint = load_weights_only(meta)
     if not weights:
         return checkpoint
     reader = dcp.FileSystemReader(folder)
     prefix = "state_dict."
+    device = "meta" if weights == "meta" else "cpu"
     state_dict = {
-        key[len(prefix) :]: torch.empty(entry.size, dtype=entry.properties.dtype)
+        key[len(prefix) :]: torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
         for key, entry in reader.read_metadata().state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*assuming the intent is to load in a single process")
-        dcp.load({"state_dict": state_dict}, storage_reader=reader, no_dist=True)
+    if weights != "meta":
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*assuming the intent is to load in a single process")
+            dcp.load({"state_dict": state_dict}, storage_reader=reader, no_dist=True)
     checkpoint["state_dict"] = state_dict
     return checkpoint
 
@@ -231,7 +234,8 @@ def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
     A local file written by ``torch.save`` is a zip archive with a CRC-32 per record: every CRC is
     checked (one read of the file). A file that is not a zip archive is refused unless it is the
     legacy pickle format, which has no checksum: then a warning says so, once. A folder must be a
-    sharded (``torch.distributed.checkpoint``) checkpoint, which has a ``.metadata`` file. Remote
+    sharded (``torch.distributed.checkpoint``) checkpoint, which has a ``.metadata`` file that names
+    nothing but an index's own classes (:func:`~elr_lightning.safe_load.check_sharded_index`). Remote
     URLs and Lightning's keywords (``last``, ``best``, ``hpc``, ``registry``) are left to Lightning.
 
     Args:
@@ -241,6 +245,7 @@ def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
     Raises:
         FileNotFoundError: Nothing is at ``path``.
         ValueError: ``path`` is a folder that is not a sharded checkpoint.
+        UnsafeCheckpointError: A sharded checkpoint's index would run code.
         CorruptCheckpointError: The file is truncated, damaged or not a checkpoint.
     """
     keyword = path in ("last", "best", "hpc") or path.startswith("registry")
@@ -252,6 +257,8 @@ def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
                 f"{field} {path!r} is a folder but not a sharded checkpoint (it has no .metadata file); "
                 "give a .ckpt file or a folder written with save_distributed_checkpoint"
             )
+        if is_sharded_checkpoint(path):
+            check_sharded_index(path)
         return
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{field} {path!r} does not exist; fix the path")
@@ -269,12 +276,14 @@ def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
         raise _corrupt(path, "it is not a torch.save archive")
 
 
-def write_atomically(path: str, write: Callable[[IO[bytes]], None]) -> None:
+def write_atomically(path: str, write: Callable[[IO[bytes]], None], overwrite: bool = True) -> None:
     """Write ``path`` with :func:`replace_atomically`, the temporary file flushed to disk first.
 
     Args:
         path: The destination file.
         write: Writes the whole contents to the binary file object it is given.
+        overwrite: Replace an existing ``path``; when false, an existing one raises ``FileExistsError``
+            and is left as it is.
     """
 
     def fill(tmp: str) -> None:
@@ -284,7 +293,7 @@ def write_atomically(path: str, write: Callable[[IO[bytes]], None]) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
 
-    replace_atomically(path, fill)
+    replace_atomically(path, fill, overwrite)
 
 
 def is_intact(path: str) -> bool:
@@ -307,7 +316,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     of torch's ``PytorchStreamReader failed reading zip archive``. A sharded checkpoint folder (which
     this plugin cannot load) is refused naming the strategy that resumes it.
     Without an explicit ``weights_only`` (Lightning's default ``None``), a file is read with
-    ``weights_only=True``, an old-format one with ``False`` after a warning (:func:`weights_only_first`).
+    ``weights_only=True``, whatever the environment says (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``), and a
+    file that holds a pickled object is refused in one line (:mod:`elr_lightning.safe_load`). Only a
+    caller's explicit ``weights_only=False`` unpickles, as in Lightning; no ``elr`` command passes it.
 
     :class:`~elr_lightning.callbacks.AtomicModelCheckpoint` installs this plugin by itself; add it
     by hand (``trainer.plugins``) to cover other writers such as ``trainer.save_checkpoint``.
@@ -345,13 +356,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         local_file = "://" not in str(path) and os.path.isfile(path)
         if local_file and self.verify and not is_intact(str(path)):
             raise _corrupt(str(path), "its records fail their CRC check or the archive is incomplete")
+        weights_only = True if weights_only is None else weights_only
         try:
-            if weights_only is not None:
+            with refusing_pickles(str(path)):
                 return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-            return weights_only_first(
-                lambda w: super(AtomicCheckpointIO, self).load_checkpoint(path, map_location=map_location, weights_only=w),
-                str(path),
-            )
         except Exception as err:
             if not local_file or is_intact(str(path)):
                 raise
@@ -407,6 +415,10 @@ def state_dict_differences(saved: dict[str, Any], own: dict[str, Any]) -> list[s
     return problems
 
 
+#: Elements :func:`non_finite_tensors` checks at a time.
+_FINITE_CHECK_ELEMENTS = 1 << 22
+
+
 def non_finite_tensors(checkpoint: dict[str, Any]) -> list[str]:
     """Names of the floating-point tensors of a checkpoint's weights and optimizer states with NaN or inf.
 
@@ -415,7 +427,10 @@ def non_finite_tensors(checkpoint: dict[str, Any]) -> list[str]:
 
     def bad(value: Any) -> bool:
         local = value.to_local() if hasattr(value, "to_local") else value
-        return isinstance(local, Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all())
+        if not (isinstance(local, Tensor) and local.is_floating_point()):
+            return False
+        # in slices: isfinite's temporaries for a whole embedding table would add a copy of it to the peak
+        return not all(bool(torch.isfinite(part).all()) for part in local.reshape(-1).split(_FINITE_CHECK_ELEMENTS))
 
     names = [key for key, value in checkpoint.get("state_dict", {}).items() if bad(value)]
     for i, optimizer in enumerate(checkpoint.get("optimizer_states", [])):

@@ -17,6 +17,7 @@ from elr_lightning.hf.export import export_command, import_command
 from elr_lightning.hf.retrofit import retrofit_command
 from elr_lightning.lightning_cli import ELRCLI, make_cli
 from elr_lightning.serve.command import serve_command
+from elr_lightning.upgrade import upgrade_command
 
 
 def _eval_module() -> Any:
@@ -56,6 +57,7 @@ EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "prepare": prepare_command,
     "retrofit": retrofit_command,
     "serve": serve_command,
+    "upgrade-checkpoint": upgrade_command,
 }
 
 

@@ -68,8 +68,12 @@ class Conditioner(nn.Module, metaclass=RecordsInitArgs):
 
 
 def _mirror_active_flag(module: Conditioner, incompatible_keys: Any) -> None:
-    """After a state-dict load, copy the loaded ``active_flag`` into the Python mirror (one read)."""
-    module._active = bool(module.active_flag)
+    """After a state-dict load, copy the loaded ``active_flag`` into the Python mirror (one read).
+
+    On the meta device (a model built only to check a checkpoint) the flag has no value to read.
+    """
+    if not module.active_flag.is_meta:
+        module._active = bool(module.active_flag)
 
 
 def sinusoid(x: float, freqs: Tensor) -> Tensor:

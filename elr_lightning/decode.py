@@ -146,6 +146,18 @@ class Decoder:
             self._runners[loops] = serving_model(self.model, loops, self.fold)
         return self._runners[loops]
 
+    def reset(self) -> None:
+        """Empty every slot after a failed :meth:`prefill` or :meth:`step`.
+
+        A pass that fails mid-way leaves the recurrent state its earlier layers recorded waiting for
+        the next commit, which would write it into the slots; it is dropped, and every slot's length
+        is 0 again. The keys and values need no clearing: a slot's next prompt overwrites its
+        positions from 0, and positions past a row's length are masked.
+        """
+        self.cache.discard()
+        self.lengths = [0] * len(self.lengths)
+        self.cache.offset = 0
+
     @torch.inference_mode()
     def prefill(self, slot: int, ids: Tensor, depth: Depth) -> Tensor:
         """Run ``ids`` ``[T]`` alone into ``slot`` (its old content is dropped); return the last logits ``[V]``.

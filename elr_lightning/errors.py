@@ -36,6 +36,23 @@ def is_integer(value: object, minimum: int = 1) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
+def refuse_unread_flags(flags: dict[str, object], reader: str, fix: str) -> None:
+    """Refuse, in one line naming each, the ``flags`` that were given (not ``None``) but are only read with ``reader``.
+
+    Args:
+        flags: Each flag's value by name (``"--threshold"``), ``None`` where it was not given.
+        reader: What reads them, e.g. ``"--loops auto"``.
+        fix: How to give ``reader``, e.g. ``"add auto, e.g. --loops 1-3,auto"``.
+
+    Raises:
+        ValueError: Some flag was given.
+    """
+    given = [name for name, value in flags.items() if value is not None]
+    if given:
+        verb, them = ("is", "it") if len(given) == 1 else ("are", "them")
+        raise ValueError(f"{' and '.join(given)} {verb} only read with {reader}; {fix}, or drop {them}")
+
+
 def debug_requested(argv: list[str]) -> tuple[bool, list[str]]:
     """Whether tracebacks are wanted, and ``argv`` without the ``--debug`` flag.
 

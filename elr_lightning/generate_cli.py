@@ -23,8 +23,10 @@ from elr_lightning.cache import (
 )
 from elr_lightning.checkpoint_io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
+from elr_lightning.errors import refuse_unread_flags
 from elr_lightning.generation import generate, load_model
 from elr_lightning.tokenizers import IncrementalDecoder, choose_tokenizer
+from elr_lightning.trust import add_trust_argument, apply_trust_argument
 
 
 def _command_parser() -> Any:
@@ -42,10 +44,13 @@ def _command_parser() -> Any:
         "--loops", type=Union[int, Literal["auto"]], default=1, help="Loop count k, or 'auto' for depth per token."
     )
     parser.add_argument("--max_loops", type=Optional[int], default=None, help="Budget of --loops auto (arch.max_loops).")
-    parser.add_argument("--threshold", type=float, default=1e-3, help="Exit threshold of --loops auto.")
     parser.add_argument(
-        "--exit_criterion", type=Literal["kl", "delta"], default="kl", help="Exit criterion of --loops auto."
+        "--threshold", type=Optional[float], default=None, help="Exit threshold of --loops auto; default 0.001."
     )
+    parser.add_argument(
+        "--exit_criterion", type=Optional[Literal["kl", "delta"]], default=None,
+        help="Exit criterion of --loops auto; default kl.",
+    )  # fmt: skip
     parser.add_argument(
         "--kv_cache", type=Literal["per_loop", "last_loop"], default="per_loop", help="KV-cache policy."
     )
@@ -80,6 +85,7 @@ def _command_parser() -> Any:
     )
     parser.add_argument("--stats", action=ActionYesNo, default=False, help="Print KV memory and tokens/s to stderr.")
     parser.add_argument("--device", type=str, default="cpu", help="Device to run on, e.g. cpu or cuda.")
+    add_trust_argument(parser)
     parser.add_argument(
         "--dtype", type=Literal["float32", "bfloat16"], default="float32", help="bfloat16 runs under autocast."
     )
@@ -122,9 +128,13 @@ def generate_command(argv: list[str]) -> None:
         FileNotFoundError: A missing checkpoint, prompt file or tokenizer file.
     """
     args = _command_parser().parse_args(argv)
+    if args.loops != "auto":
+        flags = {"--max_loops": args.max_loops, "--threshold": args.threshold, "--exit_criterion": args.exit_criterion}
+        refuse_unread_flags(flags, "--loops auto", "pass --loops auto")
     if (args.prompt is None) == (args.prompt_file is None):
         raise ValueError("give exactly one of --prompt and --prompt_file")
     text = _read_prompt(args.prompt, args.prompt_file)
+    apply_trust_argument(args.trust_module)
     verify_checkpoint_path(args.ckpt_path, "--ckpt_path")
     if not text:
         raise ValueError("the prompt is empty; pass some text with --prompt or --prompt_file")
@@ -133,8 +143,6 @@ def generate_command(argv: list[str]) -> None:
     config = model.config
     tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, config.vocab_size)
     budget = args.loops if args.loops != "auto" else args.max_loops or config.max_loops
-    if args.loops != "auto" and (args.max_loops is not None):
-        raise ValueError("--max_loops is only read with --loops auto; drop it or pass --loops auto")
     if budget < 1:
         raise ValueError(f"--{'loops' if args.loops != 'auto' else 'max_loops'} {budget} must be >= 1")
     if budget > config.max_loops:

@@ -35,8 +35,9 @@ import torch
 from torch import Tensor
 
 from elr_lightning.cache import KVCache, PolicyLike
-from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, weights_only_first
+from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
 from elr_lightning.decode import AdaptiveDepth, Decoder, Depth, budget
+from elr_lightning.safe_load import UnsafeCheckpointError, read_checkpoint
 from elr_lightning.serving import FoldedLM
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
@@ -50,6 +51,7 @@ from elr_lightning.prompts import (
     same_device,
     unwrap,
 )
+from elr_lightning.trust import UntrustedModuleError
 
 __all__ = ["GenerationOutput", "filter_logits", "generate", "load_model", "sample_next", "stream_generate"]
 
@@ -126,8 +128,8 @@ def _prepare(
     *,
     loops: LoopsLike,
     max_loops: Optional[int],
-    threshold: float,
-    exit_criterion: str,
+    threshold: Optional[float],
+    exit_criterion: Optional[str],
     attention_mask: Optional[Tensor],
     max_new_tokens: int,
     kv_cache: Union[PolicyLike, KVCache],
@@ -224,8 +226,8 @@ def stream_generate(
     *,
     loops: LoopsLike = 1,
     max_loops: Optional[int] = None,
-    threshold: float = 1e-3,
-    exit_criterion: str = "kl",
+    threshold: Optional[float] = None,
+    exit_criterion: Optional[str] = None,
     attention_mask: Optional[Tensor] = None,
     max_new_tokens: int = 32,
     kv_cache: Union[PolicyLike, KVCache] = "per_loop",
@@ -247,6 +249,14 @@ def stream_generate(
     sequence has produced ``eos_id``; a finished sequence yields ``pad_id`` from then on. Runs under
     ``torch.inference_mode()`` and on the model's device.
 
+    Under ``kv_cache="last_loop"`` at k > 1 the logits depend on how the text reached the cache: a
+    prompt prefilled in one pass runs loop i over the earlier tokens' loop-i keys and values, but a
+    token decoded alone reads their loop-k ones (the one entry per layer every loop overwrote). So
+    the same prompt decoded token by token gives other logits than prefilled (up to 3.8 at k = 2
+    and 4.3 at k = 3 on the quickstart checkpoint; 2e-5 under ``per_loop`` and at k = 1,
+    ``bench/last_loop.py``), and a continuation depends on where a prompt is split between prefill
+    and decoding. This function always prefills the whole prompt; ``per_loop`` is exact.
+
     Args:
         model: The model (an :class:`ELRModule` is unwrapped to its ``LoopedLM``), or one already
             folded for ``loops`` by :func:`~elr_lightning.serving.fold_conditioning`.
@@ -255,9 +265,11 @@ def stream_generate(
         loops: The loop count k (any k >= 1; above ``arch.max_loops`` extrapolates), ``"auto"`` for
             adaptive depth per new token, or an :class:`~elr_lightning.decode.AdaptiveDepth`.
         max_loops: Budget of ``"auto"`` (``None``: ``arch.max_loops``); the prompt runs at it.
-        threshold: Exit threshold of ``"auto"``: a token leaves once its change is below it.
-        exit_criterion: ``"kl"`` (Huginn's) or ``"delta"`` (relative state change); see
-            :data:`~elr_lightning.decode.EXIT_CRITERIA`.
+        threshold: Exit threshold of ``"auto"``: a token leaves once its change is below it
+            (``None``: 0.001).
+        exit_criterion: ``"kl"`` (Huginn's, the default) or ``"delta"`` (relative state change); see
+            :data:`~elr_lightning.decode.EXIT_CRITERIA`. ``max_loops``, ``threshold`` and
+            ``exit_criterion`` are refused with another ``loops`` (they would be ignored).
         attention_mask: ``[B, T]`` with 1 on real tokens, 0 on (left) padding; honoured in every
             loop of prefill and decode.
         max_new_tokens: Most tokens to generate per sequence.
@@ -274,9 +286,10 @@ def stream_generate(
         autocast_dtype: Run the model under ``torch.autocast(device.type, dtype)``, e.g.
             ``torch.bfloat16``; ``None`` runs in the weights' dtype.
         fold: Whether to decode with each loop's conditioning constants computed once for this
-            ``loops`` and the weights shared (:func:`~elr_lightning.serving.serving_model`, chosen
-            once per call, kept per k while the weights are unchanged): the same logits to fp32
-            round-off, without running the conditioner per token. ``None`` (default) follows
+            ``loops`` and the weights shared (:func:`~elr_lightning.serving.serving_model`, built
+            anew in every call from the weights as they are, so no change of the weights between
+            calls is missed): the same logits to fp32 round-off, without running the conditioner
+            per token. ``None`` (default) follows
             ``model.serve_folded`` (on), and a model whose conditioning has no constant form decodes
             as it is, with one warning; ``True`` asks for it (``NotImplementedError`` if impossible);
             ``False`` decodes with the model as it is. A model already folded
@@ -320,8 +333,8 @@ def generate(
     *,
     loops: LoopsLike = 1,
     max_loops: Optional[int] = None,
-    threshold: float = 1e-3,
-    exit_criterion: str = "kl",
+    threshold: Optional[float] = None,
+    exit_criterion: Optional[str] = None,
     attention_mask: Optional[Tensor] = None,
     max_new_tokens: int = 32,
     kv_cache: Union[PolicyLike, KVCache] = "per_loop",
@@ -386,39 +399,49 @@ def generate(
     )
 
 
-def load_model(ckpt_path: str, map_location: Union[str, torch.device] = "cpu") -> tuple[LoopedLM, ELRModule]:
+def load_model(
+    ckpt_path: str, map_location: Union[str, torch.device] = "cpu", meta: bool = False
+) -> tuple[LoopedLM, ELRModule]:
     """Load a Lightning checkpoint of an :class:`ELRModule` (or subclass) for generation.
 
-    Checkpoints are read with ``weights_only=True``: no code from the file runs, beyond importing
-    the modules its hyperparameters name and building the plug-ins (subclasses of the seams' base
-    classes) that they describe. A checkpoint written before plug-ins were saved as their
-    ``class_path`` + ``init_args`` holds pickled objects: it is unpickled with ``weights_only=False``
-    after a warning (:func:`~elr_lightning.checkpoint_io.weights_only_first`); load such a file only
-    if you made or trust it.
+    The file is data, never code: it is read with ``torch.load(..., weights_only=True)`` and a file
+    that holds a pickled object is refused (:mod:`elr_lightning.safe_load`; a checkpoint of an
+    earlier version is converted once with ``elr upgrade-checkpoint OLD NEW --trust``). The modules
+    its hyperparameters name (plug-ins, layers) are checked before anything is imported: only the
+    library's own, modules already imported and those you trust (``--trust_module``,
+    ``ELR_TRUST_MODULES`` or :func:`~elr_lightning.trust.trust_modules`) are accepted. Then the
+    plug-ins (subclasses of the seams' base classes) are built as they describe.
 
     Args:
         ckpt_path: Path of a ``.ckpt`` file written by ``elr fit`` or ``Trainer.save_checkpoint``, or of a
             sharded checkpoint folder (read with :func:`~elr_lightning.checkpoint_io.read_sharded_checkpoint`).
         map_location: Device to load the weights onto.
+        meta: Build the model on the meta device and read no weights: every check of a real load (the
+            file, the modules it names, the plug-ins, the tensors' names and shapes) in little time and
+            memory. ``elr serve`` checks a checkpoint so before it starts its workers.
 
     Returns:
         ``(model, module)``: the :class:`LoopedLM` in eval mode and the module that holds it.
 
     Raises:
         FileNotFoundError: No file at ``ckpt_path``.
+        UnsafeCheckpointError: The file holds a pickled object.
+        UntrustedModuleError: The checkpoint names a module that is not trusted.
         ValueError: The file is not a readable ELR Lightning checkpoint.
     """
     if is_sharded_checkpoint(ckpt_path):  # written under FSDP with save_distributed_checkpoint
+        raw = read_sharded_checkpoint(ckpt_path, weights="meta" if meta else True)
         with tempfile.TemporaryDirectory() as folder:
             single = os.path.join(folder, os.path.basename(os.path.normpath(ckpt_path)))
-            torch.save(read_sharded_checkpoint(ckpt_path), single)
-            return load_model(single, map_location)
+            torch.save(raw, single)
+            del raw
+            return load_model(single, map_location, meta)
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"checkpoint {ckpt_path!r} does not exist")
     try:
-        raw = weights_only_first(
-            lambda w: torch.load(ckpt_path, map_location="cpu", weights_only=w, mmap=True), ckpt_path
-        )
+        raw = read_checkpoint(ckpt_path, "meta" if meta else "cpu")
+    except (UnsafeCheckpointError, UntrustedModuleError):
+        raise
     except Exception as err:  # torch.load raises many types (pickle, zip, EOF) for a bad file
         raise ValueError(f"checkpoint {ckpt_path!r} is not a readable PyTorch checkpoint ({err})") from err
     if not isinstance(raw, dict) or "state_dict" not in raw or "hyper_parameters" not in raw:
@@ -427,14 +450,16 @@ def load_model(ckpt_path: str, map_location: Union[str, torch.device] = "cpu") -
             f"checkpoint {ckpt_path!r} is not a Lightning ELRModule checkpoint (need 'state_dict' and "
             f"'hyper_parameters', found {keys}); use one written by `elr fit` or Trainer.save_checkpoint"
         )
+    del raw
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*is an instance of `nn.Module`.*")
-            module = weights_only_first(
-                lambda w: ELRModule.load_from_checkpoint(
-                    ckpt_path, map_location=map_location, weights_only=w, meta_init=False  # real weights to load into
-                ),
+            warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter in the checkpoint to a meta")
+            module = ELRModule.load_from_checkpoint(
                 ckpt_path,
+                map_location="meta" if meta else map_location,
+                weights_only=True,
+                meta_init=meta,  # real weights to load into, unless only checking
             )
     except Exception as err:  # hparams that no longer match the module's signature, missing keys, ...
         raise ValueError(f"checkpoint {ckpt_path!r} could not be rebuilt as an ELRModule ({err})") from err

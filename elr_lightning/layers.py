@@ -19,7 +19,8 @@ Terms = tuple[Tensor, Tensor, Modulation]
 
 
 class Modulator(nn.Module):
-    """Seam contract for the per-sublayer modulation of eq. (4), built by a :class:`Conditioner`.
+    """Seam contract for the per-sublayer modulation of eq. (4), built by a
+    :class:`~elr_lightning.conditioning.Conditioner`.
 
     A pre-norm sublayer ``y = x + f(RMSNorm(x))`` becomes, with a context ``c``::
 

@@ -7,19 +7,19 @@ import glob
 import os
 import sys
 import warnings
-import zipfile
 from typing import Any, Optional
 
-import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
 from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
-from elr_lightning.checkpoint_io import verify_checkpoint_path, weights_only_first
+from elr_lightning.checkpoint_io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import resolve_sources
-from elr_lightning.module import ARCH_FREE_FIELDS, ELRModule
+from elr_lightning.module import ELRModule
+from elr_lightning.module_checkpoint import changed_arch_fields
+from elr_lightning.safe_load import load_weights_only
 from elr_lightning.tokenizers import load_tokenizer
 
 
@@ -77,11 +77,8 @@ class ELRCLI(LightningCLI):
         verify_checkpoint_path(str(ckpt_path), "--ckpt_path")
         if not os.path.isfile(str(ckpt_path)):
             return
-        path = str(ckpt_path)  # mmap: only the small hparams entries are read; legacy files cannot be mapped
-        mmap = zipfile.is_zipfile(path)
-        checkpoint = weights_only_first(
-            lambda w: torch.load(path, map_location="cpu", weights_only=w, mmap=mmap), path
-        )
+        path = str(ckpt_path)
+        checkpoint = load_weights_only(path)  # mapped: only the small hparams entries are read
         model = config.get("model")
         mine = model.get("init_args") if model is not None and "init_args" in model else model
         problems = checkpoint_conflicts(checkpoint, mine.as_dict() if mine is not None else {}, subcommand)
@@ -165,8 +162,7 @@ def checkpoint_conflicts(checkpoint: dict[str, Any], init_args: dict[str, Any], 
         arch = dataclasses.asdict(ModelConfig(**(init_args.get("arch") or {})))
         problems += [
             f"model.init_args.arch.{key} is {arch[key]!r}, the checkpoint's {saved_arch[key]!r}"
-            for key in arch
-            if key in saved_arch and key not in ARCH_FREE_FIELDS and arch[key] != saved_arch[key]
+            for key in changed_arch_fields(saved_arch, arch)
         ]
     if subcommand == "fit":
         for key in OPTIMIZER_FIELDS:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from typing_extensions import override
 
 from elr_lightning.conditioning import Conditioner
@@ -126,7 +127,46 @@ class LoopedLM(LoopedForward):
         return self
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def assign_weights(self, state: Mapping[str, Tensor]) -> None:
+        """Take ``state``'s tensors as parameters and initialise the rest, on a model built on the meta device.
+
+        The tensors are assigned, not copied (``load_state_dict(assign=True)``), so memory holds one
+        copy of them, in their own dtype; every parameter that ``state`` lacks is allocated on the
+        CPU and gets its :meth:`init_weights` decision, and every buffer is recomputed. ``elr
+        retrofit`` builds a model from a Hugging Face checkpoint this way.
+
+        Raises:
+            ValueError: ``state`` has a key the model does not.
+        """
+        for module in self.modules():  # buffers first: the state-dict load hooks read them
+            for name, b in list(module._buffers.items()):
+                if b is not None and b.is_meta:
+                    module._buffers[name] = torch.empty_like(b, device="cpu")
+            if callable(reset_buffers := getattr(module, "reset_buffers", None)):
+                reset_buffers()
+        unexpected = self.load_state_dict(state, strict=False, assign=True).unexpected_keys
+        if unexpected:
+            raise ValueError(f"assign_weights: the model has no parameters {unexpected[:3]}")
+        self.init_weights(only_meta=True)
+
+    def _materialize_meta(self) -> set[int]:
+        """Allocate every meta parameter and buffer on the CPU (uninitialised, ties kept); the new parameters' ids."""
+        fresh: dict[int, nn.Parameter] = {}
+        for module in self.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.is_meta:
+                    if id(p) not in fresh:
+                        fresh[id(p)] = nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+                    module._parameters[name] = fresh[id(p)]
+            for name, b in list(module._buffers.items()):
+                if b is not None and b.is_meta:
+                    module._buffers[name] = torch.empty_like(b, device="cpu")
+        if self.config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        return {id(p) for p in fresh.values()}
+
+    @torch.no_grad()
+    def init_weights(self, only_meta: bool = False) -> None:
         """Every initialisation decision of the model, in one place.
 
         1. Embedding and every linear weight: normal(0, ``init_std``); biases: zero.
@@ -148,14 +188,23 @@ class LoopedLM(LoopedForward):
         built on the meta device, sharded with FSDP2 and materialised with ``to_empty``
         (parameters may be DTensors).
 
+        Args:
+            only_meta: Initialise only the parameters still on the meta device, allocated on the CPU
+                first (with the meta buffers), and keep every other parameter's value: for a model
+                built on the meta device that took its other weights with ``load_state_dict(...,
+                assign=True)`` (``elr retrofit``).
+
         Raises:
             ValueError: if some parameter got no decision.
         """
         cfg = self.config
         scaled_std = cfg.init_std / math.sqrt(2 * cfg.effective_depth(1))
+        fresh = self._materialize_meta() if only_meta else None
         decided: set[int] = set()
         for prefix, module in self.named_modules():
             for name, p in module.named_parameters(recurse=False):
+                if fresh is not None and id(p) not in fresh:
+                    decided.add(id(p))
                 if id(p) in decided:
                     continue
                 tag = self.roles[f"{prefix}.{name}" if prefix else name][0]

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections import UserDict
 import os
+from collections import UserDict
 import warnings
 from typing import Any, Mapping, MutableMapping, Optional
 
@@ -17,46 +16,28 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from elr_lightning.batches import IGNORE_INDEX, Batch, TokenBatch
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
-from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
+from elr_lightning.module_checkpoint import check_loaded_checkpoint, record_checkpoint
 from elr_lightning.module_checks import check_data_fits, check_meta_init, check_module_args, checked_sampler
 from elr_lightning.optim import adamw, param_groups, warmup_cosine
 from elr_lightning.parameter_usage import check_plain_ddp
 from elr_lightning.plugin_config import PluginConfigError, build_plugin, plain_hyperparameters
-from elr_lightning.resume import check_resumed_schedule, planned_steps
 from elr_lightning.roles import copy_with_roles
+from elr_lightning.safe_load import check_checkpoint, refusing_pickles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
-from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, tokenizer_state
-from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats
+from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats, loop_gains
+from elr_lightning.tokenizers import Tokenizer
 from elr_lightning.updates import StateUpdate
 
 # Plug-ins stay in the hparams on purpose, as their class_path + init_args (plugin_config.py), so
 # ``load_from_checkpoint`` rebuilds them. Lightning's advice to ignore them would break that.
 warnings.filterwarnings("ignore", message=r"Attribute '(update|conditioner)' is an instance of `nn.Module`")
-
-
-#: ``arch`` fields that a checkpoint may differ in: they set the init, the RoPE table's length or route replay only.
-ARCH_FREE_FIELDS = ("init_std", "max_seq_len", "route_replay")
-
-
-def loop_gains(losses: dict[int, float], max_loops: int) -> dict[str, float]:
-    """Elastic depth's gain from a validation's loss per k, under budget K = ``max_loops``.
-
-    ``gain_kK`` is the loss at k = 1 minus the loss at k = K; ``gain_frac_k{k}`` is the fraction
-    of it that k loops capture, ``(loss_1 - loss_k) / gain_kK``, for every other validated k > 1
-    (the paper's "two and three loops capture 79% and 96% of the four-loop gain"; NaN while the
-    gain is zero). Empty unless both k = 1 and k = K were validated and K > 1.
-    """
-    if max_loops < 2 or 1 not in losses or max_loops not in losses:
-        return {}
-    gain = losses[1] - losses[max_loops]
-    gains = {"gain_kK": gain}
-    for k in sorted(losses):
-        if k not in (1, max_loops):
-            gains[f"gain_frac_k{k}"] = (losses[1] - losses[k]) / gain if gain != 0 else math.nan
-    return gains
+# The module checks labelled batches on the host in transfer_batch_to_device; Lightning's note that it does
+# so beside a data module is expected, not a problem.
+warnings.filterwarnings("ignore", message=r"You have overridden `transfer_batch_to_device` in `LightningModule` but")
 
 
 class ELRModule(LightningModule):
@@ -66,6 +47,12 @@ class ELRModule(LightningModule):
     they make ``num_shards`` shards per optimizer step. The sampler assigns each shard its k as a pure
     function of ``(seed, global_step, shard, num_shards)`` (DESIGN §4), and the loss is the token
     mean over the whole step.
+
+    A batch is a ``[B, T + 1]`` tensor of token windows or a labelled mapping ``{"input_ids",
+    "labels"}`` with :data:`~elr_lightning.batches.IGNORE_INDEX` where there is no target
+    (:mod:`elr_lightning.batches`); then every loss is the mean over labelled positions. Validation
+    logs ``{val,test}/loss_k{k}`` and, unless the data module's ``token_bytes`` are all zero,
+    ``bpb_k{k}`` (bits per UTF-8 byte of the targets).
 
     Args:
         arch: Architecture numbers; ``ModelConfig()`` by default.
@@ -160,6 +147,9 @@ class ELRModule(LightningModule):
         self.val_loss = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.val_bpb = nn.ModuleDict({str(k): MeanMetric() for k in self.val_loops})
         self.register_buffer("token_bytes", torch.ones(arch.vocab_size), persistent=False)
+        #: Whether validation logs bits per byte: false when the data module's ``token_bytes`` are all
+        #: zero (targets that are not text, e.g. class ids of a synthetic task).
+        self.reports_bpb = True
         self._seed = loop_seed
         #: The training tokenizer: taken from the data module in :meth:`setup`, saved in every
         #: checkpoint and restored from it on load (``None`` when neither provided one).
@@ -248,6 +238,7 @@ class ELRModule(LightningModule):
             padded = torch.zeros(self.arch.vocab_size)
             padded[: len(token_bytes)] = torch.as_tensor(token_bytes, dtype=torch.float32)
             self.token_bytes = padded.to(self.token_bytes.device)
+            self.reports_bpb = bool(padded.any())
 
     @override
     def configure_model(self) -> None:
@@ -267,39 +258,47 @@ class ELRModule(LightningModule):
     # ---- training ----------------------------------------------------------------------------
     def shard_loss(
         self,
-        batch: Tensor,
+        batch: Batch,
         loops: list[int],
         aux_losses: Optional[dict[str, Tensor]] = None,
         update_stats: Optional[dict[str, Tensor]] = None,
     ) -> Tensor:
-        """Token-mean cross-entropy of ``batch`` ``[B, T + 1]`` split into ``len(loops)`` shards.
+        """Cross-entropy of ``batch`` split into ``len(loops)`` shards, the mean over its labelled tokens.
+
+        ``batch`` is a ``[B, T + 1]`` tensor of token windows or a labelled mapping ``{"input_ids",
+        "labels"}`` (:mod:`elr_lightning.batches`); both are split alike into shards of consecutive
+        sequences, shard ``j`` running ``loops[j]``. The loss sums every shard's cross-entropy over its
+        labelled positions and divides by the labelled positions of the whole batch, so a shard with
+        more targets weighs more, and a batch without any gives 0 (not 0/0).
 
         ``aux_losses``, if given, receives the mixers' auxiliary losses (e.g. ``moe_aux_loss``), each
-        the shards' mean weighted by their sequences, like the cross-entropy. ``update_stats``, if
-        given, receives the state-update rule's ``metrics()`` read right after each shard's forward
-        (activation checkpointing recomputes the loops in backward, after the read), weighted the
-        same way: with equal-length sequences, a token-weighted mean over the shards.
+        the shards' mean weighted by their sequences. ``update_stats``, if given, receives the
+        state-update rule's ``metrics()`` read right after each shard's forward (activation
+        checkpointing recomputes the loops in backward, after the read), weighted the same way.
         """
-        if batch.shape[0] < len(loops):
+        tokens = TokenBatch.of(batch)
+        if tokens.rows < len(loops):
             raise ValueError(
-                f"the local batch has {batch.shape[0]} sequences, fewer than virtual_ranks={len(loops)}; "
+                f"the local batch has {tokens.rows} sequences, fewer than virtual_ranks={len(loops)}; "
                 "raise data.batch_size or lower virtual_ranks"
             )
-        total = batch.new_zeros((), dtype=torch.float32)
-        for shard, k in zip(batch.tensor_split(len(loops)), loops):
+        total = tokens.inputs.new_zeros((), dtype=torch.float32)
+        for shard, k in zip(tokens.shards(len(loops)), loops):
             # Not a dict: FSDP2's root copies dict arguments when it moves the inputs to the device.
             aux: UserDict[str, Tensor] = UserDict()
-            logits = self(shard[:, :-1], k, aux_losses=aux)
-            total = total + F.cross_entropy(logits.flatten(0, 1).float(), shard[:, 1:].flatten(), reduction="sum")
-            weight = shard.shape[0] / batch.shape[0]
+            logits = self(shard.inputs, k, aux_losses=aux)
+            total = total + F.cross_entropy(
+                logits.flatten(0, 1).float(), shard.labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+            )
+            weight = shard.rows / tokens.rows
             if aux_losses is not None:
                 add_weighted(aux_losses, aux, weight)
             if update_stats is not None:
                 add_weighted(update_stats, self.model.update.metrics(), weight)
-        return total / (batch.shape[0] * (batch.shape[1] - 1))
+        return total / tokens.labelled_tokens()
 
     @override
-    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         schedule = self.step_schedule()
         loops = schedule[self.local_shards()]
         aux: dict[str, Tensor] = {}
@@ -326,6 +325,21 @@ class ELRModule(LightningModule):
         return loss
 
     @override
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Check a labelled batch's ids while it is still on the host, then move it.
+
+        On the host the check costs no device sync; an out-of-range id would otherwise fail inside
+        the embedding or the loss (on a GPU, as an opaque device-side assert).
+
+        Raises:
+            ValueError: A labelled batch is malformed or holds an id outside the vocabulary
+                (:meth:`~elr_lightning.batches.TokenBatch.check_ids`).
+        """
+        if isinstance(batch, Mapping):
+            TokenBatch.of(batch).check_ids(self.arch.vocab_size)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    @override
     def on_train_start(self) -> None:
         for layer in self.all_layers():  # strategies probe the model at setup: that is no training step
             layer.mlp.discard_step()
@@ -348,19 +362,27 @@ class ELRModule(LightningModule):
             self.log(f"train/moe_load_cv/layer{layer.index}", cv, rank_zero_only=True)
 
     # ---- validation --------------------------------------------------------------------------
-    def sequence_nll(self, batch: Tensor, loops: int) -> Tensor:
-        """Summed next-token negative log-likelihood of each sequence of ``batch`` ``[B, T + 1]``."""
-        logits = self(batch[:, :-1], loops)
-        nll = F.cross_entropy(logits.transpose(1, 2).float(), batch[:, 1:], reduction="none")
+    def sequence_nll(self, batch: Batch, loops: int) -> Tensor:
+        """Summed negative log-likelihood of each sequence's labelled targets: ``[B]``.
+
+        ``batch`` in either form of :mod:`elr_lightning.batches`: token windows ``[B, T + 1]`` (every
+        next token) or a labelled mapping (positions labelled :data:`~elr_lightning.batches.IGNORE_INDEX`
+        add nothing).
+        """
+        tokens = TokenBatch.of(batch)
+        logits = self(tokens.inputs, loops)
+        nll = F.cross_entropy(
+            logits.transpose(1, 2).float(), tokens.labels, reduction="none", ignore_index=IGNORE_INDEX
+        )
         return nll.sum(dim=1)
 
-    def _evaluate(self, batch: Tensor) -> None:
-        targets = batch[:, 1:]
-        tokens = targets.numel()
-        nbytes = self.token_bytes[targets].sum()
+    def _evaluate(self, batch: Batch) -> None:
+        tokens = TokenBatch.of(batch)
+        count = tokens.labelled_tokens()
+        nbytes = (self.token_bytes[tokens.labels.clamp_min(0)] * tokens.mask()).sum()  # of labelled targets only
         for k in self.val_loops:
             nll = self.sequence_nll(batch, k).sum()
-            self.val_loss[str(k)].update(nll / tokens, tokens)
+            self.val_loss[str(k)].update(nll / count, count)
             if nbytes > 0:
                 self.val_bpb[str(k)].update(nll / nbytes / math.log(2), nbytes)
 
@@ -371,7 +393,8 @@ class ELRModule(LightningModule):
         for k in self.val_loops:
             losses[k] = float(self.val_loss[str(k)].compute())
             self.log(f"{prefix}/loss_k{k}", losses[k], prog_bar=k in (1, self.val_loops[-1]), sync_dist=True)
-            self.log(f"{prefix}/bpb_k{k}", self.val_bpb[str(k)].compute(), sync_dist=True)
+            if self.reports_bpb:
+                self.log(f"{prefix}/bpb_k{k}", self.val_bpb[str(k)].compute(), sync_dist=True)
             with torch.inference_mode(False):  # states re-made here must not be inference tensors
                 self.val_loss[str(k)].reset()
                 self.val_bpb[str(k)].reset()
@@ -379,7 +402,7 @@ class ELRModule(LightningModule):
             self.log(f"{prefix}/{name}", value, sync_dist=True)
 
     @override
-    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self._evaluate(batch)
 
     @override
@@ -387,7 +410,7 @@ class ELRModule(LightningModule):
         self._log_evaluation("val")
 
     @override
-    def test_step(self, batch: Tensor, batch_idx: int) -> None:
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
         self._evaluate(batch)
 
     @override
@@ -395,9 +418,10 @@ class ELRModule(LightningModule):
         self._log_evaluation("test")
 
     @override
-    def predict_step(self, batch: Tensor, batch_idx: int) -> dict[int, Tensor]:
-        """Mean next-token loss of each sequence at every k in ``val_loops``: ``{k: [B]}``."""
-        return {k: self.sequence_nll(batch, k) / (batch.shape[1] - 1) for k in self.val_loops}
+    def predict_step(self, batch: Batch, batch_idx: int) -> dict[int, Tensor]:
+        """Mean loss of each sequence over its labelled targets at every k in ``val_loops``: ``{k: [B]}``."""
+        per_row = TokenBatch.of(batch).labelled_per_row()
+        return {k: self.sequence_nll(batch, k) / per_row for k in self.val_loops}
 
     # ---- optimizer ---------------------------------------------------------------------------
     @override
@@ -412,80 +436,34 @@ class ELRModule(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- checkpoints -------------------------------------------------------------------------
+    @classmethod
+    @override
+    def load_from_checkpoint(  # type: ignore[override]
+        cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Optional[str] = None,
+        strict: Optional[bool] = None, weights_only: Optional[bool] = None, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """Lightning's ``load_from_checkpoint``, the file read as data (:mod:`elr_lightning.safe_load`).
+
+        ``weights_only`` is ``True`` unless given: a pickled object is refused in one line, and the
+        modules the hyperparameters name are checked before any is imported (trust your own with
+        ``ELR_TRUST_MODULES`` or :func:`~elr_lightning.trust.trust_modules`). An explicit
+        ``weights_only=False`` trusts the file whole, as in Lightning.
+        """
+        if weights_only is not False and hparams_file is None:  # else the hyperparameters are the user's file
+            check_checkpoint(checkpoint_path)
+        with refusing_pickles(str(getattr(checkpoint_path, "name", checkpoint_path))):
+            return super().load_from_checkpoint(
+                checkpoint_path, map_location, hparams_file, strict, weights_only=weights_only is not False, **kwargs
+            )
+
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Record the architecture; refuse to save non-finite weights or plug-ins that are not plain data.
-
-        An update that makes the weights non-finite is only seen by the next forward pass; a
-        checkpoint saved in between would replace (with ``save_top_k: 1``, delete) the last good one.
-        Every rank checks its own tensors and all agree, so no file is written and every rank stops.
-
-        The hyperparameters are saved as plain data (:func:`~elr_lightning.plugin_config.plain_value`),
-        so the file loads with ``torch.load(..., weights_only=True)``.
-
-        Raises:
-            FloatingPointError: Naming the first non-finite tensors.
-            PluginConfigError: A plug-in cannot be saved as its ``class_path`` and ``init_args``, naming the
-                field and the fix. Nothing is written; the last checkpoint is kept.
-        """
-        if "hyper_parameters" in checkpoint:
-            checkpoint["hyper_parameters"] = plain_hyperparameters(checkpoint["hyper_parameters"])
-        bad = non_finite_tensors(checkpoint)
-        attached = self._trainer is not None  # also called outside a run, e.g. by ``elr import``
-        if not (self.trainer.strategy.reduce_boolean_decision(not bad, all=True) if attached else not bad):
-            found = f"non-finite values in {listed(bad)}" if bad else "non-finite values on another rank"
-            step = self.trainer.global_step if attached else checkpoint.get("global_step", 0)
-            raise FloatingPointError(
-                f"not saving the checkpoint of step {step}: {found}; the last good checkpoint "
-                "is kept. Lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
-            )
-        checkpoint["elr"] = {"arch": dataclasses.asdict(self.arch)}
-        if attached:
-            checkpoint["elr"]["schedule"] = {
-                "num_shards": self.num_shards(),
-                "seed": self.seed,
-                "total_steps": planned_steps(self.trainer),
-            }
-        if self.tokenizer is not None:
-            checkpoint["elr"]["tokenizer"] = tokenizer_state(self.tokenizer)
+        """Record the architecture, loop schedule and tokenizer; refuse non-finite weights or plug-ins that are
+        not plain data (:func:`~elr_lightning.module_checkpoint.record_checkpoint`)."""
+        record_checkpoint(self, checkpoint)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a checkpoint of another architecture, or with(out) heads this model lacks (has).
-
-        Compares the ``arch`` saved by :meth:`on_save_checkpoint` field by field, and (unless
-        ``strict_loading`` is off) the names and shapes of the checkpoint's tensors with this
-        module's, before Lightning's strict load. Restores the saved tokenizer unless :meth:`setup`
-        already took one from the data module (a resumed run keeps the data's tokenizer).
-
-        Raises:
-            ValueError: Naming every difference and the fix.
-        """
-        problems = []
-        saved_arch = checkpoint.get("elr", {}).get("arch")
-        if saved_arch is not None:
-            mine = dataclasses.asdict(self.arch)
-            problems += [
-                f"arch.{key}: checkpoint {saved_arch[key]!r}, this model {mine[key]!r}"
-                for key in mine
-                if key in saved_arch and key not in ARCH_FREE_FIELDS and saved_arch[key] != mine[key]
-            ]
-        state = checkpoint.get("state_dict")
-        if state is not None and self.strict_loading:
-            problems += state_dict_differences(state, self.state_dict())
-        if problems:
-            raise ValueError(
-                "this checkpoint does not fit this model:\n  - " + "\n  - ".join(problems) + "\nBuild the model "
-                "with the checkpoint's model.init_args (its hyper_parameters), or start a new run from it with "
-                "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
-            )
-        if self._trainer is not None and self.trainer.state.fn == "fit":
-            check_resumed_schedule(
-                checkpoint.get("elr", {}).get("schedule"),
-                self.trainer,
-                ranks=self.data_parallel_layout()[1],
-                virtual_ranks=self.virtual_ranks,
-                seed=self.seed,
-            )
-        if self.tokenizer is None:
-            self.tokenizer = checkpoint_tokenizer(checkpoint)
+        """Refuse a checkpoint of another architecture or schedule; restore its tokenizer
+        (:func:`~elr_lightning.module_checkpoint.check_loaded_checkpoint`)."""
+        check_loaded_checkpoint(self, checkpoint)

@@ -17,6 +17,7 @@ from torch import Tensor
 from elr_lightning.cache import KVCache, PolicyLike, resolve_policy
 from elr_lightning.core import check_loops
 from elr_lightning.decode import AdaptiveDepth, Depth
+from elr_lightning.errors import refuse_unread_flags
 from elr_lightning.serving import FoldedLM
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
@@ -28,24 +29,35 @@ AUTO = "auto"
 
 
 def resolve_depth(
-    loops: Union[int, str, AdaptiveDepth], max_loops: Optional[int], threshold: float, criterion: str, trained: int
+    loops: Union[int, str, AdaptiveDepth],
+    max_loops: Optional[int],
+    threshold: Optional[float],
+    criterion: Optional[str],
+    trained: int,
 ) -> Depth:
     """The depth a call decodes at: ``loops`` as an integer k, or adaptive for ``"auto"``.
 
     Args:
         loops: k >= 1, ``"auto"``, or an :class:`~elr_lightning.decode.AdaptiveDepth`.
         max_loops: Budget of ``"auto"`` (``None``: ``trained``).
-        threshold: Exit threshold of ``"auto"``.
-        criterion: Exit criterion of ``"auto"`` (:data:`~elr_lightning.decode.EXIT_CRITERIA`).
+        threshold: Exit threshold of ``"auto"`` (``None``: 0.001).
+        criterion: Exit criterion of ``"auto"`` (:data:`~elr_lightning.decode.EXIT_CRITERIA`; ``None``: ``kl``).
         trained: The model's ``arch.max_loops``.
 
     Raises:
-        ValueError: naming ``loops`` (or the adaptive field) and what it must be.
+        ValueError: naming ``loops`` (or the adaptive field) and what it must be, or an adaptive field
+            given with another ``loops`` (it would be ignored).
     """
+    if loops == AUTO:
+        return AdaptiveDepth(
+            trained if max_loops is None else max_loops,
+            1e-3 if threshold is None else threshold,
+            "kl" if criterion is None else criterion,
+        )
+    flags = {"max_loops": max_loops, "threshold": threshold, "exit_criterion": criterion}
+    refuse_unread_flags(flags, "loops='auto'", f"pass loops='auto' instead of loops={loops!r}")
     if isinstance(loops, AdaptiveDepth):
         return loops
-    if loops == AUTO:
-        return AdaptiveDepth(trained if max_loops is None else max_loops, threshold, criterion)
     if isinstance(loops, str):
         raise ValueError(f"loops={loops!r} must be an integer >= 1 or 'auto'")
     check_loops(loops)

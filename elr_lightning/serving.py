@@ -33,8 +33,14 @@ measure, an unconditioned model with its recurrent layers copied per loop decode
 k = 4 than with them shared, with the same ops. So :func:`serving_model` folds into copies at
 k = 1 only, where the copy replaces the original in what a step reads.
 
-Generation calls :func:`serving_model` once per call (prefill and decode steps), never per token;
-it keeps the model it built per k while the parameters are unchanged."""
+Generation calls :func:`serving_model` once per call (prefill and decode steps), never per token,
+and it builds the constants anew each time: nothing is kept across calls, so a generation always
+decodes the weights as they are, however they were changed in between (an optimizer step, a
+replaced parameter, ``p.data`` edits and EMA swaps that no version counter sees,
+``load_state_dict``). Building costs about one decode step per call (``bench/generate.py``,
+``build_ms``). To decode many generations from unchanged weights without it, build the runner
+once (``runner = serving_model(model, k)``) and pass it to ``generate``: it is a snapshot of the
+constants, so build it again after any change of the weights."""
 
 from __future__ import annotations
 
@@ -42,7 +48,6 @@ import copy
 import math
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, MutableMapping, Optional, Union
 
 import torch
@@ -386,18 +391,8 @@ def _build(model: LoopedLM, loops: int, fused_norm: Optional[bool] = None) -> Fo
     return conditioned_at(model, loops, fused_norm)
 
 
-@dataclass
-class _Served:
-    """The conditioned models of one source model, valid while its parameters are those in ``key``."""
-
-    key: tuple[tuple[int, int, int], ...] = ()
-    models: dict[int, FoldedLM] = field(default_factory=dict)
-    #: Set once the model was found to have no constant form (said once, then decoded as it is).
-    refused: bool = False
-
-
-#: Per source model, weakly held: the entry dies with the model, and copies of a model do not carry it.
-_SERVED: "weakref.WeakKeyDictionary[LoopedLM, _Served]" = weakref.WeakKeyDictionary()
+#: Models whose conditioning was found to have no constant form, weakly held: the warning is said once per model.
+_WARNED: "weakref.WeakSet[LoopedLM]" = weakref.WeakSet()
 
 
 def serving_model(
@@ -406,10 +401,10 @@ def serving_model(
     """The module a generation at ``loops`` decodes with: :func:`conditioned_at` ``(model, loops)`` or ``model``.
 
     Call it once per generation (prefill and decode steps), not per token. With active
-    conditioning it returns the model with that k's conditioning constants computed once (the same
-    logits to fp32 round-off, without running the conditioner per token), kept per k and reused
-    while every parameter is the same object with the same storage and version counter: one walk
-    over the parameters per call notices an in-place optimizer step and a replaced parameter.
+    conditioning it returns the model with that k's conditioning constants computed now from the
+    current weights (the same logits to fp32 round-off, without running the conditioner per token).
+    Nothing is cached across calls, so no change of the weights can leave it stale; the result is a
+    snapshot of the constants, to be built again after the weights change.
 
     Args:
         model: The model; a :class:`FoldedLM` is returned as it is.
@@ -431,19 +426,12 @@ def serving_model(
     conditioner = model.conditioner
     if not wanted or conditioner is None or not conditioner.active:
         return model
-    served = _SERVED.setdefault(model, _Served())
-    if served.refused and fold is None:
-        return model
-    key = tuple((id(p), p.data_ptr(), p._version) for p in model.parameters())
-    if key != served.key:
-        served.key, served.models = key, {}
-    if loops not in served.models:
-        try:
-            served.models[loops] = _build(model, loops)
-        except NotImplementedError as err:  # a modulator that only offers pre() and post()
-            if fold:
-                raise
-            served.refused = True
+    try:
+        return _build(model, loops)
+    except NotImplementedError as err:  # a modulator that only offers pre() and post()
+        if fold:
+            raise
+        if model not in _WARNED:
+            _WARNED.add(model)
             warnings.warn(f"decoding unfolded (the conditioner runs per token): {err}", stacklevel=3)
-            return model
-    return served.models[loops]
+        return model

@@ -23,6 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from elr_lightning.batches import IGNORE_INDEX
 from elr_lightning.callbacks import DelayedMixedDepth, ZeroInitConditioning
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
@@ -154,6 +155,23 @@ def tiny_module(
     return module
 
 
+class LabelledText(TextDataModule):
+    """Token windows served as labelled batches with unequal shards: next-token labels kept on the last
+    three quarters of the positions of even rows and the first quarter of odd rows, -100 elsewhere.
+
+    Each rank's local batch (an even number of rows) then holds as many targets as any other's, so
+    the mean over each local batch, averaged over the ranks, is the mean over the global batch that
+    the single-process reference takes; within a rank, shards of one row weigh 3 : 1.
+    """
+
+    def on_before_batch_transfer(self, batch: torch.Tensor, dataloader_idx: int) -> dict[str, torch.Tensor]:
+        ids, targets = batch[:, :-1], batch[:, 1:]
+        quarter = torch.arange(ids.shape[1]) >= ids.shape[1] // 4
+        even = (torch.arange(ids.shape[0]) % 2 == 0)[:, None]
+        keep = torch.where(even, quarter, ~quarter)
+        return {"input_ids": ids, "labels": torch.where(keep, targets, IGNORE_INDEX)}
+
+
 def make_strategy(name: Optional[str], timeout: timedelta = COLLECTIVE_TIMEOUT) -> Any:
     """The strategy under test: ``"ddp"``, ``"fsdp"`` or ``None`` (Lightning's single-device default)."""
     if name is None:
@@ -172,7 +190,8 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     """Train one case; return this rank's ``{"state", "loops", "rank", "fsdp_units"}``.
 
     A case names ``virtual_ranks``, the per-rank ``batch_size``, and optionally ``accumulate``
-    (micro-batches per step), ``conditioner_active``, ``meta_init``, ``hybrid``, ``moe``, ``activation_checkpointing``,
+    (micro-batches per step), ``conditioner_active``, ``meta_init``, ``hybrid``, ``moe``, ``labelled`` (labelled
+    batches, :class:`LabelledText`), ``activation_checkpointing``,
     ``backprop_loops``, ``compile_model`` (``torch.compile`` of the whole model with :data:`COMPILE_BACKEND`),
     ``timeout_s`` (the collective timeout, default :data:`COLLECTIVE_TIMEOUT`), ``precision`` (Lightning's,
     default ``32-true``), ``save_checkpoint`` (write
@@ -196,7 +215,7 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     )
     if case.get("compile_model"):  # the module's own compile call, with a backend that skips code generation
         module.model.compile = functools.partial(module.model.compile, backend=COMPILE_BACKEND)
-    data = TextDataModule(
+    data = (LabelledText if case.get("labelled") else TextDataModule)(
         sources=[spec["corpus"]], seq_len=16, batch_size=case["batch_size"], cache_dir=spec["cache_dir"], seed=3
     )
     record = RecordLoops(probe_forward_dtypes(module.model))

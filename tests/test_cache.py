@@ -1,11 +1,18 @@
 """Tests of the KV-cache policy seam: storage keys, stores, byte accounting."""
 
+import importlib.util
+import inspect
+import json
+import json.decoder
+import json.encoder
 from collections.abc import Hashable
+from pathlib import Path
 
 import pytest
 import torch
 from typing_extensions import override
 
+from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.cache import CACHE_POLICIES, KVCache, LastLoopCache, PerLoopCache, kv_cache_bytes, layer_caches
 from elr_lightning.generation import generate
@@ -14,6 +21,10 @@ from elr_lightning.model import LoopedLM
 from test_hybrid import HYBRID
 
 CONFIG = GQA_CONFIG
+
+_SPEC = importlib.util.spec_from_file_location("bench_last_loop", Path(__file__).resolve().parents[1] / "bench" / "last_loop.py")
+LAST_LOOP_BENCH = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(LAST_LOOP_BENCH)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -167,6 +178,41 @@ def test_last_loop_is_a_per_loop_cache_whose_past_is_overwritten_by_loop_k(confi
             _overwrite_earlier_loops(per, config, loops)
             moved |= not torch.allclose(model(tokens[:, start:end], loops, cache=plain), want, atol=1e-4)
     assert moved, "the plain per-loop cache gave the same logits: the comparison proves nothing"
+
+
+def _trained_tiny_model(steps: int = 30) -> LoopedLM:
+    """A conditioned byte-level model trained ``steps`` AdamW steps on Python source, k cycling through 1..3."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=256, d_model=32, n_heads=4, n_kv_heads=2, n_in=1, n_rec=2, n_out=1, max_loops=3,
+                         max_seq_len=64)  # fmt: skip
+    model = LoopedLM(config, conditioner=LoopConditioner(d_cond=8, rank=2))
+    text = torch.tensor(list(inspect.getsource(json.decoder).encode()))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(steps):
+        starts = torch.randint(0, len(text) - 33, (8,), generator=torch.Generator().manual_seed(step))
+        batch = torch.stack([text[s : s + 33] for s in starts.tolist()])
+        logits = model(batch[:, :-1], step % 3 + 1)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+def test_last_loop_prefill_and_token_by_token_decoding_differ_beyond_one_loop() -> None:
+    """The size documented in the README: a prompt prefilled in one pass and the same prompt decoded one token at
+    a time give the same logits under ``per_loop`` (exact) and at k = 1, but not under ``last_loop`` at k > 1,
+    where a token's loop i reads the earlier tokens' loop-k keys (``bench/last_loop.py``)."""
+    model = _trained_tiny_model()
+    ids = torch.tensor([list(inspect.getsource(json.encoder).encode()[:48])] * 2)
+    ids[1] = ids[1].roll(7)
+    gaps = {}
+    for policy in CACHE_POLICIES:
+        for loops in (1, 2, 3):
+            prefill, decoded = LAST_LOOP_BENCH.prefill_and_decoded_logits(model, ids, loops, policy)
+            gaps[policy, loops] = (prefill - decoded).abs().max().item()
+    assert max(gaps["per_loop", k] for k in (1, 2, 3)) < 1e-4, gaps
+    assert gaps["last_loop", 1] < 1e-4, gaps
+    assert min(gaps["last_loop", 2], gaps["last_loop", 3]) > 1e-3, gaps  # 0.023 and 0.040 here
 
 
 def test_user_policy_runs_through_generate() -> None:

@@ -212,6 +212,18 @@ def test_elr_eval_loops_auto_adds_adaptive_points(
     assert [e.value for e in events.Scalars("eval/auto_kl_0/mean_loops")] == [2.0]
 
 
+@pytest.mark.parametrize(
+    "flags", [["--exit_criterion", "delta"], ["--exit_criterion", "kl"], ["--threshold", "0.1"], ["--max_loops", "2"],
+              ["--exit_criterion", "delta", "--max_loops", "2"]],
+)
+def test_auto_options_without_auto_are_refused_naming_each(flags: list[str]) -> None:
+    """``--loops 1 --exit_criterion delta`` would score k = 1 and ignore the criterion: refused, as ``--threshold``."""
+    message = _error(["eval", "--ckpt_path", "missing.ckpt", "--loops", "1,2", *flags])
+    named = [flag for flag in flags if flag.startswith("--")]
+    assert all(flag in message for flag in named) and "only read with --loops auto" in message
+    assert "does not exist" not in message  # refused before the checkpoint is looked at
+
+
 @pytest.mark.slow
 def test_elr_eval_auto_options_are_checked(checkpoint: Path, data_dir: Path) -> None:
     ckpt = str(checkpoint)

@@ -223,6 +223,15 @@ def test_eval_adapter_scores_and_generates_with_auto_depth() -> None:
         ELRLM.from_model(model, tok, loops="fast")
 
 
+@pytest.mark.parametrize("loops", [2, AdaptiveDepth(2, 0.1)], ids=["k", "adaptive_depth"])
+@pytest.mark.parametrize("given", [{"threshold": 0.5}, {"exit_criterion": "delta"}, {"max_loops": 3}])
+def test_adaptive_arguments_with_a_fixed_depth_are_refused(loops, given: dict) -> None:
+    """``generate(loops=2, threshold=0.5)`` would decode at k = 2 and ignore the threshold: refused, naming it."""
+    model = perturbed_model(GQA_CONFIG)
+    with pytest.raises(ValueError, match=f"^{next(iter(given))} is only read with loops='auto'"):
+        generate(model, [[1, 2]], loops=loops, max_new_tokens=2, **given)
+
+
 def test_elr_generate_loops_auto_prints_the_loops_per_token(tmp_path, capsys) -> None:
     from _elr_ckpt import write_checkpoint
     from elr_lightning.cli import run
@@ -233,5 +242,6 @@ def test_elr_generate_loops_auto_prints_the_loops_per_token(tmp_path, capsys) ->
          "--max_new_tokens", "5", "--temperature", "0", "--stats"])  # fmt: skip
     err = capsys.readouterr().err
     assert "loops per decoded token: mean" in err
-    with pytest.raises(ValueError, match="--max_loops is only read with --loops auto"):
-        run(["generate", "--ckpt_path", str(ckpt), "--prompt", "def", "--loops", "2", "--max_loops", "3"])
+    for flags in (["--max_loops", "3"], ["--threshold", "0.1"], ["--exit_criterion", "delta"], ["--exit_criterion", "kl"]):
+        with pytest.raises(ValueError, match=f"{flags[0]} is only read with --loops auto"):
+            run(["generate", "--ckpt_path", str(ckpt), "--prompt", "def", "--loops", "2", *flags])

@@ -34,11 +34,11 @@ HYBRID = dataclasses.replace(
 )
 
 
-def moe_arch(replay: str = "replay", hybrid: bool = False) -> ModelConfig:
+def moe_arch(replay: str = "replay", hybrid: bool = False, top_k: int = 2) -> ModelConfig:
     """SERVE_ARCH (or HYBRID) with a shared-expert MoE in every layer under route replay mode ``replay``."""
     moe = {
         "class_path": "elr_lightning.mixers.MoE",
-        "init_args": {"num_experts": 4, "top_k": 2, "expert_dim": 16, "shared_expert_dim": 8},
+        "init_args": {"num_experts": 4, "top_k": top_k, "expert_dim": 16, "shared_expert_dim": 8},
     }
     base = HYBRID if hybrid else SERVE_ARCH
     return dataclasses.replace(base, channel_pattern=["moe"], route_replay=replay, mixers={**base.mixers, "moe": moe})
@@ -60,6 +60,7 @@ ARCHS = {
     "moe_replay_experts": moe_arch("replay_experts"),
     "moe_replay_inference": moe_arch("replay_inference"),
     "moe_dynamic": moe_arch("dynamic"),
+    "moe_top_1": moe_arch("replay_experts", top_k=1),  # gated by the raw router probability
     "hybrid_moe": moe_arch(hybrid=True),
 }
 

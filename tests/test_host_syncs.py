@@ -98,6 +98,25 @@ def test_training_step_reads_nothing_back(arch, backprop, device: str, monkeypat
     assert all(p.grad is not None for p in module.model.parameters())
 
 
+@pytest.mark.parametrize("device", devices())
+def test_a_labelled_training_step_reads_nothing_back(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Labelled batches (an ignore index, a labelled-token count that is a tensor) add no host read either."""
+    module = ELRModule(arch=GQA_CONFIG, sampler=FixedLoops(2), virtual_ranks=2).to(device)
+    module._trainer = SimpleNamespace(
+        global_rank=0, world_size=1, global_step=1, log_every_n_steps=50, fast_dev_run=False, strategy=SimpleNamespace()
+    )
+    monkeypatch.setattr(module, "log", lambda name, value, **kwargs: None)
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+    labels = torch.where(torch.arange(32) < 10, -100, ids.roll(-1, dims=1))
+    batch = {"input_ids": ids.to(device), "labels": labels.to(device)}
+    module.training_step(batch, 0)
+    module.zero_grad(set_to_none=True)
+    with host_reads_raise() as attempted:
+        loss = module.training_step(batch, 0)
+        loss.backward()
+    assert attempted == [] and torch.isfinite(loss)
+
+
 def test_a_host_read_in_the_forward_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check above can fail: a forward that branches on a tensor value raises under it."""
     module = ELRModule(arch=GQA_CONFIG, sampler=FixedLoops(1))

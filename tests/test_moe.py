@@ -117,6 +117,35 @@ def test_moe_layer_equals_the_dense_reference_with_a_shared_expert(dispatch):
     torch.testing.assert_close(weights.sum(-1), torch.ones(14))
 
 
+@pytest.mark.parametrize("replay", ["dynamic", "replay", "replay_experts"])
+@pytest.mark.parametrize("loops", [1, 3])
+def test_top_1_router_learns_from_the_lm_loss_alone(replay, loops):
+    """Top-1 gates with the router probability (Switch Transformer), not p / p = 1: with the balance loss
+    off, the LM loss alone still moves the router of every layer."""
+    model = LoopedLM(moe_config(num_experts=4, top_k=1, aux_loss_coef=0.0, replay=replay)).train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(loops))
+    logits = model(ids[:, :-1], loops)
+    F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+    grads = {name: p.grad.abs().max().item() for name, p in model.named_parameters()}
+    routers = [name.removesuffix("router.weight") for name in grads if name.endswith("router.weight")]
+    assert len(routers) == 3
+    for layer in routers:  # p / p = 1 leaves only rounding noise, ~1e-8 of the experts' gradient
+        assert grads[layer + "router.weight"] > 1e-3 * grads[layer + "w_down"], layer
+
+
+@pytest.mark.parametrize("top_k, normalize, sums_to_one", [(1, None, False), (2, None, True), (1, True, True),
+                                                          (3, False, False)])
+def test_gate_weights_are_normalised_above_top_1_unless_told(top_k, normalize, sums_to_one):
+    """``normalize_weights=None``: raw probability at top_k = 1, normalised top-k above; ``True``/``False`` force it."""
+    moe = MoE(tiny_config(), num_experts=4, top_k=top_k, expert_dim=8, normalize_weights=normalize)
+    torch.nn.init.normal_(moe.router.weight, std=1.0)
+    probs, experts, weights = moe.route(moe.router(torch.randn(9, 32)))
+    chosen = probs.gather(-1, experts)
+    want = chosen / chosen.sum(-1, keepdim=True) if sums_to_one else chosen
+    torch.testing.assert_close(weights, want)
+    assert torch.allclose(weights.sum(-1), torch.ones(9)) == sums_to_one
+
+
 # ---- route replay -------------------------------------------------------------------------------
 
 
@@ -274,7 +303,7 @@ def test_bias_balancing_moves_towards_underloaded_experts_and_steers_the_choice_
     assert moe.expert_bias.tolist() == [-0.25, 0.25, -0.25, 0.25]
     logits = torch.tensor([[2.0, 1.9, 0.0, 0.0]])
     probs, experts, weights = moe.route(logits)
-    assert experts.tolist() == [[1]] and weights.tolist() == [[1.0]]
+    assert experts.tolist() == [[1]] and weights.tolist() == [[probs[0, 1].item()]]  # the bias is not in the gate
     assert not moe.expert_bias.requires_grad and moe.end_step(lambda t: t).tolist() == [0.0] * 4
     moe.reset_buffers()
     assert moe.expert_bias.tolist() == [0.0] * 4

@@ -1,4 +1,4 @@
-"""Plug-ins saved as ``class_path`` + ``init_args``: checkpoints load with ``weights_only=True``, old ones still load."""
+"""Plug-ins saved as ``class_path`` + ``init_args``: checkpoints load with ``weights_only=True``; old ones convert once."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from lightning.pytorch import Trainer
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-import elr_lightning.checkpoint_io as checkpoint_io
 from elr_lightning.callbacks.delayed_mixed_depth import DelayedSampler, load_weights_where_present
 from elr_lightning.checkpoint_io import AtomicCheckpointIO, upgrade_checkpoint
+from elr_lightning.cli import main
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.generation import load_model
 from elr_lightning.hf.export import save_module_checkpoint
 from elr_lightning.module import ELRModule
 from elr_lightning.plugin_config import PluginConfigError, build_plugin, plugin_config
+from elr_lightning.safe_load import UnsafeCheckpointError
 from elr_lightning.sampling import LoopSampler, OneLoopOverride, Synchronized
 from elr_lightning.tokenizers import ByteTokenizer
 from elr_lightning.updates import FixedDelta, StateUpdate
@@ -168,33 +169,44 @@ def _old_format_checkpoint(path: Path, tmp_path: Path) -> ELRModule:
     return module
 
 
-def test_an_old_format_checkpoint_loads_after_one_warning_and_upgrades(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_an_old_format_checkpoint_is_refused_and_upgraded_by_one_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    old = tmp_path / "old.ckpt"
+    """No loader unpickles an old checkpoint; `elr upgrade-checkpoint OLD NEW --trust` converts it, same logits."""
+    old, new = tmp_path / "old.ckpt", tmp_path / "upgraded.ckpt"
     module = _old_format_checkpoint(old, tmp_path)
     with pytest.raises(Exception, match="Weights only load failed"):
         torch.load(old, weights_only=True)
-    monkeypatch.setattr(checkpoint_io, "_warned_old_format", False)
-    with pytest.warns(UserWarning, match=r"old.ckpt' holds elr_lightning\..* weights_only=False.*upgrade_checkpoint"):
-        _, loaded = load_model(str(old))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the warning is given once per process
-        load_model(str(old))
-    assert loaded.model.update.beta == 0.3 and loaded.sampler.switch_step == 3
-    resumed = AtomicCheckpointIO().load_checkpoint(old)  # Lightning's default weights_only=None, as when resuming
-    assert isinstance(resumed["hyper_parameters"]["update"], FixedDelta)
     fresh = ELRModule(arch=tiny_config(), update=FixedDelta(0.3), conditioner=LoopConditioner(d_cond=8, rank=2, n_freqs=2))
-    assert load_weights_where_present(fresh.model, str(old)) == []  # DelayedMixedDepth(init_from=...)
-    for k, logits in _logits(module).items():
-        torch.testing.assert_close(_logits(loaded)[k], logits, rtol=0, atol=0)
+    refusal = r"old.ckpt' holds a pickled object \(elr_lightning\..*\).*elr upgrade-checkpoint .*old.ckpt .*old.upgraded.ckpt --trust"
+    for load in (
+        lambda: load_model(str(old)),
+        lambda: ELRModule.load_from_checkpoint(old),
+        lambda: AtomicCheckpointIO().load_checkpoint(old),  # Lightning's default weights_only=None, as when resuming
+        lambda: load_weights_where_present(fresh.model, str(old)),  # DelayedMixedDepth(init_from=...)
+    ):
+        with pytest.raises(UnsafeCheckpointError, match=refusal):
+            load()
 
-    upgrade_checkpoint(str(old), str(tmp_path / "upgraded.ckpt"))
-    raw = torch.load(tmp_path / "upgraded.ckpt", weights_only=True)
+    with pytest.raises(SystemExit) as refused:  # it runs code from the file: only with --trust
+        main(["upgrade-checkpoint", str(old), str(new)])
+    assert refused.value.code == 1 and not new.exists()
+    assert capsys.readouterr().err.count("elr: error: OLD") == 1
+    main(["upgrade-checkpoint", str(old), str(new), "--trust"])
+    assert "it loads without running code" in capsys.readouterr().out
+    raw = torch.load(new, weights_only=True)
     assert raw["hyper_parameters"]["sampler"]["init_args"]["after"]["init_args"]["override_fraction"] == 0.25
-    monkeypatch.setattr(checkpoint_io, "_warned_old_format", False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _, upgraded = load_model(str(tmp_path / "upgraded.ckpt"))
+    _, upgraded = load_model(str(new))
     for k, logits in _logits(module).items():
         torch.testing.assert_close(_logits(upgraded)[k], logits, rtol=0, atol=0)
+    assert upgraded.model.update.beta == 0.3 and upgraded.sampler.switch_step == 3
+
+    main(["upgrade-checkpoint", str(new), str(tmp_path / "again.ckpt")])  # nothing to convert, no --trust needed
+    assert "already loads without running code" in capsys.readouterr().err and not (tmp_path / "again.ckpt").exists()
+    before = new.read_bytes()
+    with pytest.raises(SystemExit):
+        main(["upgrade-checkpoint", str(old), str(new), "--trust"])
+    assert "exists; elr upgrade-checkpoint never replaces a file" in capsys.readouterr().err
+    with pytest.raises(FileExistsError):
+        upgrade_checkpoint(str(old), str(new), trust=True)
+    assert new.read_bytes() == before

@@ -1,4 +1,4 @@
-"""A user's own state-update rule, in their own package, named by class_path in YAML (README example)."""
+"""A user's own state-update rule, in their own package, named by class_path in YAML (docs/extending.md)."""
 
 from __future__ import annotations
 
@@ -13,19 +13,19 @@ from elr_lightning.cli import run
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _readme_rule() -> str:
-    """The ``my_lab/rules.py`` code block of the README, verbatim."""
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"```python\n# my_lab/rules.py\n(.*?)```", readme, re.S)
-    assert block, "README lost its plug-in example"
+def _documented_rule() -> str:
+    """The ``my_lab/rules.py`` code block of the extending guide, verbatim."""
+    page = (ROOT / "docs" / "extending.md").read_text()
+    block = re.search(r"```python\n# my_lab/rules.py\n(.*?)```", page, re.S)
+    assert block, "docs/extending.md lost its plug-in example"
     return block.group(1)
 
 
-def test_readme_plugin_trains_from_yaml(tmp_path, monkeypatch):
+def test_documented_plugin_trains_from_yaml(tmp_path, monkeypatch):
     package = tmp_path / "my_lab"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "rules.py").write_text(_readme_rule())
+    (package / "rules.py").write_text(_documented_rule())
     monkeypatch.syspath_prepend(str(tmp_path))
     config = tmp_path / "run.yaml"
     config.write_text(textwrap.dedent(f"""\

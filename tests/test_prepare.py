@@ -171,6 +171,22 @@ def test_a_damaged_folder_is_refused_by_name(tmp_path: Path, corpus: Path) -> No
         PreparedFolder(str(corpus), ByteTokenizer())
 
 
+@pytest.mark.parametrize("vocab_size", [300, 255, None])
+def test_an_index_whose_vocab_size_is_not_the_tokenizers_is_refused(tmp_path: Path, corpus: Path, vocab_size) -> None:
+    """The fingerprint matches but ``index.json`` says another vocabulary (an edited or stale index): its ids may
+    not fit the model, so the folder is refused in one line naming the field, before any training step."""
+    out = tmp_path / "p"
+    prepare_corpus([str(corpus)], str(out), shard_bytes=1500, val_fraction=0.2, progress=False)
+    index = json.loads((out / "index.json").read_text())
+    index["vocab_size"] = vocab_size
+    (out / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError) as info:
+        PreparedFolder(str(out), ByteTokenizer())
+    message = str(info.value)
+    assert f"index.json' has vocab_size={vocab_size}" in message and "256" in message and "elr prepare" in message
+    assert "\n" not in message
+
+
 def test_the_command_line(tmp_path: Path, corpus: Path, capsys) -> None:
     main(["prepare", str(corpus / "b.jsonl"), "--out", str(tmp_path / "p"), "--val-fraction", "0"])
     tokens = sum(len(d) + 1 for d in DOCS[20:40])

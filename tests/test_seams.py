@@ -160,18 +160,18 @@ def test_dense_model_output_is_unchanged_by_the_seams() -> None:
     assert torch.allclose(torch.cat((first, rest), 1), full, atol=1e-5)
 
 
-def _readme_block(language: str, first_line: str) -> str:
+def _documented_block(language: str, first_line: str) -> str:
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    blocks = re.findall(rf"```{language}\n(.*?)```", readme, flags=re.S)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    blocks = re.findall(rf"```{language}\n(.*?)```", page, flags=re.S)
     return next(b for b in blocks if b.startswith(first_line))
 
 
 @pytest.mark.slow
-def test_the_readme_mixer_trains_from_yaml_and_decodes(tmp_path, monkeypatch) -> None:
-    """The README's user mixer, from its own package, trained by ``elr fit`` from the README's YAML."""
+def test_the_documented_mixer_trains_from_yaml_and_decodes(tmp_path, monkeypatch) -> None:
+    """The extending guide's user mixer, from its own package, trained by ``elr fit`` from the guide's YAML."""
     import sys
 
     import yaml
@@ -181,12 +181,12 @@ def test_the_readme_mixer_trains_from_yaml_and_decodes(tmp_path, monkeypatch) ->
 
     (tmp_path / "my_lab").mkdir()
     (tmp_path / "my_lab" / "__init__.py").write_text("")
-    (tmp_path / "my_lab" / "mixers.py").write_text(_readme_block("python", "# my_lab/mixers.py"))
+    (tmp_path / "my_lab" / "mixers.py").write_text(_documented_block("python", "# my_lab/mixers.py"))
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == "my_lab" or m.startswith("my_lab.")]:  # another test's my_lab
         monkeypatch.delitem(sys.modules, name)
     head = "model:\n  class_path: elr_lightning.ELRModule\n  init_args:\n    arch:"
-    arch = yaml.safe_load(_readme_block("yaml", head))
+    arch = yaml.safe_load(_documented_block("yaml", head))
     arch = arch["model"]["init_args"]["arch"]
     arch.update(vocab_size=256, d_model=32, n_heads=2, n_in=2, n_rec=2, n_out=2, max_seq_len=32, max_loops=2)
     corpus = tmp_path / "corpus.txt"

@@ -24,12 +24,13 @@ from hypothesis import strategies as st
 
 from _bpe import train_bpe
 from _elr_ckpt import SERVE_ARCH, write_checkpoint
+from conftest import perturbed_model
 from elr_lightning.decode import AdaptiveDepth
 from elr_lightning.generation import generate, load_model
 from elr_lightning.serve.api import Cancel, CompletionsSpec, RequestError, relative_costs
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine, _StopText
 from elr_lightning.serve.command import checkpoint_arch, serving_tokenizer
-from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
+from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, IncrementalDecoder, Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOK = ByteTokenizer()
@@ -114,6 +115,37 @@ def test_engine_stop_strings_and_text_before_them(model) -> None:
     request = CompletionRequest(free.prompt_ids, 2, 24, 1.0, None, 5, (stop, "\x00never"))
     texts, finish = run_engine(DecodeEngine(model, TOK, "last_loop"), {"s": request})
     assert texts["s"] == text[: text.find(stop)] and finish["s"] == "stop"
+
+
+class _EosBytes(ByteTokenizer):
+    """Bytes, with byte 0 as the end-of-sequence id."""
+
+    @property
+    def eos_id(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(
+    "script, stop, text, finish",
+    [
+        ("hello EN", ["END"], "hello EN", "stop"),  # held back as a possible start of END, then EOS
+        ("hello EN", ["END", "ENx"], "hello EN", "stop"),
+        ("hello \u00e9", ["\u00e9t\u00e9"], "hello \u00e9", "stop"),  # a held-back 2-byte character too
+        ("hello END", ["END"], "hello ", "stop"),
+        ("hello E", ["END"], "hello E", "length"),  # max_tokens: flushed as before
+    ],
+)
+def test_a_completion_that_ends_releases_the_text_held_back_for_a_stop_string(
+    model, monkeypatch: pytest.MonkeyPatch, script: str, stop: list[str], text: str, finish: str
+) -> None:
+    """Text held back because it could begin a stop string is sent when the completion ends, at EOS as at
+    ``max_tokens``, unless a stop string did appear."""
+    tokens = iter(TOK.encode(script) + [0])
+    monkeypatch.setattr("elr_lightning.serve.engine.sample_next", lambda *a, **k: torch.tensor([next(tokens)]))
+    max_tokens = len(TOK.encode(script)) + (1 if finish == "stop" else 0)
+    request = CompletionRequest(tuple(TOK.encode("x")), 2, max_tokens, 0.0, stop=tuple(stop))
+    texts, finishes = run_engine(DecodeEngine(model, _EosBytes(), "last_loop"), {"s": request})
+    assert (texts["s"], finishes["s"]) == (text, finish)
 
 
 def test_serving_uses_the_checkpoint_tokenizer_and_detokenises_bpe(tmp_path: Path) -> None:
@@ -382,6 +414,64 @@ def test_engine_reset_drops_every_request(model) -> None:
     assert sorted(engine.reset()) == ["a", "b"] and engine.active == 0 and engine.step() == []
 
 
+GDP_ARCH = dataclasses.replace(
+    SERVE_ARCH,
+    token_pattern={"in": ["gdp"], "rec": ["gdp", "attention"], "out": ["attention"]},
+    mixers={"gdp": {"class_path": "elr_lightning.mixers.GatedDeltaProduct", "init_args": {"chunk_size": 8}}},
+)
+
+
+@pytest.mark.parametrize("policy", ["last_loop", "per_loop"])
+@pytest.mark.parametrize("where", ["decode", "prefill", "admission"])
+def test_after_a_failed_step_the_next_request_answers_as_generate(
+    monkeypatch: pytest.MonkeyPatch, policy: str, where: str
+) -> None:
+    """A step that fails mid-way (in the layers of a decode step or of a prefill, or while a request takes its
+    slot) leaves nothing behind after ``reset``: no recurrent-state writes waiting for the next commit, no
+    lengths, no lost slot; the next request's answer equals ``elr generate``'s."""
+    model = perturbed_model(GDP_ARCH)
+    engine = DecodeEngine(model, TOK, policy, max_batch_size=2)
+    for uid in ("a", "b"):
+        engine.submit(uid, REQUESTS[uid])
+    engine.step()
+    armed = [True]
+
+    def fail(module, args) -> None:  # after the recurrent block's GDP layer recorded its new state
+        if armed[0] and (args[0].shape[1] == 1) == (where == "decode"):
+            armed[0] = False
+            raise RuntimeError("injected failure")
+
+    if where == "admission":
+        monkeypatch.setattr(
+            "elr_lightning.serve.engine.IncrementalDecoder",
+            lambda tok: fail(None, (torch.zeros(1, 2),)) or IncrementalDecoder(tok),
+        )
+    else:
+        model.core.layers[1].attn.register_forward_pre_hook(fail)
+    if where != "decode":  # b's slot frees and c takes it in the failing step
+        engine.cancel("b")
+        engine.submit("c", REQUESTS["c"])
+    with pytest.raises(RuntimeError, match="injected failure"):
+        engine.step()
+    assert sorted(engine.reset()) == (["a", "b"] if where == "decode" else ["a", "c"])
+    stores = engine.decoder.cache._stores.values()
+    assert not any(store._row_pending or store._pending for store in stores)
+    assert engine.decoder.lengths == [0, 0]
+    good = CompletionRequest(tuple(TOK.encode("class A:\n")), 3, 10, 0.0)
+    for uid in ("g1", "g2", "g3"):  # every slot serves again
+        engine.submit(uid, good)
+    texts: dict[str, str] = {}
+    for step in range(40):
+        for event in engine.step():
+            texts[event.uid] = texts.get(event.uid, "") + event.text
+        if step == 0:
+            assert sorted(engine.running) == ["g1", "g2"]  # both slots took a request
+        if not engine.active:
+            break
+    assert not engine.active
+    assert texts == {uid: reference(model, good, policy) for uid in ("g1", "g2", "g3")}
+
+
 def test_finished_and_abandoned_requests_leave_the_response_buffer(spec: CompletionsSpec) -> None:
     """Each request's buffer entry goes when it is answered, streamed out, or its client disconnects mid-stream."""
     import asyncio
@@ -394,11 +484,13 @@ def test_finished_and_abandoned_requests_leave_the_response_buffer(spec: Complet
     spec.data_streamer = LitServer.data_streamer
 
     class Body:
+        headers: dict[str, str] = {}
+
         def __init__(self, stream: bool) -> None:
             self.raw = json.dumps({"prompt": "ab", "max_tokens": 3, "stream": stream}).encode()
 
-        async def body(self) -> bytes:
-            return self.raw
+        async def stream(self):
+            yield self.raw
 
         async def is_disconnected(self) -> bool:
             return False
@@ -416,7 +508,8 @@ def test_finished_and_abandoned_requests_leave_the_response_buffer(spec: Complet
 
     async def scenario() -> list:
         answer = asyncio.ensure_future(spec.completions(Body(False)))
-        await asyncio.sleep(0)
+        while spec.request_queue.empty():  # the prompt is tokenised in a thread
+            await asyncio.sleep(0.001)
         feed(finish=True)
         plain = await answer
         streamed = await spec.completions(Body(True))

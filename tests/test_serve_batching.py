@@ -125,8 +125,10 @@ def test_a_disconnected_plain_request_is_cancelled_in_the_worker(spec: Completio
     spec.data_streamer = LitServer.data_streamer
 
     class Gone:
-        async def body(self) -> bytes:
-            return b'{"prompt": "ab", "max_tokens": 50}'
+        headers: dict[str, str] = {}
+
+        async def stream(self):
+            yield b'{"prompt": "ab", "max_tokens": 50}'
 
         async def is_disconnected(self) -> bool:
             return True

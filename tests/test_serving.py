@@ -1,10 +1,11 @@
-"""Generation decodes a conditioned model through each k's conditioning constants, computed once and
-kept while the weights are unchanged; ``LoopedLM.forward`` itself stays a pure function of its inputs."""
+"""Generation decodes a conditioned model through each k's conditioning constants, computed once per
+generation from the weights as they are; ``LoopedLM.forward`` itself stays a pure function of its inputs."""
 
 from __future__ import annotations
 
 import gc
 import warnings
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -15,7 +16,7 @@ from elr_lightning.cache import PerLoopCache
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.generation import generate
 from elr_lightning.model import LoopedLM
-from elr_lightning.serving import _SERVED, ConditionedBlock, FoldedLM, _build, conditioned_at, serving_model
+from elr_lightning.serving import ConditionedBlock, FoldedLM, _build, conditioned_at, serving_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -64,19 +65,21 @@ def test_serving_leaves_the_training_mode_of_the_model_alone() -> None:
     assert all(m.training for m in model.modules())
 
 
-def test_the_constants_are_reused_and_rebuilt_after_an_in_place_update() -> None:
+def test_a_runner_is_a_snapshot_built_per_call_and_reused_when_passed() -> None:
+    """Each call builds anew; a runner passed to ``generate`` is used as it is (a snapshot of the constants)."""
     model = perturbed_model(GQA_CONFIG)
     prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
     kwargs = dict(loops=3, kv_cache="per_loop", max_new_tokens=6, greedy=True, output_logits=True)
     served = generate(model, prompt, **kwargs)
     runner = serving_model(model, 3)
-    assert serving_model(model, 3) is runner and serving_model(model, 2) is not runner  # one per k, kept
+    assert serving_model(model, 3) is not runner
+    assert generate(runner, prompt, **kwargs).logits.equal(served.logits)
     with torch.no_grad():
         model.core.layers[0].attn_mod.omega.bias.add_(0.5)  # an optimizer step would do this in place
     changed = generate(model, prompt, **kwargs)
-    assert serving_model(model, 3) is not runner
     torch.testing.assert_close(changed.logits, generate(model, prompt, fold=False, **kwargs).logits, atol=1e-4, rtol=0)
     assert not torch.allclose(changed.logits, served.logits, atol=1e-3)
+    assert generate(runner, prompt, **kwargs).logits.equal(served.logits)  # the snapshot: the old constants
 
 
 def test_the_constants_are_rebuilt_when_a_parameter_is_replaced() -> None:
@@ -92,6 +95,50 @@ def test_the_constants_are_rebuilt_when_a_parameter_is_replaced() -> None:
     assert not torch.allclose(after, before, atol=1e-3)
 
 
+def _edit_mul(model: LoopedLM) -> None:
+    for p in model.parameters():
+        p.data.mul_(1.05)  # through .data: no version counter moves
+
+
+def _edit_copy(model: LoopedLM) -> None:
+    g = torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        p.data.copy_(p.data + 0.05 * torch.randn(p.shape, generator=g))
+
+
+def _edit_ema_swap(model: LoopedLM) -> None:
+    """Swap in EMA weights in place (as an EMA callback does before validation), keeping the originals."""
+    model.ema = [p.detach().clone().lerp_(torch.zeros_like(p), 0.1) for p in model.parameters()]
+    for p, ema in zip(model.parameters(), model.ema):
+        live = p.data.clone()
+        p.data.copy_(ema)
+        ema.copy_(live)
+
+
+def _edit_load_state_dict(model: LoopedLM) -> None:
+    model.load_state_dict(perturbed_model(GQA_CONFIG, seed=9).state_dict())
+
+
+@pytest.mark.parametrize("edit", [_edit_mul, _edit_copy, _edit_ema_swap, _edit_load_state_dict],
+                         ids=["data_mul", "data_copy", "ema_swap", "load_state_dict"])
+@pytest.mark.parametrize("loops", [1, 3])
+def test_generation_always_decodes_the_current_weights(edit, loops: int) -> None:
+    """However the weights change between two generations (in place through ``p.data`` too, which no version
+    counter sees), the next generation decodes them: it equals running the conditioner per token."""
+    model = perturbed_model(GQA_CONFIG)
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(loops=loops, kv_cache="per_loop", max_new_tokens=6, greedy=True, output_logits=True)
+    before = generate(model, prompt, **kwargs)
+    edit(model)
+    after = generate(model, prompt, **kwargs)
+    torch.testing.assert_close(after.logits, generate(model, prompt, fold=False, **kwargs).logits, atol=1e-4, rtol=0)
+    assert not torch.allclose(after.logits, before.logits, atol=1e-2)
+    if edit is _edit_ema_swap:  # and back: the live weights again
+        for p, ema in zip(model.parameters(), model.ema):
+            p.data.copy_(ema)
+        torch.testing.assert_close(generate(model, prompt, **kwargs).logits, before.logits, atol=1e-5, rtol=0)
+
+
 def test_forward_runs_the_conditioner_itself_and_serve_folded_opts_out(monkeypatch: pytest.MonkeyPatch) -> None:
     model = perturbed_model(GQA_CONFIG)
     calls = []
@@ -100,7 +147,7 @@ def test_forward_runs_the_conditioner_itself_and_serve_folded_opts_out(monkeypat
     ids = torch.randint(0, 64, (1, 4))
     with torch.no_grad():
         model(ids, 3, cache=PerLoopCache(max_len=8))
-    assert len(calls) == 3 and model not in _SERVED  # forward: no fold, no serving state
+    assert len(calls) == 3  # forward: no fold
     generate(model, ids, loops=3, max_new_tokens=4, greedy=True)
     assert len(calls) == 6  # the constants: one context per loop, once per generation (not per token)
     model.serve_folded = False
@@ -132,18 +179,16 @@ def test_a_modulator_without_constants_decodes_unfolded_with_one_warning() -> No
         serving_model(model, 2, fold=True)
 
 
-def test_no_process_wide_hook_and_the_cache_dies_with_its_model() -> None:
+def test_no_process_wide_hook_and_serving_keeps_no_model_alive() -> None:
     hooks = torch.nn.modules.module._global_parameter_registration_hooks.values()
     assert not [h for h in hooks if getattr(h, "__module__", "").startswith("elr_lightning")]
     model = perturbed_model(GQA_CONFIG)
-    conditioned_at(model, 2)  # builds without touching the serving cache
-    assert model not in _SERVED
-    serving_model(model, 2)
-    assert model in _SERVED
-    size = len(_SERVED)
+    generate(model, [[1, 2, 3]], loops=2, max_new_tokens=2, greedy=True)
+    conditioned_at(model, 2)
+    gone = weakref.ref(model)
     del model
     gc.collect()
-    assert len(_SERVED) == size - 1
+    assert gone() is None
 
 
 @pytest.mark.parametrize("fused_norm", [True, False], ids=["fused", "split"])

@@ -46,8 +46,8 @@ WORLD = 2
 PER_RANK_BATCH = 2
 STEPS = 4
 #: In-rank watchdog (faulthandler) and the test's own limit on the launch; collectives time out at 30 s.
-WATCHDOG_S = 75
-LAUNCH_TIMEOUT_S = 90
+WATCHDOG_S = 90
+LAUNCH_TIMEOUT_S = 105
 
 #: Two-process cases and how their single-process reference differs: batch and virtual ranks x WORLD.
 CASES = {
@@ -57,6 +57,7 @@ CASES = {
     "v1_conditioner_off": {"virtual_ranks": 1, "conditioner_active": False},
     "v2_hybrid": {"virtual_ranks": 2, "hybrid": True},
     "v2_moe": {"virtual_ranks": 2, "moe": True},
+    "v2_labelled": {"virtual_ranks": 2, "labelled": True},
 }
 
 

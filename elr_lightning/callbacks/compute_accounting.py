@@ -6,11 +6,11 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
 from lightning.pytorch.callbacks import Callback
 from lightning_utilities.core.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from elr_lightning.batches import Batch, batch_dims
 from elr_lightning.callbacks.delayed_mixed_depth import DelayedMixedDepth, DelayedSampler
 from elr_lightning.flops import compute_multiplier, flops_multiplier, train_flops_per_token
 
@@ -19,7 +19,7 @@ def _adapter_rank(pl_module: "pl.LightningModule") -> int:
     return int(getattr(pl_module.model.conditioner, "rank", 0))
 
 
-def step_flops(pl_module: "pl.LightningModule", batch: Tensor, schedule: list[int]) -> tuple[float, float]:
+def step_flops(pl_module: "pl.LightningModule", batch: Batch, schedule: list[int]) -> tuple[float, float]:
     """Training FLOPs of one micro-batch over all shards of the step on all ranks, and the same at k = 1.
 
     Each shard of ``schedule`` (the k of every shard, :meth:`~elr_lightning.ELRModule.step_schedule`)
@@ -28,8 +28,8 @@ def step_flops(pl_module: "pl.LightningModule", batch: Tensor, schedule: list[in
     counts every shard at k = 1 without conditioning.
     """
     arch = pl_module.arch
-    seq_len = batch.shape[1] - 1
-    rows = [len(part) for part in torch.arange(batch.shape[0]).tensor_split(pl_module.virtual_ranks)]
+    batch_rows, seq_len = batch_dims(batch)
+    rows = [len(part) for part in torch.arange(batch_rows).tensor_split(pl_module.virtual_ranks)]
     gate = any(p.ndim >= 2 for p in pl_module.model.update.parameters())
     conditioner = pl_module.model.conditioner
     rank = _adapter_rank(pl_module) if conditioner is not None and conditioner.active else 0

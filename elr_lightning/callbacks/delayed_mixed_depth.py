@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from elr_lightning.callbacks.switch import DEFAULT_SWITCH_FRACTION, SwitchCallback, SwitchPoint
-from elr_lightning.checkpoint_io import weights_only_first
+from elr_lightning.safe_load import load_weights_only
 from elr_lightning.sampling import LoopSampler
 
 
@@ -68,9 +68,9 @@ def load_weights_where_present(model: nn.Module, path: str) -> list[str]:
     initialisation (``LoopedLM.init_weights``: zero gate and heads, so the new parts start as in a
     fresh model).
 
-    The file is read with ``weights_only=True``, like every checkpoint this library reads; only an
-    old-format checkpoint (pickled plug-ins) is unpickled with ``weights_only=False``, after a
-    warning (:func:`~elr_lightning.checkpoint_io.weights_only_first`): name such a file only if you trust it.
+    The file is read with ``weights_only=True``, like every checkpoint this library reads: a file that
+    holds a pickled object is refused in one line (:mod:`elr_lightning.safe_load`), never unpickled;
+    convert a checkpoint of an earlier version once with ``elr upgrade-checkpoint OLD NEW --trust``.
 
     Args:
         model: The looped model (``ELRModule.model``).
@@ -101,7 +101,7 @@ def checked_weights(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
     Raises:
         ValueError: The file has tensors ``model`` lacks, or tensors of another shape.
     """
-    raw = weights_only_first(lambda w: torch.load(path, map_location="cpu", weights_only=w, mmap=True), path)
+    raw = load_weights_only(path)
     state = _normalised_state_dict(raw, path)
     own = model.state_dict()
     unexpected = sorted(set(state) - set(own))

@@ -13,6 +13,7 @@ from lightning.fabric.utilities.throughput import Throughput, _plugin_to_compute
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from elr_lightning.batches import batch_dims
 from elr_lightning.callbacks.compute_accounting import step_flops
 
 #: Bytes per unit of ``ru_maxrss``: KiB on Linux, bytes on macOS.
@@ -92,7 +93,8 @@ class TrainingThroughput(Callback):
     ) -> None:
         flops, _ = step_flops(pl_module, batch, self._schedule)
         self._batches += 1
-        self._tokens += batch.shape[0] * (batch.shape[1] - 1)
+        rows, seq_len = batch_dims(batch)
+        self._tokens += rows * seq_len
         self._flops += flops / self._world_size
         # Lightning's own ThroughputMonitor asks the logger connector the same question.
         if not trainer._logger_connector.should_update_logs:

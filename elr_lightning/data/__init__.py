@@ -10,6 +10,10 @@ Modules: :mod:`~elr_lightning.data.sources` (which files, which documents),
 :mod:`~elr_lightning.data.windows` (windows and the resumable loader) and
 :mod:`~elr_lightning.data.datamodule` (the token cache and the ``LightningDataModule``).
 
+Fine-tuning: :class:`PromptCompletionDataModule` (:mod:`~elr_lightning.data.finetune`) reads
+prompt/completion JSONL into labelled batches (:mod:`elr_lightning.batches`) that train the
+completion only; :class:`LabelledExamples` serves any fixed sequences with position-aligned labels.
+
 At pretraining scale, ``elr prepare`` (:mod:`~elr_lightning.data.prepare`, reading through
 :mod:`~elr_lightning.data.readers`) tokenises a corpus in parallel into a prepared folder of
 shards, and :class:`PreparedDataModule` trains on one or a weighted mixture of such folders
@@ -18,6 +22,8 @@ corpus size.
 """
 
 from elr_lightning.data.datamodule import CACHE_FORMAT, TextDataModule, token_dtype
+from elr_lightning.data.finetune import PromptCompletionDataModule, PromptCompletionExamples
+from elr_lightning.data.labelled import LabelledExamples
 from elr_lightning.data.mixture import MixtureLoader, MixtureSchedule
 from elr_lightning.data.prepare import prepare_corpus
 from elr_lightning.data.prepared import FeistelPermutation, PreparedFolder, TokenStream
@@ -36,10 +42,13 @@ __all__ = [
     "STDLIB_EXCLUDED_DIRS",
     "TEXT_SUFFIXES",
     "FeistelPermutation",
+    "LabelledExamples",
     "MixtureLoader",
     "MixtureSchedule",
     "PreparedDataModule",
     "PreparedFolder",
+    "PromptCompletionDataModule",
+    "PromptCompletionExamples",
     "StepIndexedLoader",
     "StepLoader",
     "TokenStream",

@@ -309,17 +309,9 @@ class TextDataModule(TokenDataModule):
             ValueError: There are fewer training windows than one global batch.
         """
         train, _ = self._require_setup()
-        rank, world_size = self._rank_and_world_size()
-        loader = self._train_loader
-        if loader is None or (loader.rank, loader.world_size) != (rank, world_size):
-            loader = StepIndexedLoader(train, self.batch_size, seed=self.seed, rank=rank, world_size=world_size)
-            if len(loader) == 0:
-                raise ValueError(
-                    f"data.batch_size: {len(train)} training windows cannot fill one global batch of "
-                    f"{self.batch_size} x {world_size} device(s); lower data.batch_size or data.seq_len, or add data"
-                )
-            self._train_loader = loader
-        return loader
+        return self.resumable_loader(
+            train, self.seed, "training windows", "lower data.batch_size or data.seq_len, or add data"
+        )
 
     def val_dataloader(self) -> DataLoader:
         """Validation windows in stream order, at most ``val_batches`` global batches

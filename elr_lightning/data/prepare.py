@@ -9,9 +9,16 @@ Layout of a prepared folder::
     index.json                 every shard's counts and the tokenizer fingerprint, written last
 
 Each unit of :func:`~elr_lightning.data.readers.plan_units` becomes one shard, whatever process
-tokenised it, so the folder is byte-identical for any ``--workers``. A document is held out for
-validation when the first 8 bytes of its BLAKE2b hash, read as a fraction of 2**64, fall below
-``val_fraction``: the split depends only on the text, and a duplicate lands on the same side.
+tokenised it, so the folder is byte-identical for any ``--workers``. A file larger than
+``--shard-mb`` is cut into spans at line breaks, one unit each, so workers share it and a worker
+holds one span at a time: ``--shard-mb`` bounds its memory, not the file (a plain-text file that
+large becomes one document per span; see :mod:`~elr_lightning.data.readers`). A document longer than
+:data:`ENCODE_CHARS` is tokenised in pieces cut after line breaks.
+
+A document is held out for validation when the first 8 bytes of the BLAKE2b hash of its
+whitespace-normalised text (runs of whitespace as one space, none at the ends), read as a fraction
+of 2**64, fall below ``val_fraction``: the split depends only on the text, and a duplicate, or a
+copy that differs only in whitespace, lands on the same side.
 
 Every file is written to a temporary name and renamed. ``index.json`` appears only when all shards
 are there, and training refuses a folder without it, so a killed prepare never trains on part of
@@ -20,10 +27,11 @@ its data. Rerunning the command keeps the finished shards and redoes the rest.
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
-from collections.abc import Sequence
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import IO, Any, Optional
 
@@ -33,11 +41,17 @@ from tqdm import tqdm
 from elr_lightning.checkpoint_io import remove_orphans, write_atomically
 from elr_lightning.data.base import document_separator
 from elr_lightning.data.datamodule import token_dtype
-from elr_lightning.data.readers import Unit, plan_units, unit_documents
+from elr_lightning.data.readers import SpanReader, Unit, plan_units, unit_documents
 from elr_lightning.tokenizers import Tokenizer, load_tokenizer
 
-PREPARED_FORMAT = 1
-"""Version of the prepared-folder layout."""
+PREPARED_FORMAT = 2
+"""Version of ``elr prepare``'s output: 2 cuts large files into spans and hashes whitespace-normalised text."""
+
+READABLE_FORMATS = (1, 2)
+"""Versions training reads: the shards and index of both are laid out alike."""
+
+ENCODE_CHARS = 1 << 20
+"""Characters of a document tokenised at once (and normalised at once for its hash)."""
 
 SHARD_BYTES = 64 << 20
 """Default input bytes per shard (parquet files are cut at row groups instead)."""
@@ -52,10 +66,39 @@ def _tokenizer(spec: str) -> Tokenizer:
     return _TOKENIZERS[spec]
 
 
+def normalised_pieces(text: str, chars: int = ENCODE_CHARS) -> Iterator[str]:
+    """``" ".join(text.split())`` in pieces, reading ``text`` ``chars`` characters at a time."""
+    started = space = False
+    for start in range(0, len(text), chars):
+        block = text[start : start + chars]
+        words = block.split()
+        if words:
+            if started and (space or block[0].isspace()):
+                yield " "
+            yield " ".join(words)
+            started, space = True, block[-1].isspace()
+        else:
+            space = True  # a block of whitespace only
+
+
 def held_out(text: str, val_fraction: float) -> bool:
-    """Whether a document is a validation document: its BLAKE2b hash below ``val_fraction`` of 2**64."""
-    digest = hashlib.blake2b(text.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < val_fraction * 2.0**64
+    """Whether a document is a validation document: the BLAKE2b hash of its whitespace-normalised text
+    (:func:`normalised_pieces`) below ``val_fraction`` of 2**64."""
+    digest = hashlib.blake2b(digest_size=8)
+    for piece in normalised_pieces(text):
+        digest.update(piece.encode("utf-8", errors="surrogatepass"))
+    return int.from_bytes(digest.digest(), "little") < val_fraction * 2.0**64
+
+
+def encode_pieces(tokenizer: Tokenizer, text: str, chars: int = ENCODE_CHARS) -> Iterator[list[int]]:
+    """The token ids of ``text``, tokenised in pieces of at most ``chars`` characters cut after a line break
+    where the piece has one (one piece for a shorter text)."""
+    start = 0
+    while start < len(text):
+        end = len(text) if len(text) - start <= chars else text.rfind("\n", start, start + chars) + 1
+        end = end if end > start else start + chars
+        yield tokenizer.encode(text[start:end])
+        start = end
 
 
 def shard_paths(out: str, index: int) -> dict[str, str]:
@@ -64,11 +107,15 @@ def shard_paths(out: str, index: int) -> dict[str, str]:
     return {"train": stem + ".train.bin", "val": stem + ".val.bin", "meta": stem + ".json"}
 
 
-def tokenise_unit(index: int, unit: Unit, out: str, spec: str, text_field: str, val_fraction: float) -> dict[str, Any]:
+def tokenise_unit(
+    index: int, unit: Unit, out: str, spec: str, text_field: str, val_fraction: float, data: Optional[bytes] = None
+) -> dict[str, Any]:
     """Tokenise one unit into shard ``index`` of ``out`` (the worker's job).
 
     Token ids stream to the two ``.bin`` files as documents are read (memory does not grow with the
-    unit); both files are renamed into place at the end, and the shard's ``.json`` after them.
+    unit beyond one document, a span at most); both files are renamed into place at the end, and the
+    shard's ``.json`` after them. ``data`` carries a :attr:`~elr_lightning.data.readers.Unit.streamed`
+    unit's bytes.
 
     Returns:
         The shard's counts, also written to its ``.json``.
@@ -78,17 +125,18 @@ def tokenise_unit(index: int, unit: Unit, out: str, spec: str, text_field: str, 
     """
     tokenizer = _tokenizer(spec)
     dtype = token_dtype(tokenizer.vocab_size)
-    sep = np.asarray(document_separator(tokenizer), dtype=np.int64)
+    sep = document_separator(tokenizer)
     counts = {"train_tokens": 0, "val_tokens": 0, "train_documents": 0, "val_documents": 0}
 
     def write(train: IO[bytes], val: IO[bytes]) -> None:
-        for doc in unit_documents(unit, text_field):
+        for doc in unit_documents(unit, text_field, data):
             split = "val" if held_out(doc, val_fraction) else "train"
-            ids = np.concatenate([np.asarray(tokenizer.encode(doc), dtype=np.int64), sep])
-            if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:
-                raise ValueError(f"--tokenizer: produced an id outside its vocabulary of {tokenizer.vocab_size}")
-            (val if split == "val" else train).write(ids.astype(dtype).tobytes())
-            counts[f"{split}_tokens"] += int(ids.size)
+            for piece in itertools.chain(encode_pieces(tokenizer, doc), [sep]):
+                ids = np.asarray(piece, dtype=np.int64)
+                if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+                    raise ValueError(f"--tokenizer: produced an id outside its vocabulary of {tokenizer.vocab_size}")
+                (val if split == "val" else train).write(ids.astype(dtype).tobytes())
+                counts[f"{split}_tokens"] += int(ids.size)
             counts[f"{split}_documents"] += 1
 
     paths = shard_paths(out, index)
@@ -117,13 +165,22 @@ def _start_folder(out: str, plan: dict[str, Any]) -> bool:
         plan_path = os.path.join(out, "plan.json")
         if os.path.exists(plan_path):
             with open(plan_path, encoding="utf-8") as f:
-                if json.load(f) != plan:
-                    raise ValueError(
-                        f"elr prepare --out: {out!r} holds a prepare of other sources or options; "
-                        "choose another --out or delete that folder"
-                    )
+                started = json.load(f)
+            finished = os.path.exists(os.path.join(out, "index.json"))
+            if started.get("format") != plan["format"]:
+                raise ValueError(
+                    f"elr prepare --out: {out!r} holds a {'finished' if finished else 'unfinished'} prepare of another "
+                    f"version (layout {started.get('format')}, this one writes {plan['format']}); "
+                    + ("train on it as it is, or choose another --out to prepare again" if finished
+                       else "finish it with that version, or choose another --out")
+                )
+            if started != plan:
+                raise ValueError(
+                    f"elr prepare --out: {out!r} holds a prepare of other sources or options; "
+                    "choose another --out or delete that folder"
+                )
             remove_orphans(os.path.join(out, "shards"))  # temporary files of a killed run
-            return os.path.exists(os.path.join(out, "index.json"))
+            return finished
         write_atomically(plan_path, lambda f: f.write(json.dumps(plan).encode()))
         return False
     except OSError as err:
@@ -150,7 +207,8 @@ def prepare_corpus(
         workers: Processes tokenising units in parallel (1: in this process).
         text_field: JSON key or parquet column holding the text.
         val_fraction: Share of documents held out for validation, in [0, 1).
-        shard_bytes: Input bytes per shard for non-parquet files.
+        shard_bytes: Input bytes per shard for non-parquet files; a larger file is cut into spans of
+            about this size (decompressed size for ``.gz``/``.zst``), which bounds a worker's memory.
         progress: Show a progress bar (MB/s and ETA).
 
     Returns:
@@ -197,8 +255,8 @@ def prepare_corpus(
     )
     with bar:
         if workers == 1:
-            for i in todo:
-                metas[i] = tokenise_unit(i, units[i], out, tokenizer, text_field, val_fraction)
+            for i, data in _unit_data(todo, units):
+                metas[i] = tokenise_unit(i, units[i], out, tokenizer, text_field, val_fraction, data)
                 bar.update(units[i].size)
         else:
             _run_in_pool(todo, units, out, tokenizer, text_field, val_fraction, workers, metas, bar)
@@ -220,6 +278,28 @@ def prepare_corpus(
     return index
 
 
+def _unit_data(todo: list[int], units: list[Unit]) -> Iterator[tuple[int, Optional[bytes]]]:
+    """Each unit to do, in order, with its bytes when it is a span of a compressed file (else ``None``).
+
+    The compressed files are decompressed here, once, front to back (:class:`SpanReader`): a worker
+    cannot start reading a zstd or gzip stream in the middle.
+    """
+    readers: dict[str, SpanReader] = {}
+    try:
+        for i in todo:
+            unit = units[i]
+            if not unit.streamed:
+                yield i, None
+                continue
+            path = unit.files[0]
+            if path not in readers:
+                readers[path] = SpanReader(path)
+            yield i, readers[path].read(unit.span)
+    finally:
+        for reader in readers.values():
+            reader.close()
+
+
 def _run_in_pool(
     todo: list[int],
     units: list[Unit],
@@ -231,16 +311,30 @@ def _run_in_pool(
     metas: dict[int, dict[str, Any]],
     bar: tqdm,
 ) -> None:
-    """Tokenise the ``todo`` units over ``workers`` processes, filling ``metas`` as shards finish."""
+    """Tokenise the ``todo`` units over ``workers`` processes, filling ``metas`` as shards finish.
+
+    At most ``workers + 1`` units are in flight, so the spans of compressed files handed to the
+    workers hold at most that many spans' bytes in this process.
+    """
     pool = ProcessPoolExecutor(max_workers=workers)
+    futures: dict[Future, int] = {}
+
+    def finish(done: set[Future]) -> None:
+        for future in done:
+            i = futures.pop(future)
+            metas[i] = future.result()
+            bar.update(units[i].size)
+
     try:
-        futures = {pool.submit(tokenise_unit, i, units[i], out, tokenizer, text_field, val_fraction): i for i in todo}
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            for future in done:
-                metas[futures[future]] = future.result()
-                bar.update(units[futures[future]].size)
+        for i, data in _unit_data(todo, units):
+            while len(futures) > workers:
+                done, _ = wait(set(futures), return_when=FIRST_COMPLETED)
+                finish(done)
+            futures[pool.submit(tokenise_unit, i, units[i], out, tokenizer, text_field, val_fraction, data)] = i
+            del data
+        while futures:
+            done, _ = wait(set(futures), return_when=FIRST_EXCEPTION)
+            finish(done)
     except BrokenProcessPool as err:
         raise RuntimeError(
             f"elr prepare --workers: a worker process died (killed or out of memory) with {len(todo) - len(metas)} "
@@ -261,7 +355,12 @@ def prepare_command(argv: list[str]) -> None:
     parser.add_argument("--workers", type=int, default=1, help="tokenising processes")
     parser.add_argument("--text-field", default="text", help="JSON key or parquet column of the text")
     parser.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out")
-    parser.add_argument("--shard-mb", type=float, default=SHARD_BYTES / 2**20, help="input MiB per shard")
+    parser.add_argument(
+        "--shard-mb",
+        type=float,
+        default=SHARD_BYTES / 2**20,
+        help="input MiB per shard; larger files are cut into spans of this size, which bounds a worker's memory",
+    )
     args = parser.parse_args(argv)
     index = prepare_corpus(
         args.sources,

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from elr_lightning.data.prepare import PREPARED_FORMAT, shard_paths
+from elr_lightning.data.prepare import READABLE_FORMATS, shard_paths
 from elr_lightning.tokenizers import Tokenizer
 
 FIELD = "data.folders"
@@ -103,7 +103,8 @@ class PreparedFolder:
 
     Raises:
         FileNotFoundError: The folder or one of its shards is missing.
-        ValueError: The prepare did not finish, the tokenizer differs, or a shard does not match the index.
+        ValueError: The prepare did not finish, the tokenizer differs (by fingerprint or by the index's
+            ``vocab_size``), or a shard does not match the index.
     """
 
     def __init__(self, path: str, tokenizer: Tokenizer) -> None:
@@ -125,13 +126,22 @@ class PreparedFolder:
             shards, dtype = index["shards"], np.dtype(index["dtype"])
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{FIELD}: {index_path!r} is damaged ({err}); rerun elr prepare into a new folder") from err
-        if index.get("format") != PREPARED_FORMAT:
-            raise ValueError(f"{FIELD}: {path!r} has layout {index.get('format')}, this version reads {PREPARED_FORMAT}")
+        if index.get("format") not in READABLE_FORMATS:
+            raise ValueError(
+                f"{FIELD}: {path!r} has layout {index.get('format')}, this version reads {list(READABLE_FORMATS)}; "
+                "prepare it again with this version"
+            )
         if index["tokenizer_fingerprint"] != tokenizer.fingerprint():
             raise ValueError(
                 f"data.tokenizer: {path!r} was prepared with another tokenizer (fingerprint "
                 f"{index['tokenizer_fingerprint'][:12]}, this run {tokenizer.fingerprint()[:12]}); use its tokenizer or "
                 "prepare the folder again"
+            )
+        if index.get("vocab_size") != tokenizer.vocab_size:
+            raise ValueError(
+                f"{FIELD}: {index_path!r} has vocab_size={index.get('vocab_size')}, but its tokenizer (the run's "
+                f"data.tokenizer) has {tokenizer.vocab_size} ids: the index does not describe these shards, whose ids "
+                "may not fit the model's arch.vocab_size; rerun elr prepare into a new folder"
             )
         self.index = index
         self.dtype = dtype
@@ -157,6 +167,16 @@ class PreparedFolder:
     def fingerprint(self) -> str:
         """Hash of the index: names the exact data a checkpoint's position refers to."""
         return hashlib.sha256(json.dumps(self.index, sort_keys=True).encode()).hexdigest()
+
+    def input_files(self) -> dict[str, tuple[int, int]]:
+        """The files ``elr prepare`` read, with their size and modification time, from ``plan.json``
+        (empty when the folder has none or it is damaged: the folder trains, it just cannot be compared)."""
+        try:
+            with open(os.path.join(self.path, "plan.json"), encoding="utf-8") as f:
+                units = json.load(f)["units"]
+            return {str(p): (int(size), int(mtime)) for unit in units for p, size, mtime in unit[0]}
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            return {}
 
 
 def _mix(x: np.ndarray, key: int) -> np.ndarray:

@@ -24,7 +24,8 @@ class PreparedDataModule(TokenDataModule):
 
     Validation reads the held-out documents of the training folders (``elr prepare
     --val-fraction``), or all documents of the ``validation`` folders when given: never windows of
-    a training document.
+    a training document. A validation folder with a training folder's fingerprint (the same folder,
+    or a copy), or prepared from a file a training folder was prepared from, is refused.
 
     Args:
         folders: Prepared folders (one may be given alone, without a list).
@@ -88,13 +89,39 @@ class PreparedDataModule(TokenDataModule):
             raise ValueError(f"data.folders: two folders share a name ({names}); TensorBoard tags need distinct names")
         if self.validation is not None:
             streams = []
-            for path in self.validation:
+            for i, path in enumerate(self.validation):
                 folder = PreparedFolder(path, self.tokenizer)
+                self._check_held_out(i, folder)
                 streams += [folder.train, folder.val]
         else:
             streams = [s.val for s in self.sources]
         self.val_windows = StreamWindows(streams, self.seq_len)
         self._train_loader = None
+
+    def _check_held_out(self, i: int, folder: PreparedFolder) -> None:
+        """Refuse validation folder ``i`` when it holds a training folder's data: the same index (a copy, or
+        the folder itself), or a document file that a training folder was prepared from.
+
+        Raises:
+            ValueError: Naming both folders and the fix.
+        """
+        fix = (
+            "validate on a folder prepared from other documents, or drop data.validation to use the training "
+            "folders' held-out documents"
+        )
+        inputs = folder.input_files()
+        for j, source in enumerate(self.sources):
+            if folder.fingerprint() == source.fingerprint():
+                raise ValueError(
+                    f"data.validation[{i}]: {folder.path!r} is the same data as data.folders[{j}] {source.path!r} "
+                    f"(fingerprint {source.fingerprint()[:12]}); {fix}"
+                )
+            shared = sorted(p for p, stat in source.input_files().items() if inputs.get(p) == stat)
+            if shared:
+                raise ValueError(
+                    f"data.validation[{i}]: {folder.path!r} was prepared from {shared[0]!r}, which data.folders[{j}] "
+                    f"{source.path!r} trains on; {fix}"
+                )
 
     def _require_setup(self) -> StreamWindows:
         if self.val_windows is None:

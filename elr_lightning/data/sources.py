@@ -110,7 +110,15 @@ def read_text(path: str) -> str:
             UTF-8.
     """
     with open(path, "rb") as f:
-        data = f.read()
+        return decode_text(f.read(), path)
+
+
+def decode_text(data: bytes, path: str) -> str:
+    """``data``, read from ``path``, as UTF-8 text, refusing binary content by name (see :func:`read_text`).
+
+    Raises:
+        ValueError: ``data`` holds a NUL byte or bytes that are not UTF-8.
+    """
     nul = data.find(b"\0")
     if nul >= 0:
         raise ValueError(
@@ -167,20 +175,40 @@ def record_text(
     Raises:
         ValueError: The line is not JSON, or lacks a string ``text_field``.
     """
+    return record_strings(line, path, lineno, {field: text_field}, sources)[0]
+
+
+def record_strings(line: str, path: str, lineno: int, fields: dict[str, str], sources: str) -> list[str]:
+    """The string values of several keys of one ``.jsonl`` line, in the order of ``fields``.
+
+    Args:
+        line: The line (not blank).
+        path: Its file, for the error.
+        lineno: Its 1-based line number, for the error.
+        fields: How errors name each option -> the key it holds, e.g. ``{"data.prompt_field": "prompt"}``.
+        sources: How errors name the option listing the files.
+
+    Raises:
+        ValueError: The line is not JSON, or lacks a key, or a key's value is not a string; naming the
+            file, the line, the key and the option.
+    """
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise ValueError(f"{sources}: {path}:{lineno} is not valid JSON ({err.msg})") from err
-    if not isinstance(record, dict) or text_field not in record:
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(
-            f"{field}: record at {path}:{lineno} has no {text_field!r} field "
-            f"(found {keys}); set {field} to the key holding the text"
-        )
-    value = record[text_field]
-    if not isinstance(value, str):
-        raise ValueError(f"{field}: {text_field!r} at {path}:{lineno} is a {type(value).__name__}, not a string")
-    return value
+    values = []
+    for field, key in fields.items():
+        if not isinstance(record, dict) or key not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(
+                f"{field}: record at {path}:{lineno} has no {key!r} field (found {keys}); set {field} to the key "
+                "holding the text"
+            )
+        value = record[key]
+        if not isinstance(value, str):
+            raise ValueError(f"{field}: {key!r} at {path}:{lineno} is a {type(value).__name__}, not a string")
+        values.append(value)
+    return values
 
 
 def capped_documents(documents: Iterator[str], max_bytes: Optional[int]) -> Iterator[str]:

@@ -3,12 +3,14 @@
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 from typing_extensions import override
+
+from elr_lightning.batches import Batch
 
 class TokenWindows(Dataset):
     """Windows of ``seq_len + 1`` consecutive tokens over a token array.
@@ -53,6 +55,17 @@ class TokenWindows(Dataset):
             An ``int64`` tensor of shape ``[len(indices), seq_len + 1]``.
         """
         return torch.stack([self[int(i)] for i in indices])
+
+
+class Batchable(Protocol):
+    """A dataset that stacks any of its items into one batch: :class:`TokenWindows`,
+    :class:`~elr_lightning.data.labelled.LabelledExamples`."""
+
+    def __len__(self) -> int:
+        """Number of items."""
+
+    def batch(self, indices: Sequence[int]) -> Batch:
+        """The items ``indices`` as one batch."""
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -114,18 +127,18 @@ class StepLoader(ABC):
         """Batches per epoch on this rank."""
 
     @abstractmethod
-    def batch_at(self, epoch: int, position: int) -> torch.Tensor:
+    def batch_at(self, epoch: int, position: int) -> Batch:
         """This rank's batch at ``position`` of ``epoch``, without moving the cursor."""
 
     @abstractmethod
     def layout(self) -> dict[str, Any]:
         """What a saved position refers to (seed, global batch size, data identity)."""
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[Batch]:
         """Yield the rest of the current epoch, or all of the next one if the current is exhausted."""
         return self._generate()
 
-    def _generate(self) -> Iterator[torch.Tensor]:
+    def _generate(self) -> Iterator[Batch]:
         if self.position >= len(self):
             self.epoch += 1
             self.position = 0
@@ -172,7 +185,8 @@ class StepIndexedLoader(StepLoader):
     incomplete global batch is dropped.
 
     Args:
-        windows: The training windows.
+        windows: The training windows, or any :class:`Batchable` dataset (labelled sequences:
+            :class:`~elr_lightning.data.labelled.LabelledExamples`).
         batch_size: Windows per batch on this rank.
         seed: Data seed.
         rank: This process' rank.
@@ -180,7 +194,7 @@ class StepIndexedLoader(StepLoader):
     """
 
     def __init__(
-        self, windows: TokenWindows, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1
+        self, windows: Batchable, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1
     ) -> None:
         super().__init__(batch_size, rank, world_size)
         self.windows = windows
@@ -201,7 +215,7 @@ class StepIndexedLoader(StepLoader):
         return self._order
 
     @override
-    def batch_at(self, epoch: int, position: int) -> torch.Tensor:
+    def batch_at(self, epoch: int, position: int) -> Batch:
         """This rank's batch at ``position`` of ``epoch``, without moving the cursor.
 
         Args:
@@ -209,7 +223,8 @@ class StepIndexedLoader(StepLoader):
             position: Batch index within the epoch, below ``len(self)``.
 
         Returns:
-            An ``int64`` tensor of shape ``[batch_size, seq_len + 1]``.
+            ``windows.batch`` of its ``batch_size`` items: for token windows an ``int64`` tensor of
+            shape ``[batch_size, seq_len + 1]``.
         """
         if not 0 <= position < len(self):
             raise IndexError(f"batch {position} out of range for {len(self)} batches per epoch")

@@ -14,7 +14,10 @@ adapter does (its ``Collator``). Scores follow the KV-cache policy the model is 
 context is prefilled and each continuation token is then decoded through the cache, so with
 ``kv_cache=last_loop`` the score is that of the approximate cache. Under ``per_loop`` this equals
 one cache-free forward pass over context and continuation (the policy is exact), which is what the
-adapter runs then. At ``loops=auto`` the scores are those of :mod:`elr_lightning.eval.adaptive`.
+adapter runs then. ``per_loop`` is the default (here and in ``elr eval``): a score is then
+independent of where the harness splits context from continuation, while under ``last_loop`` at
+k > 1 the continuation's tokens decoded one at a time read the context's loop-k keys only
+(``bench/last_loop.py``), so the same text scores differently for another split. At ``loops=auto`` the scores are those of :mod:`elr_lightning.eval.adaptive`.
 """
 
 from __future__ import annotations

@@ -45,13 +45,13 @@ class AdaptiveScoring:
 
     @property
     def depth(self) -> Depth:
-        """What :attr:`loops` decodes at: k, or :class:`~elr_lightning.decode.AdaptiveDepth` for ``"auto"``."""
+        """What ``loops`` decodes at: k, or :class:`~elr_lightning.decode.AdaptiveDepth` for ``"auto"``."""
         if self.loops == "auto":
             return AdaptiveDepth(self.max_loops, self.threshold, self.exit_criterion)
         return self.loops
 
     def mean_loops(self) -> Optional[float]:
-        """Mean loops per continuation token scored at ``loops="auto"`` since :attr:`auto_tokens` was zeroed.
+        """Mean loops per continuation token scored at ``loops="auto"`` since ``auto_tokens`` was zeroed.
 
         A context's last position runs at the budget (the prompt is prefilled there), so the first
         continuation token counts ``max_loops``; tokens of ``generate_until`` are not counted.

@@ -25,7 +25,9 @@ from typing import Any, Literal, Optional
 
 import torch
 
+from elr_lightning.errors import refuse_unread_flags
 from elr_lightning.tokenizers import choose_tokenizer
+from elr_lightning.trust import add_trust_argument, apply_trust_argument
 
 _EVAL_ERRORS = (ValueError, FileNotFoundError, ImportError, KeyError)
 
@@ -98,13 +100,17 @@ def _parser() -> Any:
     )  # fmt: skip
     p.add_argument("--threshold", type=Optional[str], default=None,
                    help="Exit thresholds of --loops auto, one point each, e.g. 0.01,0.001; default 0.001.")  # fmt: skip
-    p.add_argument("--exit_criterion", type=Literal["kl", "delta"], default="kl", help="Exit criterion of --loops auto.")
+    p.add_argument("--exit_criterion", type=Optional[Literal["kl", "delta"]], default=None,
+                   help="Exit criterion of --loops auto; default kl.")  # fmt: skip
     p.add_argument("--max_loops", type=Optional[int], default=None, help="Budget of --loops auto (arch.max_loops).")
     p.add_argument("--tasks", type=Optional[str], default=None, help="Comma-separated harness tasks, e.g. elr_reasoning; default elr_local.")
     p.add_argument("--limit", type=Optional[float], default=None, help="At most this many documents per task (< 1: a fraction).")
     p.add_argument("--num_fewshot", type=Optional[int], default=None, help="Few-shot examples per prompt.")
     p.add_argument("--batch_size", type=int, default=16, help="Requests per forward pass.")
-    p.add_argument("--kv_cache", type=Literal["per_loop", "last_loop"], default="per_loop", help="KV-cache policy.")
+    p.add_argument(
+        "--kv_cache", type=Literal["per_loop", "last_loop"], default="per_loop",
+        help="KV-cache policy; per_loop (default) scores independently of the context/continuation split.",
+    )  # fmt: skip
     p.add_argument("--device", type=str, default="cpu", help="Device, e.g. cpu or cuda.")
     p.add_argument("--dtype", type=Literal["float32", "bfloat16", "float16"], default="float32", help="Autocast dtype.")
     p.add_argument("--tokenizer", type=Optional[str], default=None, help="Override the checkpoint's saved tokenizer.")
@@ -121,6 +127,7 @@ def _parser() -> Any:
     p.add_argument("--output_dir", type=str, default="eval", help="Folder for the JSON results and the PNG.")
     p.add_argument("--log_dir", type=Optional[str], default=None, help="TensorBoard log folder.")
     p.add_argument("--seed", type=int, default=0, help="Seed of the harness's samplers and of sampled generation.")
+    add_trust_argument(p)
     return p
 
 
@@ -136,11 +143,14 @@ def eval_command(argv: list[str]) -> None:
 def run_eval(args: Any) -> dict[str, Any]:
     """Run the harness at every requested k; return the summary that ``summary.json`` holds."""
     loops, auto = parse_points(args.loops) if args.loops is not None else (None, False)
+    if not auto:
+        flags = {"--threshold": args.threshold, "--exit_criterion": args.exit_criterion, "--max_loops": args.max_loops}
+        refuse_unread_flags(flags, "--loops auto", "add auto, e.g. --loops 1-3,auto")
     thresholds = parse_thresholds(args.threshold) if args.threshold is not None else [1e-3]
-    if not auto and (args.threshold is not None or args.max_loops is not None):
-        raise ValueError("--threshold and --max_loops are only read with --loops auto; add auto, e.g. --loops 1-3,auto")
+    criterion = args.exit_criterion or "kl"
     if not os.path.exists(args.ckpt_path):
         raise FileNotFoundError(f"--ckpt_path: checkpoint {args.ckpt_path!r} does not exist")
+    apply_trust_argument(args.trust_module)
     from lm_eval.tasks import TaskManager
 
     from elr_lightning.eval import LOCAL_GROUP, TASKS_DIR, ELRLM
@@ -173,7 +183,7 @@ def run_eval(args: Any) -> dict[str, Any]:
     tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, config.vocab_size)
     lm = ELRLM.from_model(model, tokenizer, loops=loops[0] if loops else "auto", kv_cache=args.kv_cache,
                           batch_size=args.batch_size, dtype=args.dtype, allow_extrapolation=True, fold=args.fold,
-                          exit_criterion=args.exit_criterion, max_loops=budget)  # fmt: skip
+                          exit_criterion=criterion, max_loops=budget)  # fmt: skip
     os.makedirs(args.output_dir, exist_ok=True)
     points = len(loops) + (len(thresholds) if auto else 0)
     per_k: dict[int, dict[str, Any]] = {}
@@ -184,11 +194,11 @@ def run_eval(args: Any) -> dict[str, Any]:
         _write_json(os.path.join(args.output_dir, f"results_k{k}.json"), per_k[k])
     adaptive: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     for i, threshold in enumerate(thresholds if auto else []):
-        label = auto_label(args.exit_criterion, threshold)
+        label = auto_label(criterion, threshold)
         lm.loops, lm.threshold, lm.auto_loops, lm.auto_tokens = "auto", threshold, 0, 0
         print(f"elr eval: {label} ({len(loops) + i + 1}/{points})", file=sys.stderr, flush=True)
         results = _evaluate(lm, tasks, manager, args)
-        info = {"criterion": args.exit_criterion, "threshold": threshold, "max_loops": budget,
+        info = {"criterion": criterion, "threshold": threshold, "max_loops": budget,
                 "mean_loops": lm.mean_loops()}  # fmt: skip
         adaptive[label] = (results, info)
         _write_json(os.path.join(args.output_dir, f"results_{label.replace(':', '_')}.json"), results)

@@ -7,7 +7,9 @@ tokenizer files, and the self-contained
 ``configuration_elr.py`` / ``modeling_elr.py``, so ``AutoModelForCausalLM.from_pretrained(DIR,
 trust_remote_code=True)`` loads it with only ``transformers`` installed. An import rebuilds the
 :class:`~elr_lightning.module.ELRModule` and writes a Lightning checkpoint whose weights equal the
-exported ones bit for bit.
+exported ones bit for bit. Neither replaces what a user owns: an export goes into a new or empty
+folder (``--overwrite`` replaces the export files of an earlier one and keeps every other file),
+an import never replaces an existing checkpoint (unless ``--overwrite``).
 
 Supported: dense, hybrid (Gated DeltaProduct token mixers) and mixture-of-experts models (route
 replay as trained) with any of the library's state-update rules and the eq. 4 loop conditioning.
@@ -21,18 +23,21 @@ import dataclasses
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from elr_lightning.checkpoint_io import write_atomically
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.layers import Block
 from elr_lightning.mixers import Attention, GatedDeltaProduct, MoE, SwiGLU
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, choose_tokenizer
+from elr_lightning.trust import add_trust_argument, apply_trust_argument, check_checkpoint_names
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
 
 #: ``ModelConfig`` fields the modeling file implements; a field outside it must keep its default.
@@ -113,7 +118,7 @@ def _mixer_fields(mixer: Any) -> dict[str, Any]:
         return {
             "type": "moe", "num_experts": mixer.num_experts, "top_k": mixer.top_k, "expert_dim": mixer.expert_dim,
             "shared_expert_dim": 0 if mixer.shared_down is None else mixer.shared_down.in_features,
-            "replay": mixer.replay,
+            "replay": mixer.replay, "normalize_weights": mixer.normalize_weights,
         }
     raise ValueError(
         f"arch.token_pattern/channel_pattern: the mixer {type(mixer).__name__} has no Hugging Face counterpart; "
@@ -234,18 +239,29 @@ def _write_tokenizer(tokenizer: Tokenizer, out: Path, max_seq_len: int) -> None:
     (out / "tokenizer.json").write_text(raw, encoding="utf-8")  # the training tokenizer's exact file
 
 
-def export_hf(model: LoopedLM, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
+def export_hf(model: LoopedLM, tokenizer: Tokenizer, out: str | os.PathLike, overwrite: bool = False) -> Path:
     """Write ``model`` and ``tokenizer`` as a Hugging Face model directory ``out``.
+
+    The export is written whole into a temporary folder beside ``out`` and then put in place
+    (:func:`place_export`), so a failed export leaves ``out`` as it was.
+
+    Args:
+        model: The model.
+        tokenizer: Its tokenizer.
+        out: The folder: new or empty, or, with ``overwrite``, one to replace the export files of.
+        overwrite: Replace the :data:`EXPORT_FILES` of a folder that is not empty; other files
+            (a model card of your own, ...) are kept.
 
     Returns:
         The directory.
 
     Raises:
+        FileExistsError: ``out`` is not empty and ``overwrite`` is false, or is a file.
         ValueError: An architecture or plug-in the export does not support, or parameters the
             modeling file does not know.
         ImportError: ``transformers`` or ``safetensors`` is not installed.
     """
-    transformers, st = _hf()
+    _hf()
     from elr_lightning.hf.configuration_elr import ELRConfig
     from elr_lightning.hf.modeling_elr import ELRForCausalLM
 
@@ -267,7 +283,19 @@ def export_hf(model: LoopedLM, tokenizer: Tokenizer, out: str | os.PathLike) -> 
     if missing:
         raise ValueError(f"the export lacks parameter(s) {missing[:4]} that the modeling file needs")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_export_folder(out, overwrite)
+    staging = out.parent / f".{out.name}.{uuid.uuid4().hex}.tmp"
+    staging.mkdir(parents=True)
+    try:
+        _write_export(model, tokenizer, config, tensors, staging)
+        place_export(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _write_export(model: LoopedLM, tokenizer: Tokenizer, config: Any, tensors: dict[str, Tensor], out: Path) -> None:
+    transformers, st = _hf()
     config.auto_map = {
         "AutoConfig": "configuration_elr.ELRConfig",
         "AutoModelForCausalLM": "modeling_elr.ELRForCausalLM",
@@ -285,14 +313,59 @@ def export_hf(model: LoopedLM, tokenizer: Tokenizer, out: str | os.PathLike) -> 
     for name, source in REMOTE_CODE.items():
         shutil.copyfile(package.joinpath(*source), out / name)
     _write_tokenizer(tokenizer, out, model.config.max_seq_len)
-    return out
+
+
+#: The files an export may hold (this version's and earlier ones'): ``--overwrite`` replaces or removes
+#: these and keeps every other file of the folder.
+EXPORT_FILES = frozenset({
+    "config.json", "generation_config.json", "model.safetensors", *REMOTE_CODE,
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+})  # fmt: skip
+
+
+def check_export_folder(out: Path, overwrite: bool) -> None:
+    """Refuse an export into a file, or into a folder that is not empty unless ``overwrite``.
+
+    Raises:
+        FileExistsError: Naming the folder and the fix.
+    """
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {str(out)!r} is a file; give a folder")
+    held = sorted(os.listdir(out)) if out.is_dir() else []
+    if held and not overwrite:
+        raise FileExistsError(
+            f"--out {str(out)!r} is not empty ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); give a new "
+            "or empty folder, or add --overwrite to replace the export files there (other files are kept)"
+        )
+
+
+def place_export(new: Path, out: Path) -> None:
+    """Move the complete export in ``new`` to ``out``: a new folder by one rename, else file by file.
+
+    Into an existing folder, each file of the export replaces its namesake (``os.replace``, atomic
+    per file), then the :data:`EXPORT_FILES` the new export lacks are removed, so no file of an
+    earlier export stays beside the new one; files of other names are left alone.
+    """
+    if not out.exists():
+        new.rename(out)
+        return
+    written = set(os.listdir(new))
+    for name in sorted(written):
+        os.replace(new / name, out / name)
+    for name in sorted(EXPORT_FILES - written):
+        if (out / name).is_file():
+            (out / name).unlink()
 
 
 def import_hf(directory: str | os.PathLike) -> Any:
     """Rebuild an :class:`~elr_lightning.module.ELRModule` from an export (weights bit for bit).
 
+    The folder is data: ``config.json``'s ``elr_arch`` may name only trusted modules as layers
+    (:func:`~elr_lightning.trust.check_checkpoint_names`), and the weights are safetensors.
+
     Raises:
         FileNotFoundError: No ``config.json`` or ``model.safetensors`` in ``directory``.
+        UntrustedModuleError: ``elr_arch`` names a module that is not trusted.
         ValueError: The directory is not an ELR export.
     """
     _, st = _hf()
@@ -305,6 +378,7 @@ def import_hf(directory: str | os.PathLike) -> Any:
     fields = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     if fields.get("model_type") != "elr":
         raise ValueError(f"--hf {str(directory)!r}: model_type is {fields.get('model_type')!r}, not 'elr'")
+    check_checkpoint_names(fields, str(directory / "config.json"), fields=("elr_arch",))  # before the layers import
     arch = ModelConfig(**fields["elr_arch"])
     rule = fields["state_update"]
     if rule not in UPDATE_RULES:
@@ -333,8 +407,14 @@ def import_hf(directory: str | os.PathLike) -> Any:
     return module
 
 
-def save_module_checkpoint(module: Any, path: str | os.PathLike) -> None:
-    """Write ``module`` as a Lightning checkpoint that ``ELRModule.load_from_checkpoint`` reads (no optimizer)."""
+def save_module_checkpoint(module: Any, path: str | os.PathLike, overwrite: bool = True) -> None:
+    """Write ``module`` as a Lightning checkpoint that ``ELRModule.load_from_checkpoint`` reads (no optimizer).
+
+    The file is written atomically (:func:`~elr_lightning.checkpoint_io.write_atomically`).
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is false; it is left as it is.
+    """
     import lightning
 
     checkpoint: dict[str, Any] = {
@@ -346,37 +426,48 @@ def save_module_checkpoint(module: Any, path: str | os.PathLike) -> None:
         "hyper_parameters": dict(module.hparams),
     }
     module.on_save_checkpoint(checkpoint)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, path)
+    write_atomically(os.fspath(path), lambda f: torch.save(checkpoint, f), overwrite=overwrite)
 
 
 def export_command(argv: list[str]) -> None:
-    """``elr export --ckpt_path X --out DIR [--tokenizer T]``."""
-    from jsonargparse import ArgumentParser
+    """``elr export --ckpt_path X --out DIR [--tokenizer T] [--overwrite]``."""
+    from jsonargparse import ActionYesNo, ArgumentParser
 
     from elr_lightning.generation import load_model
 
     parser = ArgumentParser(prog="elr export", description="Write a checkpoint as a Hugging Face model directory.")
     parser.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
-    parser.add_argument("--out", type=str, required=True, help="Directory to write.")
+    parser.add_argument("--out", type=str, required=True, help="Directory to write: new or empty.")
     parser.add_argument(
         "--tokenizer", type=Optional[str], default=None, help="Override the checkpoint's saved tokenizer."
     )
+    parser.add_argument(
+        "--overwrite", action=ActionYesNo, default=False,
+        help="Replace the export files of a folder that is not empty (an earlier export); other files are kept.",
+    )  # fmt: skip
+    add_trust_argument(parser)
     args = parser.parse_args(argv)
     _hf()
+    check_export_folder(Path(args.out), args.overwrite)
+    apply_trust_argument(args.trust_module)
     model, module = load_model(args.ckpt_path)
     tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, model.config.vocab_size)
-    out = export_hf(model, tokenizer, args.out)
+    out = export_hf(model, tokenizer, args.out, overwrite=args.overwrite)
     print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
 
 
 def import_command(argv: list[str]) -> None:
-    """``elr import --hf DIR --out X.ckpt``."""
-    from jsonargparse import ArgumentParser
+    """``elr import --hf DIR --out X.ckpt [--overwrite]``."""
+    from jsonargparse import ActionYesNo, ArgumentParser
 
     parser = ArgumentParser(prog="elr import", description="Turn an `elr export` directory back into a checkpoint.")
     parser.add_argument("--hf", type=str, required=True, help="Directory written by `elr export`.")
-    parser.add_argument("--out", type=str, required=True, help="Checkpoint file to write.")
+    parser.add_argument("--out", type=str, required=True, help="Checkpoint file to write (not an existing one).")
+    parser.add_argument("--overwrite", action=ActionYesNo, default=False, help="Replace an existing --out file.")
+    add_trust_argument(parser)
     args = parser.parse_args(argv)
-    save_module_checkpoint(import_hf(args.hf), args.out)
+    if os.path.lexists(args.out) and not args.overwrite:
+        raise FileExistsError(f"--out {args.out!r} exists; give a new path, or add --overwrite to replace it")
+    apply_trust_argument(args.trust_module)
+    save_module_checkpoint(import_hf(args.hf), args.out, overwrite=args.overwrite)
     print(f"wrote {args.out}")

@@ -123,6 +123,9 @@ class ELRMoE(nn.Module):
         top_k: Experts per token.
         expert_dim: Hidden width of each routed expert.
         shared_expert_dim: Hidden width of the shared expert; 0 for none.
+        normalize_weights: Divide the chosen experts' probabilities by their sum (exports made before
+            this field existed normalised at every ``top_k``, the default); ``False`` gates with the raw
+            probabilities (top-1 models: Switch Transformer).
         replay: ``dynamic``, ``replay_inference``, ``replay`` or ``replay_experts``; all but ``dynamic``
             replay loop 1's experts at loops 2..k (this is inference), and all but ``replay_experts``
             its gate weights too.
@@ -136,9 +139,10 @@ class ELRMoE(nn.Module):
         expert_dim: int,
         shared_expert_dim: int,
         replay: str,
+        normalize_weights: bool = True,
     ) -> None:
         super().__init__()
-        self.num_experts, self.top_k = num_experts, top_k
+        self.num_experts, self.top_k, self.normalize_weights = num_experts, top_k, normalize_weights
         self.replay = replay
         self.router = nn.Linear(d_model, num_experts, bias=False)
         self.w_up = nn.Parameter(torch.zeros(num_experts, d_model, 2 * expert_dim))
@@ -155,13 +159,11 @@ class ELRMoE(nn.Module):
         logits = self.router(x).float()
         if loop >= 2 and self.replay != "dynamic" and "experts" in routes:
             experts = routes["experts"]
-            weights = routes["weights"] if self.replay != "replay_experts" else _normalised(
-                logits.softmax(dim=-1).gather(-1, experts)
-            )
+            weights = routes["weights"] if self.replay != "replay_experts" else self._gates(logits.softmax(dim=-1), experts)
         else:
             probs = logits.softmax(dim=-1)
             experts = torch.topk(probs + self.expert_bias, self.top_k, dim=-1, sorted=False).indices
-            weights = _normalised(probs.gather(-1, experts))
+            weights = self._gates(probs, experts)
             if loop == 1:
                 routes.update(experts=experts, weights=weights)
         y = x.new_zeros(x.shape)
@@ -174,6 +176,6 @@ class ELRMoE(nn.Module):
             y = y + self.shared_down(F.silu(gate) * up)
         return y.reshape(shape)
 
-
-def _normalised(weights: Tensor) -> Tensor:
-    return weights / weights.sum(dim=-1, keepdim=True)
+    def _gates(self, probs: Tensor, experts: Tensor) -> Tensor:
+        chosen = probs.gather(-1, experts)
+        return chosen / chosen.sum(dim=-1, keepdim=True) if self.normalize_weights else chosen

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -235,56 +234,115 @@ def arch_from_hf(config: Any, split: Split, max_loops: int, max_seq_len: Optiona
     )
 
 
-def read_weights(directory: Path) -> dict[str, Tensor]:
-    """Every tensor of the folder's ``*.safetensors`` files (one file or the shards of an index).
+#: The index ``save_pretrained`` writes beside sharded weights: which file holds each tensor.
+INDEX = "model.safetensors.index.json"
+
+#: ``--dtype`` values and what they load the source weights as (``None``: the file's own dtype).
+DTYPES: dict[str, Optional[torch.dtype]] = {
+    "source": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class SafetensorsWeights:
+    """The tensors of a model folder, read one at a time (``safetensors.safe_open``), never all at once.
+
+    The folder's ``model.safetensors.index.json`` says which file holds each tensor, when it has one;
+    any other ``*.safetensors`` beside it (a Mistral download's ``consolidated.safetensors``, a stale
+    ``model.safetensors`` left next to newer shards) is not read. Without an index the folder must
+    hold exactly one ``*.safetensors`` file.
+
+    Args:
+        directory: The model folder.
+        dtype: Load every tensor as this dtype; ``None`` keeps each file's dtype.
 
     Raises:
-        FileNotFoundError: No safetensors file.
+        FileNotFoundError: No safetensors file, or a file the index names is missing.
+        ValueError: Several ``*.safetensors`` files and no index, or an unreadable index.
     """
-    from safetensors.torch import load_file
 
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"--hf {str(directory)!r} has no *.safetensors weights (model.safetensors or its shards); "
-            "save the model with save_pretrained(safe_serialization=True)"
-        )
-    tensors: dict[str, Tensor] = {}
-    for path in files:
-        tensors.update(load_file(str(path)))
-    return tensors
+    def __init__(self, directory: Path, dtype: Optional[torch.dtype] = None) -> None:
+        from safetensors import safe_open
+
+        self.dtype = dtype
+        index = directory / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                self.files = {name: directory / file for name, file in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
+                raise ValueError(f"--hf: {str(index)!r} is not a safetensors index ({err}); download it again") from err
+            missing = sorted({path.name for path in self.files.values() if not path.is_file()})
+            if missing:
+                raise FileNotFoundError(f"--hf: {INDEX} names {missing}, missing from {str(directory)!r}; download them")
+            return
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(
+                f"--hf {str(directory)!r} has no *.safetensors weights (model.safetensors or its shards); "
+                "save the model with save_pretrained(safe_serialization=True)"
+            )
+        if len(files) > 1:
+            raise ValueError(
+                f"--hf {str(directory)!r} holds {len(files)} *.safetensors files ({', '.join(f.name for f in files)}) "
+                f"and no {INDEX} to say which hold the model; add the model's index or move the other files out"
+            )
+        with safe_open(str(files[0]), framework="pt") as f:
+            self.files = {name: files[0] for name in f.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def __getitem__(self, name: str) -> Tensor:
+        """Tensor ``name``, read alone from its file (memory-mapped until it is changed), in :attr:`dtype`.
+
+        Raises:
+            ValueError: No file holds ``name``.
+        """
+        from safetensors import safe_open
+
+        if name not in self.files:
+            raise ValueError(f"weights: {name} is missing from the safetensors files; give the complete checkpoint")
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            tensor = f.get_tensor(name)
+        return tensor if self.dtype is None else tensor.to(self.dtype)
 
 
-def _layer_tensors(weights: dict[str, Tensor], i: int, arch: ModelConfig) -> dict[str, Tensor]:
-    """Source layer ``i`` under ELR's names inside a :class:`~elr_lightning.layers.Block`."""
-
-    def get(name: str) -> Tensor:
-        key = f"model.layers.{i}.{name}"
-        if key not in weights:
-            raise ValueError(f"weights: {key} is missing from the safetensors files; give the complete checkpoint")
-        return weights[key]
-
-    out = {
-        "attn_norm.weight": get("input_layernorm.weight"),
-        "attn.q.weight": get("self_attn.q_proj.weight"),
-        "attn.kv.weight": torch.cat((get("self_attn.k_proj.weight"), get("self_attn.v_proj.weight"))),
-        "attn.o.weight": get("self_attn.o_proj.weight"),
-        "mlp_norm.weight": get("post_attention_layernorm.weight"),
+def _layer_sources(i: int, arch: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The source tensors of layer ``i`` behind each ELR name inside a :class:`~elr_lightning.layers.Block`
+    (two sources are concatenated along the rows, in order)."""
+    names = {
+        "attn_norm.weight": ("input_layernorm.weight",),
+        "attn.q.weight": ("self_attn.q_proj.weight",),
+        "attn.kv.weight": ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "attn.o.weight": ("self_attn.o_proj.weight",),
+        "mlp_norm.weight": ("post_attention_layernorm.weight",),
         # SwiGLU computes gate, up = up(x).chunk(2): the gate's rows first
-        "mlp.up.weight": torch.cat((get("mlp.gate_proj.weight"), get("mlp.up_proj.weight"))),
-        "mlp.down.weight": get("mlp.down_proj.weight"),
+        "mlp.up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        "mlp.down.weight": ("mlp.down_proj.weight",),
     }
     if arch.qkv_bias:
-        out["attn.q.bias"] = get("self_attn.q_proj.bias")
-        out["attn.kv.bias"] = torch.cat((get("self_attn.k_proj.bias"), get("self_attn.v_proj.bias")))
+        names["attn.q.bias"] = ("self_attn.q_proj.bias",)
+        names["attn.kv.bias"] = ("self_attn.k_proj.bias", "self_attn.v_proj.bias")
     if arch.qk_norm:
-        out["attn.q_norm.weight"] = get("self_attn.q_norm.weight")
-        out["attn.k_norm.weight"] = get("self_attn.k_norm.weight")
-    return out
+        names["attn.q_norm.weight"] = ("self_attn.q_norm.weight",)
+        names["attn.k_norm.weight"] = ("self_attn.k_norm.weight",)
+    return {ours: tuple(f"model.layers.{i}.{theirs}" for theirs in sources) for ours, sources in names.items()}
 
 
-def elr_state_dict(weights: dict[str, Tensor], arch: ModelConfig, split: Split) -> dict[str, Tensor]:
+def _layer_tensor(weights: SafetensorsWeights, i: int, arch: ModelConfig, name: str) -> Tensor:
+    """ELR tensor ``name`` of source layer ``i``."""
+    parts = [weights[key] for key in _layer_sources(i, arch)[name]]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def elr_state_dict(weights: SafetensorsWeights, arch: ModelConfig, split: Split) -> dict[str, Tensor]:
     """The retrofitted model's weights under :class:`~elr_lightning.model.LoopedLM` names (gate and heads absent).
+
+    Built one tensor at a time, so memory holds the result and one tensor's sources; an averaged
+    shared layer (``average``) is summed in fp32 and stored in the weights' dtype.
 
     Raises:
         ValueError: A tensor the mapping needs is missing, naming it.
@@ -292,18 +350,21 @@ def elr_state_dict(weights: dict[str, Tensor], arch: ModelConfig, split: Split) 
     state: dict[str, Tensor] = {}
     for block, prefix, n in (("in", "input_layers", arch.n_in), ("rec", "core.layers", arch.n_rec), ("out", "output_layers", arch.n_out)):
         for j in range(n):
-            sources = [_layer_tensors(weights, i, arch) for i in split.source_layers(block, j)]
-            for name in sources[0]:
-                stacked = torch.stack([source[name].float() for source in sources])
-                state[f"{prefix}.{j}.{name}"] = stacked.mean(0) if len(sources) > 1 else stacked[0]
-    for ours, theirs in (("embed.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")):
-        if theirs not in weights:
-            raise ValueError(f"weights: {theirs} is missing from the safetensors files; give the complete checkpoint")
-        state[ours] = weights[theirs].float()
+            layers = split.source_layers(block, j)
+            for name in _layer_sources(layers[0], arch):
+                tensor = _layer_tensor(weights, layers[0], arch, name)
+                if len(layers) > 1:
+                    total = tensor.float()
+                    for i in layers[1:]:
+                        total += _layer_tensor(weights, i, arch, name).float()
+                    tensor = (total / len(layers)).to(tensor.dtype)
+                state[f"{prefix}.{j}.{name}"] = tensor
+    state["embed.weight"] = weights["model.embed_tokens.weight"]
+    state["norm.weight"] = weights["model.norm.weight"]
     if arch.tie_embeddings:
         state["head.weight"] = state["embed.weight"]
     elif "lm_head.weight" in weights:
-        state["head.weight"] = weights["lm_head.weight"].float()
+        state["head.weight"] = weights["lm_head.weight"]
     else:
         raise ValueError(
             "weights: lm_head.weight is missing and config.json has tie_word_embeddings=false; give the complete checkpoint"
@@ -337,12 +398,20 @@ def retrofit_update_args() -> dict[str, Any]:
 
 
 def build_module(
-    directory: Path, split: Split, max_loops: int, max_seq_len: Optional[int], tokenizer: Optional[Path], conditioner: dict[str, int]
+    directory: Path,
+    split: Split,
+    max_loops: int,
+    max_seq_len: Optional[int],
+    tokenizer: Optional[Path],
+    conditioner: dict[str, int],
+    dtype: Optional[torch.dtype] = None,
 ) -> Any:
     """The retrofitted :class:`~elr_lightning.module.ELRModule`, with its tokenizer.
 
-    The adaptive-delta gate and the conditioning heads keep their init (``LoopedLM.init_weights``):
-    gate and heads at zero, beta at :data:`RETROFIT_STEP`.
+    The model is built on the meta device and takes the source tensors as they are read (in
+    ``dtype``, default the files' own), so memory holds one copy of the weights. The parameters the
+    source does not have, the adaptive-delta gate and the conditioning heads, get their init in fp32
+    (``LoopedLM.init_weights``): gate and heads at zero, beta at :data:`RETROFIT_STEP`.
     """
     from elr_lightning.conditioning import LoopConditioner
     from elr_lightning.module import ELRModule
@@ -351,13 +420,17 @@ def build_module(
     config = read_hf_config(directory)
     arch = arch_from_hf(config, split, max_loops, max_seq_len)
     tok = read_tokenizer(tokenizer if tokenizer is not None else directory / "tokenizer.json", arch.vocab_size)
-    state = elr_state_dict(read_weights(directory), arch, split)
-    module = ELRModule(arch=arch, update=AdaptiveDelta(**retrofit_update_args()), conditioner=LoopConditioner(**conditioner))
+    state = elr_state_dict(SafetensorsWeights(directory, dtype), arch, split)
+    module = ELRModule(
+        arch=arch, update=AdaptiveDelta(**retrofit_update_args()), conditioner=LoopConditioner(**conditioner),
+        meta_init=True,
+    )
+    module.hparams["meta_init"] = False  # the checkpoint holds every weight: it loads as a plain module
     own = module.model.state_dict()
     mismatched = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items() if v.shape != own[k].shape]
     if mismatched:
         raise ValueError(f"weights: shapes differ from config.json (file vs model): {mismatched[:3]}")
-    module.model.load_state_dict({**own, **state}, strict=True)
+    module.model.assign_weights(state)
     module.tokenizer = tok
     return module
 
@@ -366,14 +439,16 @@ def build_module(
 def source_logit_gap(directory: Path, module: Any, tokens: int = 32) -> float:
     """Max |logit difference| at k = 1 between the source model (``transformers``, fp32) and ``module``.
 
-    The input is ``tokens`` ids spread over the vocabulary, one sequence.
+    The input is ``tokens`` ids spread over the vocabulary, one sequence. Both models run in fp32
+    (``module`` is converted in place): two fp32 copies of the model, the most memory retrofit takes.
     """
     from transformers import AutoModelForCausalLM
 
-    source = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    # safetensors only: a pytorch_model.bin beside them is a pickle, never read
+    source = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, use_safetensors=True).eval()
     n = min(tokens, module.arch.max_seq_len)
     ids = (torch.arange(n) * 7919 % module.arch.vocab_size)[None]
-    ours = module.model.eval()(ids, loops=1)
+    ours = module.model.float().eval()(ids, loops=1)
     return float((source(ids).logits.float() - ours.float()).abs().max())
 
 
@@ -462,7 +537,18 @@ def retrofit_command(argv: list[str]) -> None:
     parser.add_argument("--switch_fraction", type=float, default=0.25, help="Share of the steps at k = 1 before depths mix.")
     parser.add_argument("--lr", type=float, default=3e-4, help="Peak LR of the continued training.")
     parser.add_argument("--seq_len", type=int, default=1024, help="data.seq_len of the YAML (capped at the context).")
-    parser.add_argument("--verify", type=bool, default=True, help="Load the source with transformers and report the k = 1 logit gap.")
+    parser.add_argument(
+        "--dtype",
+        type=Literal["source", "float32", "bfloat16", "float16"],
+        default="source",
+        help="dtype of the checkpoint's weights; source keeps the safetensors files' dtype.",
+    )
+    parser.add_argument(
+        "--verify",
+        type=bool,
+        default=True,
+        help="Load the source with transformers and report the k = 1 logit gap (two fp32 copies of the model in memory).",
+    )
     args = parser.parse_args(argv)
     _hf()
     directory, out = Path(args.hf), Path(args.out)
@@ -473,7 +559,7 @@ def retrofit_command(argv: list[str]) -> None:
     ckpt, tok_out = out / "retrofit.ckpt", out / "tokenizer.json"
     if ckpt.exists():
         raise FileExistsError(f"--out {str(out)!r} already holds retrofit.ckpt; choose a new folder")
-    module = build_module(directory, split, args.max_loops, args.max_seq_len, tokenizer, conditioner)
+    module = build_module(directory, split, args.max_loops, args.max_seq_len, tokenizer, conditioner, DTYPES[args.dtype])
     out.mkdir(parents=True, exist_ok=True)
     save_module_checkpoint(module, ckpt)
     tok_out.write_text(module.tokenizer.to_json(), encoding="utf-8")

@@ -1,8 +1,10 @@
 """Mixture-of-experts channel mixer with cross-loop route replay.
 
 A router scores the E experts of each token, the top-k run (dropless, see
-:mod:`elr_lightning.mixers.dispatch`) and their SwiGLU outputs are summed with the normalised top-k
-softmax weights; an optional shared expert runs on every token.
+:mod:`elr_lightning.mixers.dispatch`) and their SwiGLU outputs are summed with the top-k softmax
+weights, normalised to sum to one when top_k > 1 and the raw probability at top_k = 1 (Switch
+Transformer: normalised, one expert's weight would be p / p = 1 and the LM loss would never reach
+the router); an optional shared expert runs on every token.
 
 **Route replay.** Inside the recurrent block the same layer runs at loops 1..k. Under replay, loop 1
 routes (router top-k and the dispatch sort) and stores the plan in the per-forward scratch of
@@ -79,6 +81,11 @@ class MoE(ChannelMixer):
         shared_expert_dim: Hidden width of a shared expert every token runs; 0 for none.
         aux_loss_coef: Coefficient of the balance loss (>= 0; 0 turns it off).
         balance_rate: Step of the auxiliary-loss-free bias update (>= 0; 0 turns it off).
+        normalize_weights: Whether the chosen experts' probabilities are divided by their sum (as
+            ``norm_topk_prob`` in Hugging Face's Qwen MoE); ``None`` normalises when ``top_k > 1`` and
+            gates with the raw probability at ``top_k = 1``. ``True`` at ``top_k = 1`` gates every token
+            with 1, so only the balance loss trains the router (what checkpoints of this library's
+            ``top_k = 1`` models computed before it followed Switch Transformer).
         replay: ``dynamic``, ``replay_inference``, ``replay`` or ``replay_experts`` (see the module
             docstring); ``None`` takes ``arch.route_replay``, else ``dynamic``.
         dispatch: ``auto`` (``torch._grouped_mm`` where supported, else a loop over experts),
@@ -96,6 +103,7 @@ class MoE(ChannelMixer):
         shared_expert_dim: int = 0,
         aux_loss_coef: float = 0.01,
         balance_rate: float = 0.0,
+        normalize_weights: Optional[bool] = None,
         replay: Optional[str] = None,
         dispatch: str = "auto",
     ) -> None:
@@ -121,6 +129,7 @@ class MoE(ChannelMixer):
         d = config.d_model
         self.num_experts, self.top_k, self.expert_dim = num_experts, top_k, expert_dim
         self.aux_loss_coef, self.balance_rate = aux_loss_coef, balance_rate
+        self.normalize_weights = top_k > 1 if normalize_weights is None else bool(normalize_weights)
         self.replay, self.dispatch = replay, dispatch
         self.router = nn.Linear(d, num_experts, bias=False)
         self.w_up = set_role(nn.Parameter(torch.empty(num_experts, d, 2 * expert_dim)), init="normal")
@@ -188,12 +197,20 @@ class MoE(ChannelMixer):
         """Top-k routing of router ``logits`` ``[N, E]``: ``(probs, experts, weights)``.
 
         ``probs`` is the float32 softmax over experts; ``experts`` ``[N, top_k]`` the top-k of
-        ``probs + expert_bias`` (the bias steers the choice only); ``weights`` the chosen
-        probabilities normalised to sum to one per token.
+        ``probs + expert_bias`` (the bias steers the choice only); ``weights`` the gates of those
+        experts (:meth:`gates`).
         """
         probs = logits.float().softmax(dim=-1)
         experts = torch.topk(probs + self.expert_bias, self.top_k, dim=-1, sorted=False).indices
-        return probs, experts, _normalised(probs.gather(-1, experts))
+        return probs, experts, self.gates(probs, experts)
+
+    def gates(self, probs: Tensor, experts: Tensor) -> Tensor:
+        """The gate weights ``[N, top_k]`` of ``experts`` under router probabilities ``probs`` ``[N, E]``.
+
+        The chosen probabilities, divided by their sum per token when ``normalize_weights``.
+        """
+        chosen = probs.gather(-1, experts)
+        return chosen / chosen.sum(dim=-1, keepdim=True) if self.normalize_weights else chosen
 
     @override
     def forward(self, x: Tensor, ctx: LoopContext, layer: int) -> Tensor:
@@ -207,7 +224,7 @@ class MoE(ChannelMixer):
             if tokens is not None:  # this loop runs on some of loop 1's rows: their own routes
                 plan = select_tokens(plan, tokens)
             if self.replay == "replay_experts":
-                weights = _normalised(self.router(x).float().softmax(dim=-1).gather(-1, plan.experts))
+                weights = self.gates(self.router(x).float().softmax(dim=-1), plan.experts)
             else:
                 weights = first["weights"] if tokens is None else first["weights"][tokens]
         else:
@@ -294,10 +311,6 @@ class MoE(ChannelMixer):
         """Parameters a token uses: the router, ``top_k`` of the E experts and the shared expert."""
         routed = self.w_up.numel() + self.w_down.numel()
         return sum(p.numel() for p in self.parameters()) - routed + routed * self.top_k // self.num_experts
-
-
-def _normalised(weights: Tensor) -> Tensor:
-    return weights / weights.sum(dim=-1, keepdim=True)
 
 
 def _tokens_of(rows: Union[slice, Tensor], shape: torch.Size) -> Union[slice, Tensor]:

@@ -109,20 +109,36 @@ def relative_costs(config: ModelConfig, loops_max: int) -> dict[str, float]:
 class CompletionsSpec(LitSpec):
     """The HTTP side: request validation, ``/v1/completions`` (JSON or SSE) and ``/v1/models``.
 
+    A body over ``max_request_bytes`` gets a 413 before it is read (at once when its
+    ``Content-Length`` says so, else as soon as the bytes read pass it), and prompts are tokenised in
+    a thread, so a large prompt never holds up the event loop that streams the other requests.
+
     Args:
-        config: The served model's architecture (for the loop range, costs and length limit).
+        config: The served model's architecture (for the loop range and costs).
         tokenizer: Encodes prompts (to check their length) before they are queued.
         model_name: The id ``/v1/models`` lists and responses carry.
         loops_default: k for requests that give no ``loops``.
         loops_max: Largest k served.
+        max_context: Most positions (prompt plus ``max_tokens``) a request may take: the cache's length;
+            ``None`` for ``arch.max_seq_len``.
+        max_request_bytes: Largest request body read.
     """
 
     def __init__(
-        self, config: ModelConfig, tokenizer: Tokenizer, model_name: str, loops_default: int, loops_max: int
+        self,
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        model_name: str,
+        loops_default: int,
+        loops_max: int,
+        max_context: Optional[int] = None,
+        max_request_bytes: int = 4 << 20,
     ) -> None:
         super().__init__()
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
         self.loops_default, self.loops_max = loops_default, loops_max
+        self.max_context = config.max_seq_len if max_context is None else max_context
+        self.max_request_bytes = max_request_bytes
         self.api_path = "/v1/completions"
         self.add_endpoint(self.api_path, self.completions, ["POST"])
         self.add_endpoint("/v1/models", self.models, ["GET"])
@@ -155,6 +171,7 @@ class CompletionsSpec(LitSpec):
                     "max_loops_trained": self.config.max_loops,
                     "relative_cost": relative_costs(self.config, self.loops_max),
                     "max_seq_len": self.config.max_seq_len,
+                    "max_context": self.max_context,
                 }
             ],
         }
@@ -176,11 +193,11 @@ class CompletionsSpec(LitSpec):
         loops = self.depth(body)
         ids = tuple(self.tokenizer.encode(body.prompt))
         need = len(ids) + body.max_tokens - 1
-        if need > self.config.max_seq_len:
-            param = "prompt" if len(ids) > self.config.max_seq_len else "max_tokens"
+        if need > self.max_context:
+            param = "prompt" if len(ids) > self.max_context else "max_tokens"
             raise RequestError(
                 f"the prompt ({len(ids)} tokens) plus max_tokens={body.max_tokens} needs {need} positions, more than "
-                f"the model's max_seq_len={self.config.max_seq_len}; shorten the prompt or lower max_tokens",
+                f"this server's max_context={self.max_context}; shorten the prompt or lower max_tokens",
                 param,
             )
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -188,6 +205,26 @@ class CompletionsSpec(LitSpec):
             raise RequestError("stop must be a non-empty string or a list of at most 4 non-empty strings", "stop")
         top_p = None if body.top_p == 1.0 else body.top_p
         return body, CompletionRequest(ids, loops, body.max_tokens, body.temperature, top_p, body.seed, stop)
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request's body, refused with a 413 as soon as it is known to pass ``max_request_bytes``."""
+        limit = self.max_request_bytes
+        too_big = RequestError(
+            f"the request body is larger than this server's limit of {limit} bytes (elr serve --max_request_bytes); "
+            "send a shorter prompt",
+            "body",
+            413,
+        )
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def depth(self, body: CompletionBody) -> Depth:
         """The request's depth: its k, or :class:`~elr_lightning.decode.AdaptiveDepth` for ``"auto"``."""
@@ -210,7 +247,8 @@ class CompletionsSpec(LitSpec):
     async def completions(self, request: Request) -> Any:
         """``POST /v1/completions``."""
         try:
-            body, job = self.parse(await request.body())
+            raw = await self.read_body(request)
+            body, job = await asyncio.to_thread(self.parse, raw)  # tokenising a long prompt blocks: not on the loop
         except RequestError as err:
             return err.response()
         uid = str(uuid.uuid4())
@@ -356,7 +394,9 @@ class ELRServeAPI(ls.LitAPI):
         log.setLevel(logging.DEBUG if self.log_level == "trace" else self.log_level.upper())
         model, _ = load_model(self.ckpt_path, map_location=device)
         autocast = torch.bfloat16 if self.dtype == "bfloat16" else None
-        self.engine = DecodeEngine(model, self.spec.tokenizer, self.kv_cache, autocast, self.max_batch_size)
+        self.engine = DecodeEngine(
+            model, self.spec.tokenizer, self.kv_cache, autocast, self.max_batch_size, self.spec.max_context
+        )
 
     def add_request(self, uid: str, request: Union[CompletionRequest, Cancel]) -> None:
         """Hand a validated request, or a cancellation, to the engine (called by the loop between steps).

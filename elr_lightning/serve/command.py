@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
-import torch
-
-from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, weights_only_first
+from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, verify_checkpoint_path
 from elr_lightning.config import ModelConfig
+from elr_lightning.safe_load import read_checkpoint
+from elr_lightning.serve.memory import (
+    available_bytes,
+    check_fits,
+    checkpoint_parameters,
+    default_max_context,
+    describe,
+    resolve_accelerator,
+    serving_memory,
+)
 from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, choose_tokenizer
+from elr_lightning.trust import add_trust_argument, apply_trust_argument
+
+#: Default ``--max_request_bytes``: 4 MiB, room for a 131,072-token prompt of plain text.
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 def _parser() -> Any:
@@ -37,6 +50,18 @@ def _parser() -> Any:
         default=None,
         help="'byte' or a tokenizer.json path; default: the one saved in the checkpoint (bytes if none).",
     )
+    parser.add_argument(
+        "--max_context",
+        type=Optional[int],
+        default=None,
+        help="Positions (prompt plus completion) each cache slot holds; default min(arch.max_seq_len, 4096).",
+    )
+    parser.add_argument(
+        "--max_request_bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="Largest request body accepted; a larger one gets a 413 before it is read.",
+    )
     parser.add_argument("--accelerator", type=str, default="auto", help="LitServe accelerator: auto, cpu or cuda.")
     parser.add_argument("--dtype", type=Literal["float32", "bfloat16"], default="float32", help="Autocast dtype.")
     parser.add_argument(
@@ -45,6 +70,7 @@ def _parser() -> Any:
         default="warning",
         help="Server log level (uvicorn's names); 'info' logs every finished request.",
     )
+    add_trust_argument(parser)
     return parser
 
 
@@ -78,7 +104,9 @@ def serve_command(argv: list[str]) -> None:
 
     Raises:
         ImportError: LitServe is not installed.
-        ValueError: A bad flag, or a checkpoint that is not an ELR checkpoint.
+        ValueError: A bad flag, or a checkpoint that is not an ELR checkpoint, is damaged, holds a
+            pickled object or names an untrusted module: the same one line as ``elr generate``, given
+            before any worker starts.
         FileNotFoundError: No file at ``--ckpt_path``.
     """
     args = _parser().parse_args(argv)
@@ -86,20 +114,22 @@ def serve_command(argv: list[str]) -> None:
         import litserve as ls
     except ImportError as err:
         raise ImportError('elr serve needs LitServe; install it with pip install "elr-lightning[serve]"') from err
+    from elr_lightning.generation import load_model
     from elr_lightning.serve.api import CompletionsSpec, ELRServeAPI
 
+    apply_trust_argument(args.trust_module)  # exported: the workers inherit it
+    verify_checkpoint_path(args.ckpt_path, "--ckpt_path")
     if is_sharded_checkpoint(args.ckpt_path):
         raw = read_sharded_checkpoint(args.ckpt_path, weights=False)
-    elif os.path.isfile(args.ckpt_path):
-        raw = weights_only_first(
-            lambda w: torch.load(args.ckpt_path, map_location="cpu", weights_only=w, mmap=True), args.ckpt_path
-        )
     else:
-        raise FileNotFoundError(f"--ckpt_path {args.ckpt_path!r} does not exist")
+        raw = read_checkpoint(args.ckpt_path)
+    # Every check of the workers' load (plug-ins, tensor names and shapes), on the meta device, before any starts.
+    load_model(args.ckpt_path, meta=True)
     if not isinstance(raw, Mapping):
         raise ValueError(f"--ckpt_path {args.ckpt_path!r} is not a Lightning checkpoint")
     config = checkpoint_arch(raw, args.ckpt_path)
     tokenizer = serving_tokenizer(raw, args.tokenizer, config)
+    params = checkpoint_parameters(raw, config)
     del raw
     loops_max = config.max_loops if args.loops_max is None else args.loops_max
     if loops_max < 1:
@@ -115,8 +145,17 @@ def serve_command(argv: list[str]) -> None:
         raise ValueError(f"--max_batch_size {args.max_batch_size} must be >= 1")
     if not 1024 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in 1024..65535")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max_request_bytes {args.max_request_bytes} must be >= 1")
+    max_context = default_max_context(config) if args.max_context is None else args.max_context
+    if not 1 <= max_context <= config.max_seq_len:
+        raise ValueError(f"--max_context {max_context} must be in 1..arch.max_seq_len ({config.max_seq_len})")
+    memory = serving_memory(config, args.kv_cache, loops_max, args.max_batch_size, max_context, args.dtype, params)
+    print(describe(memory, args.kv_cache, loops_max, args.max_batch_size, max_context), file=sys.stderr, flush=True)
+    accelerator = resolve_accelerator(args.accelerator)
+    check_fits(memory, available_bytes(accelerator), accelerator)
     name = os.path.splitext(os.path.basename(args.ckpt_path))[0]
-    spec = CompletionsSpec(config, tokenizer, name, args.loops_default, loops_max)
+    spec = CompletionsSpec(config, tokenizer, name, args.loops_default, loops_max, max_context, args.max_request_bytes)
     api = ELRServeAPI(args.ckpt_path, spec, args.kv_cache, args.max_batch_size, args.dtype, args.log_level)
     server = ls.LitServer(api, accelerator=args.accelerator, devices=1, workers_per_device=1, timeout=False)
 

@@ -5,8 +5,8 @@ A :class:`DecodeEngine` keeps up to ``max_batch_size`` requests in the slots of 
 running request in one step whatever their k (rows are gathered per depth and scattered back, so a
 step costs sum(k) row-loops, DESIGN §7), then prefills waiting requests into the slots that are
 free. A finished or cancelled request frees its slot at once; a waiting request takes it in the
-same step. Memory stays bounded: the cache holds ``max_batch_size`` rows of ``arch.max_seq_len``
-positions whatever the traffic.
+same step. Memory stays bounded: the cache holds ``max_batch_size`` rows of ``max_len`` positions
+whatever the traffic.
 
 Every row samples with its own ``torch.Generator`` seeded from the request, through the same
 :func:`~elr_lightning.generation.sample_next` and the same decoder as
@@ -128,6 +128,7 @@ class DecodeEngine:
         kv_cache: The KV-cache policy, as for :func:`~elr_lightning.generation.generate`.
         autocast_dtype: Run the model under ``torch.autocast`` with this dtype, or ``None``.
         max_batch_size: Slots: most requests decoded at once, all k together; more wait in a queue.
+        max_len: Positions per slot (prompt plus generated tokens); ``None`` for ``arch.max_seq_len``.
     """
 
     def __init__(
@@ -137,11 +138,14 @@ class DecodeEngine:
         kv_cache: PolicyLike = "last_loop",
         autocast_dtype: Optional[torch.dtype] = None,
         max_batch_size: int = 8,
+        max_len: Optional[int] = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         self.model, self.tokenizer = model, tokenizer
-        self.max_len = model.config.max_seq_len
+        self.max_len = model.config.max_seq_len if max_len is None else max_len
+        if not 1 <= self.max_len <= model.config.max_seq_len:
+            raise ValueError(f"max_len={self.max_len} must be in 1..arch.max_seq_len ({model.config.max_seq_len})")
         self.decoder = Decoder(model, max_batch_size, self.max_len, kv_cache, autocast_dtype)
         self.device = self.decoder.device
         self._lock = threading.Lock()
@@ -155,7 +159,7 @@ class DecodeEngine:
         if budget(request.loops) < 1 or request.max_tokens < 1 or not request.prompt_ids:
             raise ValueError(f"request {uid}: loops and max_tokens must be >= 1 and the prompt non-empty")
         if len(request.prompt_ids) + request.max_tokens - 1 > self.max_len:
-            raise ValueError(f"request {uid}: the prompt plus max_tokens exceeds arch.max_seq_len={self.max_len}")
+            raise ValueError(f"request {uid}: the prompt plus max_tokens exceeds the engine's max_len={self.max_len}")
         with self._lock:
             self._queue.append((uid, request))
 
@@ -165,13 +169,19 @@ class DecodeEngine:
             self._cancelled.add(uid)
 
     def reset(self) -> list[str]:
-        """Drop every queued and running request (after a failed step); return their ids."""
+        """Drop every queued and running request (after a failed step); return their ids.
+
+        Wherever the step failed, the engine starts again empty: every slot free, and the decoder's
+        slots emptied (:meth:`Decoder.reset`: no recurrent-state write of the failed pass reaches the
+        next commit).
+        """
         with self._lock:
             queued, self._queue = [uid for uid, _ in self._queue], deque()
             self._cancelled.clear()
         dropped = queued + [row.uid for row in self._rows.values()]
-        self._free += list(self._rows)
         self._rows = {}
+        self._free = list(range(len(self.decoder.lengths) - 1, -1, -1))
+        self.decoder.reset()
         return dropped
 
     @property
@@ -186,7 +196,7 @@ class DecodeEngine:
         return {row.uid: row.request.loops for row in self._rows.values()}
 
     def kv_cache_bytes(self) -> int:
-        """Attention KV bytes the cache has allocated (fixed by the slots and ``arch.max_seq_len``)."""
+        """Attention KV bytes the cache has allocated (fixed by the slots and ``max_len``)."""
         return self.decoder.cache.nbytes(used=False)
 
     def step(self) -> list[Event]:
@@ -213,16 +223,19 @@ class DecodeEngine:
             with self._lock:
                 if not self._queue:
                     break
-                uid, request = self._queue.popleft()
-            slot = self._free.pop()
+                uid, request = self._queue[0]  # only this thread takes from the queue
             seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()).item())
-            self._rows[slot] = _Row(
+            row = _Row(
                 uid,
                 request,
                 torch.Generator(device=self.device).manual_seed(seed),
                 IncrementalDecoder(self.tokenizer),
                 _StopText(request.stop),
             )
+            with self._lock:
+                self._queue.popleft()
+            slot = self._free.pop()
+            self._rows[slot] = row
             ids = torch.tensor(request.prompt_ids, device=self.device)
             events.append(self._sample(slot, self.decoder.prefill(slot, ids, request.loops), budget(request.loops)))
         return events
@@ -239,17 +252,15 @@ class DecodeEngine:
         row.token = token
         row.generated += 1
         finish = None
-        eos = self.tokenizer.eos_id
-        if eos is not None and token == eos:
-            text, finish = row.stop.feed(row.decoder.flush())[0], "stop"
-        else:
-            text, stopped = row.stop.feed(row.decoder.push(token))
-            if stopped:
-                finish = "stop"
-            elif row.generated >= req.max_tokens:
-                tail, stopped = row.stop.feed(row.decoder.flush())
-                text += tail if stopped else tail + row.stop.flush()
-                finish = "stop" if stopped else "length"
+        at_eos = token == self.tokenizer.eos_id
+        text, stopped = ("", False) if at_eos else row.stop.feed(row.decoder.push(token))
+        if stopped:
+            finish = "stop"
+        elif at_eos or row.generated >= req.max_tokens:
+            # The completion ends here: release what the decoder and the stop matcher still hold back.
+            tail, stopped = row.stop.feed(row.decoder.flush())
+            text += tail if stopped else tail + row.stop.flush()
+            finish = "stop" if stopped or at_eos else "length"
         if finish is not None:
             self._rows.pop(slot)
             self._free.append(slot)

@@ -26,7 +26,7 @@ try:  # FSDP2's public home since torch 2.6
 except ImportError:  # torch 2.4 and 2.5 (pyproject allows torch>=2.4) ship it under a private path
     from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from elr_lightning.checkpoint_io import weights_only_first
+from elr_lightning.safe_load import check_sharded_index, refusing_pickles
 from elr_lightning.model import LoopedLM
 from elr_lightning.strategies.common import find_looped_lm, loop_dependent_parameters, verify_loop_schedule
 
@@ -251,20 +251,20 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         resuming failed with ``Missing key ... conditioner.mlp.0.weight.step`` (sharded) or ``Missing
         optimizer state for parameter`` (full). Here the parameters without saved state end without
         state, as in the run that wrote the checkpoint, so the resumed run continues exactly. The
-        model's weights and the metadata load as in Lightning; without an explicit ``weights_only``, through
-        :func:`~elr_lightning.checkpoint_io.weights_only_first`.
+        model's weights and the metadata load as in Lightning, as data: ``weights_only`` is ``True``
+        unless given, a pickled object is refused in one line, and a sharded folder's index is checked
+        before torch unpickles it (:mod:`elr_lightning.safe_load`).
         """
         path = Path(self.broadcast(checkpoint_path))
         assert self.lightning_module is not None
         module = self.lightning_module
-
-        def load(weights: bool) -> dict[str, Any]:
-            return _load_checkpoint(
-                path=path, state={"state_dict": self.model}, strict=module.strict_loading, weights_only=weights
+        weights_only = True if weights_only is None else weights_only
+        if weights_only and _is_sharded_checkpoint(path):
+            check_sharded_index(str(path))
+        with refusing_pickles(str(path)):
+            checkpoint = _load_checkpoint(
+                path=path, state={"state_dict": self.model}, strict=module.strict_loading, weights_only=weights_only
             )
-
-        # Lightning's default (None): weights_only first; an old-format file after a warning.
-        checkpoint = load(weights_only) if weights_only is not None else weights_only_first(load, str(path))
         for idx, optimizer in enumerate(self.optimizers):
             if _is_sharded_checkpoint(path):
                 self._load_sharded_optimizer_state(path, f"optimizer_{idx}", optimizer)
