@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from elr_lightning.data import (
     StepIndexedLoader,
+    StepLoader,
     TextDataModule,
     TokenWindows,
     default_corpus_files,
@@ -328,7 +329,7 @@ def _windows(n_windows: int, seq_len: int = 3) -> TokenWindows:
     return TokenWindows(np.arange(n_windows * seq_len + 1, dtype=np.int64), seq_len, 0, n_windows)
 
 
-def _take(loader: StepIndexedLoader, n: int) -> list[torch.Tensor]:
+def _take(loader: StepLoader, n: int) -> list[torch.Tensor]:
     """Take n batches, iterating again (next epoch) whenever an epoch ends."""
     out: list[torch.Tensor] = []
     while len(out) < n:
