@@ -8,15 +8,13 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from elr_lightning.data import MixtureLoader, PreparedDataModule
-from test_data import Recorder, _take
+from test_data import Recorder, _take, resume_trainer
 from test_data_mixture import _streams, folders  # noqa: F401 (fixture)
 
 
@@ -107,21 +105,7 @@ def test_a_bad_prefetch_is_refused_by_name(folders: list[Path], value: Any) -> N
 
 
 def _fit(tmp_path: Path, folders: list[Path], ckpt_dir: Optional[Path], ckpt_path: Optional[str]) -> list:
-    trainer = pl.Trainer(
-        max_steps=9,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=ckpt_dir is not None,
-        callbacks=[] if ckpt_dir is None else [
-            ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1)
-        ],
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        default_root_dir=tmp_path,
-    )
+    trainer = resume_trainer(tmp_path, 9, ckpt_dir, limit_val_batches=0)
     dm = PreparedDataModule([str(f) for f in folders], weights=[0.7, 0.3], seq_len=128, batch_size=64, prefetch=2)
     model = Recorder()
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 import _dist_worker
-from test_strategies import _free_port, corpus  # noqa: F401 (fixture)
+from test_strategies import _free_port, corpus, wait_for  # noqa: F401 (fixture)
 
 WORKER = Path(_dist_worker.__file__)
 WORLD = 2
@@ -51,21 +50,7 @@ def run_nodes(corpus: dict[str, str], out: Path, nnodes: int) -> dict[str, list[
     port = _free_port()
     logs = [open(out / f"node{n}.log", "w") for n in range(nnodes)]
     agents = [torchrun(out / "spec.json", nnodes, WORLD // nnodes, n, port, logs[n]) for n in range(nnodes)]
-    try:
-        for agent in agents:
-            agent.wait(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{nnodes} node(s): the run did not finish in {LAUNCH_TIMEOUT_S} s (hang?)")
-    finally:
-        for agent in agents:
-            if agent.poll() is None:  # the agent and the ranks it started: a stuck gloo rank ignores SIGTERM
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
-        for log in logs:
-            log.close()
-    for n, agent in enumerate(agents):
-        text = (out / f"node{n}.log").read_text()
-        assert agent.returncode == 0, f"node {n} of {nnodes} exited with {agent.returncode}:\n{text[-6000:]}"
+    wait_for(agents, logs, LAUNCH_TIMEOUT_S, f"{nnodes} node(s)")  # kills an agent with the ranks it started
     return {name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=True) for r in range(WORLD)] for name in CASES}
 
 
