@@ -53,6 +53,12 @@ class ELRCLI(LightningCLI):
         if "tokenizer" in init_args:
             load_tokenizer(init_args["tokenizer"])
 
+    def before_fit(self) -> None:
+        """On a GPU, log the run's estimated peak memory per rank once, and warn if it exceeds the device."""
+        from elr_lightning.estimate_fit import log_fit_estimate  # it reads configs through this module
+
+        log_fit_estimate(self.trainer, self.model, self.datamodule)
+
     @override
     def _parse_ckpt_path(self) -> None:
         # Lightning's version merges the checkpoint's hyperparameters over the command line, so a new
