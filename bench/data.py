@@ -28,6 +28,17 @@ since a worker holds one ``--shard-mb`` span whatever the file's size.
     OMP_NUM_THREADS=1 python bench/data.py --mb 4 --big_tokens 200000000   # a quick look
     python bench/data.py --prepare_rss                           # writes bench/results/data_prepare.json
     python bench/data.py --prepare_rss --prepare_mb 20 100 --prepare_shard_mb 8   # a quick look
+
+``--step_time`` measures instead the quickstart model's training step (Lightning, fp32, one thread)
+fed from a prepared folder (``--step_tokens`` synthetic byte-level tokens) against the same steps fed
+the same batches already in memory: reading in the step (``prefetch 0``) and reading ahead in a
+background thread (``prefetch 2``, the default), each with the folder's pages in the page cache
+(warm) and evicted before the run (cold: ``posix_fadvise(DONTNEED)``, a corpus larger than memory).
+The cases run interleaved over ``--step_rounds`` rounds, each a fresh ``Trainer`` over the same
+steps (so the same loop counts); a round's ratio is its summed step time over the in-memory case's.
+Target: prefetched over in-memory at most 1.02.
+
+    OMP_NUM_THREADS=1 python bench/data.py --step_time           # writes bench/results/data_step.json
 """
 
 from __future__ import annotations
@@ -214,23 +225,25 @@ def loader_worker(folder: str, batches: int, batch_size: int, seq_len: int) -> d
     }
 
 
-def quickstart_tokens_per_s(steps: int) -> float:
-    """Training tokens/s of the quickstart model and batch (fp32, one thread), after 3 warm-up steps."""
-    import lightning.pytorch as pl
-    import torch
+def quickstart() -> tuple[Any, dict[str, Any]]:
+    """The quickstart's ``ELRModule`` (``config/quickstart.yaml``) and its data arguments."""
     import yaml
     from jsonargparse import ArgumentParser
 
     from elr_lightning import ELRModule
-    from elr_lightning.data import TextDataModule
 
-    torch.set_num_threads(1)
     with open(os.path.join(ROOT, "config", "quickstart.yaml")) as f:
         config = yaml.safe_load(f)
     parser = ArgumentParser()
     parser.add_subclass_arguments(ELRModule, "model")
     module = parser.instantiate_classes(parser.parse_object({"model": config["model"]})).model
-    data_args = config["data"]["init_args"]
+    return module, config["data"]["init_args"]
+
+
+def step_starts(module: Any, steps: int, **fit: Any) -> list[float]:
+    """``trainer.fit(module, **fit)`` for ``steps`` steps (fp32, no validation); when each step started (wall)."""
+    import lightning.pytorch as pl
+
     times: list[float] = []
 
     class Clock(pl.Callback):
@@ -238,7 +251,7 @@ def quickstart_tokens_per_s(steps: int) -> float:
             times.append(time.perf_counter())
 
     trainer = pl.Trainer(
-        max_steps=steps + 4,
+        max_steps=steps,
         accelerator="cpu",
         precision=32,
         logger=False,
@@ -246,16 +259,123 @@ def quickstart_tokens_per_s(steps: int) -> float:
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
+        num_sanity_val_steps=0,
         callbacks=[Clock()],
     )
+    trainer.fit(module, **fit)
+    return times
+
+
+def quickstart_tokens_per_s(steps: int) -> float:
+    """Training tokens/s of the quickstart model and batch (fp32, one thread), after 3 warm-up steps."""
+    import torch
+
+    from elr_lightning.data import TextDataModule
+
+    torch.set_num_threads(1)
+    module, data_args = quickstart()
     with tempfile.TemporaryDirectory() as cache:
         data = TextDataModule(
             seq_len=data_args["seq_len"], batch_size=data_args["batch_size"], max_bytes=2_000_000, cache_dir=cache
         )
-        trainer.fit(module, data)
+        times = step_starts(module, steps + 4, datamodule=data)
     return steps * data_args["batch_size"] * data_args["seq_len"] / (times[-1] - times[3])
 
 
+# ---- the quickstart step fed from a prepared folder against in memory (--step_time) ------------------
+
+
+def evict(folder: str) -> None:
+    """Drop the page-cache pages of ``folder``'s shards (``posix_fadvise(DONTNEED)``): the next reads go to the disk."""
+    for name in os.listdir(os.path.join(folder, "shards")):
+        fd = os.open(os.path.join(folder, "shards", name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class Waited:
+    """A sized loader (Lightning then fetches no batch ahead) that times how long each batch is waited for."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.waits: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        it = iter(self.loader)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self.waits.append(time.perf_counter() - start)
+            yield batch
+
+
+def step_time(folder: str, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
+    """The quickstart step fed from ``folder`` (read in the step, prefetched; warm, cold) against in memory.
+
+    Returns ``{"cases": {name: [summed step seconds per round]}, "ratios": {name: [per-round ratio to
+    in memory]}, "waits": {name: [seconds the loop waited for each timed batch]}}``: the wait is the
+    part of the step on the data's account, and the least noisy figure on a loaded machine.
+    """
+    import torch
+
+    from elr_lightning.data import PreparedDataModule
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    module, data_args = quickstart()
+
+    def prepared(prefetch: int) -> Any:
+        dm = PreparedDataModule(folder, seq_len=data_args["seq_len"], batch_size=data_args["batch_size"], prefetch=prefetch)
+        dm.setup("fit")
+        return dm.train_dataloader()
+
+    first = iter(prepared(0))
+    memory = [next(first) for _ in range(warmup + steps + 1)]
+    cases: dict[str, Any] = {
+        "in memory": lambda: memory,
+        "read in the step, warm": lambda: prepared(0),
+        "prefetch 2, warm": lambda: prepared(2),
+        "read in the step, cold": lambda: prepared(0),
+        "prefetch 2, cold": lambda: prepared(2),
+    }
+    names = list(cases)
+    summed: dict[str, list[float]] = {name: [] for name in names}
+    waits: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            loader = Waited(cases[name]())
+            if name.endswith("cold"):
+                evict(folder)
+            times = step_starts(module, warmup + steps + 1, train_dataloaders=loader)
+            summed[name].append(times[-1] - times[warmup])
+            waits[name] += loader.waits[warmup + 1 : warmup + steps + 1]  # the batches of the timed steps
+    ratios = {name: [t / m for t, m in zip(summed[name], summed["in memory"])] for name in names[1:]}
+    tokens = data_args["seq_len"] * data_args["batch_size"]
+    return {"cases": summed, "ratios": ratios, "waits": waits, "steps": steps, "warmup": warmup, "tokens_per_step": tokens}
+
+
+def report_step_time(result: dict[str, Any]) -> None:
+    """Print the step-time table: each case's median step against the in-memory one."""
+    steps = result["steps"]
+    memory = statistics.median(result["cases"]["in memory"]) / steps
+    print("| case | ms/step (median of rounds) | over in memory, median (range) of rounds | data wait ms/step: mean, max |")
+    print("|---|---|---|---|")
+    for name in result["cases"]:
+        ms = 1e3 * statistics.median(result["cases"][name]) / steps
+        ratios = result["ratios"].get(name, [1.0])
+        waits = result["waits"][name]
+        print(f"| {name} | {ms:.1f} | {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | "
+              f"{1e3 * statistics.fmean(waits):.2f}, {1e3 * max(waits):.2f} |")
+    print(f"target: prefetch 2 over in memory <= 1.02 (its mean wait is {statistics.fmean(result['waits']['prefetch 2, cold']) / memory:.4f} "
+          "of the in-memory step, cold)")
 # ---- elr prepare memory against input size (--prepare_rss) --------------------------------------------
 
 
@@ -360,6 +480,10 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "data.json"))
     parser.add_argument("--loader_worker", nargs=4, metavar=("FOLDER", "BATCHES", "BATCH", "SEQ"), help=argparse.SUPPRESS)
+    parser.add_argument("--step_time", action="store_true", help="only the step-time table (see above)")
+    parser.add_argument("--step_tokens", type=int, default=1_000_000_000, help="tokens of the --step_time folder")
+    parser.add_argument("--step_rounds", type=int, default=3)
+    parser.add_argument("--step_steps", type=int, default=20, help="timed steps per case and round")
     parser.add_argument("--prepare_rss", action="store_true", help="measure only elr prepare's RSS against input size")
     parser.add_argument("--prepare_mb", type=float, nargs="+", default=[200.0, 2000.0], help="input sizes, MB of text")
     parser.add_argument("--prepare_workers", type=int, default=2)
@@ -369,6 +493,21 @@ def main() -> None:
     if args.loader_worker:
         folder, batches, batch, seq = args.loader_worker
         print(json.dumps(loader_worker(folder, int(batches), int(batch), int(seq))))
+        return
+    if args.step_time:
+        work = args.work or tempfile.mkdtemp(prefix="elr-bench-step-")
+        try:
+            folder = os.path.join(work, "step")
+            write_synthetic(folder, args.step_tokens)  # byte ids: the quickstart's vocabulary
+            result = step_time(folder, args.step_steps, 3, args.step_rounds)
+        finally:
+            if args.work is None:
+                shutil.rmtree(work, ignore_errors=True)
+        report_step_time(result)
+        out = args.out.replace(".json", "_step.json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "loader_worker"}, **result}, f, indent=1)
         return
     if args.prepare_worker:
         source, out, workers, shard_mb = args.prepare_worker

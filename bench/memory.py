@@ -7,8 +7,9 @@ allocations cannot hide another's peak:
 
 * on CUDA the allocator's own ``max_memory_allocated`` over one training step (forward and
   backward), minus what was allocated before it (weights and their gradients);
-* on the CPU the process's peak resident set (``ru_maxrss``) over the first full-size training step
-  minus the resident set just before it, with the gradients allocated and a two-token warm-up step
+* on the CPU the process's peak resident set over the first full-size training step (Linux's
+  ``VmHWM``, reset just before the step through ``/proc/self/clear_refs``; where that cannot be
+  reset, ``ru_maxrss``, the peak since the process started) minus the resident set just before it, with the gradients allocated and a two-token warm-up step
   done; the workers run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the
   resident set (the timing processes run with the allocator's defaults). Noisier than CUDA's
   figure; run with ``--memory_repeats`` > 1 and read the range.
@@ -27,6 +28,22 @@ ratios are against ``k = 1`` of the same setting.
 
 Targets (issue: memory flat in k): ``loop`` peak at k = 8 at most 1.5x its k = 1 peak, at a step
 time at most 1.4x that of ``none``; ``bp1`` step time at k = 4 at most 0.6x that of ``none``.
+
+``--conditioning_table`` measures what eq. 4's conditioning costs in training memory instead, under
+the first of ``--settings`` (``none`` by default): for every k, the same model with and without a
+``LoopConditioner``,
+
+* counted, in this process on the CPU: the bytes a forward pass leaves alive for the backward pass (every
+  storage an op made during the forward that is still alive after it, parameters excluded; a
+  dispatch mode sees them whatever saved-tensor hooks keep them) and, of these, the elements of
+  storages shaped like a mixer weight (or its transpose): per-loop weight copies;
+* measured, in fresh processes: the peak resident set of one step as above, conditioned over
+  unconditioned (median over ``--memory_repeats``).
+
+    python bench/memory.py --conditioning_table --loops 1 2 4 8 --memory_repeats 3
+
+Target (issue 33): conditioned over unconditioned at most 1.05 at k = K under ``none``. To compare with
+another build, run this file with that build's package first on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -54,6 +71,134 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak_rss() -> bool:
+    """Reset the process's peak resident set (``VmHWM``) to its current one; False where Linux does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes(reset: bool) -> int:
+    """The peak resident set since :func:`_reset_peak_rss` (``reset``), else since the process started."""
+    if reset:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _model(args: argparse.Namespace, conditioning: bool):
+    """The bench's model: ``LoopedLM`` of the command line's size, with a default ``LoopConditioner`` or none."""
+    from elr_lightning.conditioning import LoopConditioner
+    from elr_lightning.config import ModelConfig
+    from elr_lightning.model import LoopedLM
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from overhead import arch_fields  # the same --arch models as bench/overhead.py
+
+    n_in, n_rec, n_out = args.layers
+    cfg = ModelConfig(
+        vocab_size=args.vocab, d_model=args.d_model, n_heads=args.n_heads, n_in=n_in, n_rec=n_rec, n_out=n_out,
+        max_seq_len=args.seq_len, max_loops=max(args.loops), **arch_fields(args.arch, args.d_model, args.n_heads),
+    )
+    return LoopedLM(cfg, conditioner=LoopConditioner() if conditioning else None)
+
+
+def kept_for_backward(model, forward) -> tuple[object, dict]:
+    """``forward()``'s result and what it leaves alive for the backward pass: ``{"bytes", "weight_copy_elements"}``.
+
+    Every storage an op makes while ``forward`` runs is recorded (a ``TorchDispatchMode`` sees it
+    whether autograd keeps the tensor or a saved-tensor hook keeps it for autograd); after the
+    forward, those still alive are what the graph holds (and the result). Storages of the model's
+    parameters and buffers do not count. ``weight_copy_elements`` counts the elements of those
+    shaped like one of the model's 2-D weights outside eq. 4's heads (or its transpose).
+    """
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    made: list = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    made.append((StorageWeakRef(storage), storage.nbytes(), tuple(t.shape), t.element_size()))
+            return out
+
+    own = {StorageWeakRef(t.untyped_storage()).cdata for t in [*model.parameters(), *model.buffers()]}
+    shapes = {tuple(p.shape) for name, p in model.named_parameters() if p.ndim == 2 and "_mod." not in name}
+    shapes |= {shape[::-1] for shape in shapes}
+    with Record():
+        out = forward()
+    alive: dict[int, tuple[int, tuple[int, ...], int]] = {}
+    for ref, nbytes, shape, size in made:  # a storage's weak reference keeps its address from being reused
+        if not ref.expired() and ref.cdata not in own:
+            alive.setdefault(ref.cdata, (nbytes, shape, size))
+    return out, {
+        "bytes": sum(nbytes for nbytes, _, _ in alive.values()),
+        "weight_copy_elements": sum(nbytes // size for nbytes, shape, size in alive.values() if shape in shapes),
+    }
+
+
+def conditioning_table(args: argparse.Namespace, run) -> None:
+    """Eq. 4's training memory: conditioned against unconditioned at each k (see the module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    setting = args.settings[0]
+    torch.manual_seed(0)
+    batch = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1))
+    counted: dict[tuple[bool, int], dict] = {}
+    for conditioning in (False, True):
+        model = _model(args, conditioning)
+        model.set_backprop(**SETTINGS[setting])
+        for k in args.loops:
+            def forward():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+                    logits = model(batch[:, :-1], k)
+                return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+            counted[(conditioning, k)] = kept_for_backward(model, forward)[1]
+    peaks: dict[tuple[bool, int], list[int]] = {key: [] for key in counted}
+    for _ in range(args.memory_repeats):  # interleaved, so drift hits every case alike
+        for k in args.loops:
+            for conditioning in (False, True):
+                flag = "--conditioning" if conditioning else "--no-conditioning"
+                peaks[(conditioning, k)].append(run("--setting", setting, "--k", str(k), flag)["peak_bytes"])
+    rows = []
+    print(f"eq. 4 in training, setting {setting}: unconditioned (plain) against conditioned (eq. 4)")
+    print(f"{'k':>3}{'kept MiB plain':>16}{'eq. 4':>9}{'ratio':>8}{'weight copies plain':>21}{'eq. 4':>11}"
+          f"{'peak MiB plain':>16}{'eq. 4':>9}{'ratio (min-max)':>20}")
+    for k in args.loops:
+        plain, cond = counted[(False, k)], counted[(True, k)]
+        ratios = [c / p for p, c in zip(peaks[(False, k)], peaks[(True, k)])]
+        peak_plain, peak_cond = (statistics.median(peaks[(flag, k)]) for flag in (False, True))
+        row = {
+            "loops": k, "kept_bytes": [plain["bytes"], cond["bytes"]], "kept_ratio": cond["bytes"] / plain["bytes"],
+            "weight_copy_elements": [plain["weight_copy_elements"], cond["weight_copy_elements"]],
+            "peak_bytes": [peaks[(False, k)], peaks[(True, k)]], "peak_ratio": statistics.median(ratios),
+            "peak_ratio_range": [min(ratios), max(ratios)],
+        }
+        rows.append(row)
+        peak_ratio = f"{row['peak_ratio']:.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+        print(f"{k:>3}{plain['bytes'] / 2**20:>16.1f}{cond['bytes'] / 2**20:>9.1f}{row['kept_ratio']:>8.3f}"
+              f"{plain['weight_copy_elements']:>21,}{cond['weight_copy_elements']:>11,}"
+              f"{peak_plain / 2**20:>16.1f}{peak_cond / 2**20:>9.1f}"
+              f"{peak_ratio:>20}")
+    print("target: conditioned / unconditioned peak <= 1.05 at k = K")
+    out = args.out.replace(".json", "_conditioning.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"config": vars(args), "setting": setting, "rows": rows, "load_average": os.getloadavg()}, f, indent=2)
+    print(f"wrote {out}")
+
+
 def worker(args: argparse.Namespace) -> dict:
     """One (setting, k) in this process: ``{"peak_bytes"}``; with ``--time``, every setting at k: ``{"step_s", "cpu_s"}``.
 
@@ -63,19 +208,11 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from elr_lightning.conditioning import LoopConditioner
-    from elr_lightning.config import ModelConfig
-    from elr_lightning.model import LoopedLM
-
     torch.set_flush_denormal(True)
     torch.manual_seed(0)
     device = torch.device(args.device)
-    n_in, n_rec, n_out = args.layers
-    cfg = ModelConfig(
-        vocab_size=args.vocab, d_model=args.d_model, n_heads=args.n_heads, n_in=n_in, n_rec=n_rec, n_out=n_out,
-        max_seq_len=args.seq_len, max_loops=max(args.loops),
-    )
-    model = LoopedLM(cfg, conditioner=LoopConditioner() if args.conditioning else None).to(device)
+    model = _model(args, args.conditioning).to(device)
+    cfg = model.config
     model.set_backprop(**SETTINGS[args.setting or "none"])
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -114,9 +251,10 @@ def worker(args: argparse.Namespace) -> dict:
         step()
         peak = torch.cuda.max_memory_allocated() - before
     else:
+        reset = _reset_peak_rss()
         before = _rss_bytes()
         step()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        peak = _peak_rss_bytes(reset) - before
     return {"peak_bytes": peak}
 
 
@@ -137,6 +275,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     parser.add_argument("--time_repeats", type=int, default=2, help="timing processes per k, interleaved over k")
     parser.add_argument("--memory_repeats", type=int, default=1, help="fresh processes per (setting, k) for the peak")
+    parser.add_argument("--arch", choices=["attention", "hybrid", "moe"], default="attention",
+                        help="the mixers, as bench/overhead.py --arch (hybrid: GDP layers; moe: top-2 of 8 experts)")
+    parser.add_argument("--conditioning_table", action="store_true",
+                        help="eq. 4's cost: conditioned against unconditioned at each k (see above), nothing else")
     parser.add_argument("--out", default="bench/results/memory.json")
     parser.add_argument("--setting", help=argparse.SUPPRESS)
     parser.add_argument("--k", type=int, help=argparse.SUPPRESS)
@@ -157,6 +299,9 @@ def main() -> None:
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
         return json.loads(out.strip().splitlines()[-1])
 
+    if args.conditioning_table:
+        conditioning_table(args, run)
+        return
     load_before = os.getloadavg()
     cases = {
         (setting, k): {"peak_bytes": [], "step_s": [], "vs_none": [], "cpu_vs_none": []}

@@ -29,6 +29,10 @@ compiled copy of every case in the same rounds and prints compiled over eager)::
     python bench/overhead.py --d_model 512 --n_heads 8 --layers 1 2 1 --batch 32 --short --compile both
     python bench/overhead.py --arch moe --d_model 128 --layers 1 2 1 --short --compile both
 
+``--copies_kept`` adds the conditioned model at k = 1 with eq. 4's folded weights kept for the
+backward pass instead of rebuilt in it (the library's form before issue 33), in the same rounds:
+its ratio is what rebuilding them costs.
+
 Every model steps with the library's AdamW (:func:`elr_lightning.optim.adamw`: torch's fused kernel);
 ``--optimizer for-loop`` uses torch's per-tensor update instead (its CPU default, what the step paid
 before). ``--count_ops`` counts the aten ops of one eager step of each model after the timed rounds
@@ -51,7 +55,8 @@ import json
 import os
 import statistics
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +76,16 @@ ARCHS = {
 }  # fmt: skip
 
 
+def arch_fields(arch: str, d_model: int, n_heads: int, d_ff: int | None = None) -> dict:
+    """``ModelConfig`` fields of ``--arch`` beyond the sizes (:data:`ARCHS`; the MoE's experts sized to the dense FLOPs)."""
+    extra = dict(ARCHS[arch])
+    if arch == "moe":  # top-2 of 8 experts of half the dense width: the dense model's active FLOPs
+        dense = d_ff or ModelConfig(d_model=d_model, n_heads=n_heads).ff_dim
+        moe = {"num_experts": 8, "top_k": 2, "expert_dim": dense // 2}
+        extra["mixers"] = {"moe": {**extra["mixers"]["moe"], "init_args": moe}}
+    return extra
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched while active (views included): the per-step fixed cost that no FLOP count shows."""
 
@@ -83,6 +98,24 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextmanager
+def eq4_copies_kept() -> Iterator[None]:
+    """Eq. 4's folded weights kept for the backward pass, as before issue 33: ``RecomputedTensors`` switched off."""
+    from elr_lightning import conditioning, recompute
+    from elr_lightning.mixers import base
+
+    class Off(recompute.RecomputedTensors):
+        def __init__(self, enabled: bool) -> None:
+            super().__init__(False)
+
+    saved = base.RecomputedTensors, conditioning.RecomputedTensors
+    base.RecomputedTensors = conditioning.RecomputedTensors = Off
+    try:
+        yield
+    finally:
+        base.RecomputedTensors, conditioning.RecomputedTensors = saved
+
+
 def make_step(
     model,
     batch: torch.Tensor,
@@ -91,6 +124,7 @@ def make_step(
     conditioning: bool = True,
     source: LoopedLM | None = None,
     optimizer: str = "default",
+    copies_kept: bool = False,
 ):
     source = model if source is None else source
     groups = param_groups(source, 0.1)
@@ -104,10 +138,11 @@ def make_step(
         if source.conditioner is not None:
             source.conditioner.set_active(conditioning)
         start, start_cpu = time.perf_counter(), time.process_time()
-        with autocast:
-            logits = model(batch[:, :-1], loops)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-        loss.backward()
+        with eq4_copies_kept() if copies_kept else nullcontext():
+            with autocast:
+                logits = model(batch[:, :-1], loops)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - start, time.process_time() - start_cpu
@@ -135,6 +170,9 @@ def main() -> None:
                         help="only the baseline (and its copy, the noise floor) and the conditioned model at k = 1 and K")
     parser.add_argument("--optimizer", choices=["default", "for-loop"], default="default",
                         help="default: elr_lightning.optim.adamw (fused); for-loop: torch's per-tensor AdamW")
+    parser.add_argument("--copies_kept", action="store_true",
+                        help="also the conditioned model at k = 1 with eq. 4's folded weights kept for the backward "
+                             "pass instead of rebuilt (as before issue 33), in the same rounds")
     parser.add_argument("--count_ops", action="store_true",
                         help="also count the aten ops of one eager step of each model (after the warm-up)")
     parser.add_argument("--out", default="bench/results/overhead.json")
@@ -143,14 +181,10 @@ def main() -> None:
     torch.set_flush_denormal(True)
     torch.manual_seed(0)
     n_in, n_rec, n_out = args.layers
-    extra = dict(ARCHS[args.arch])
-    d_ff = args.d_ff or ModelConfig(d_model=args.d_model, n_heads=args.n_heads).ff_dim
-    if args.arch == "moe":  # top-2 of 8 experts of half the dense width: the dense model's active FLOPs
-        moe = {"num_experts": 8, "top_k": 2, "expert_dim": d_ff // 2}
-        extra["mixers"] = {"moe": {**extra["mixers"]["moe"], "init_args": moe}}
     cfg = ModelConfig(
         vocab_size=256, d_model=args.d_model, n_heads=args.n_heads, n_in=n_in, n_rec=n_rec, n_out=n_out,
-        max_seq_len=args.seq_len, max_loops=args.max_loops, d_ff=args.d_ff, **extra,
+        max_seq_len=args.seq_len, max_loops=args.max_loops, d_ff=args.d_ff,
+        **arch_fields(args.arch, args.d_model, args.n_heads, args.d_ff),
     )
     batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1))
     baseline, gate_only, conditioned = LoopedLM.baseline(cfg), LoopedLM(cfg), LoopedLM(cfg, conditioner=LoopConditioner())
@@ -173,11 +207,15 @@ def main() -> None:
         )
     for k in range(1, cfg.max_loops + 1) if not args.short else sorted({1, cfg.max_loops}):
         cases[f"elr k={k} (conditioned)"] = make_step(conditioned, batch, k, args.precision, optimizer=opt)
+    if args.copies_kept:
+        cases["elr k=1 (conditioned, copies kept)"] = make_step(
+            conditioned, batch, 1, args.precision, optimizer=opt, copies_kept=True
+        )
     if args.compile == "both":  # the same models' weights, through torch.compile of the whole forward
         compiled = {id(m): torch.compile(m) for m in (baseline, conditioned)}
         for name in list(cases):
             model = baseline if name.startswith("baseline") and "copy" not in name else conditioned
-            if "copy" in name or "gate only" in name:
+            if "copy" in name or "gate only" in name or "kept" in name:
                 continue
             k = int(name.split("k=")[1].split()[0])
             cases[f"{name} compiled"] = make_step(
@@ -257,6 +295,8 @@ def main() -> None:
         "elr_k1_conditioned_over_baseline_compiled": ("elr k=1 (conditioned) compiled", "baseline k=1 compiled"),
         "baseline_copy_over_baseline": ("baseline k=1 (a copy)", "baseline k=1"),
         "conditioning_on_over_off": ("elr k=1 (conditioned)", "elr k=1 (conditioning off)"),
+        "copies_rebuilt_over_kept": ("elr k=1 (conditioned)", "elr k=1 (conditioned, copies kept)"),
+        "copies_kept_over_baseline": ("elr k=1 (conditioned, copies kept)", "baseline k=1"),
     }
     print(f"\nper-round ratios over {args.rounds} rounds: median (range); target <= 1.03 for conditioned k = 1")
     for key, (name, base) in ratios.items():

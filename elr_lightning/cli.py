@@ -28,6 +28,14 @@ def _eval_module() -> Any:
     return command
 
 
+def _estimate(argv: list[str]) -> None:
+    try:  # torch's memory tools (torch.distributed._tools) are newer than the oldest torch we run on
+        from elr_lightning.estimate_report import main as estimate_main
+    except ImportError as err:
+        raise SystemExit(f"elr estimate: error: {err}; it needs torch >= 2.6") from None
+    estimate_main(argv)
+
+
 def _eval(argv: list[str]) -> None:
     _eval_module().eval_command(argv)
 
@@ -40,6 +48,7 @@ def _eval_tasks(argv: list[str]) -> None:
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
     "ablate": ablate_main,
     "cost": cost_main,
+    "estimate": _estimate,
     "eval": _eval,
     "eval-tasks": _eval_tasks,
     "export": export_command,

@@ -13,6 +13,7 @@ from typing_extensions import override
 from elr_lightning.layers import Modulator, Terms
 from elr_lightning.mixers import Modulation
 from elr_lightning.plugin_config import RecordsInitArgs
+from elr_lightning.recompute import RecomputedTensors, read_dtype
 from elr_lightning.roles import set_module_role
 
 
@@ -76,6 +77,11 @@ def _mirror_active_flag(module: Conditioner, incompatible_keys: Any) -> None:
         module._active = bool(module.active_flag)
 
 
+def _stacked(*weights: Tensor) -> Tensor:
+    """The weights' rows one after the other, in the dtype a linear reads them in (:func:`read_dtype`)."""
+    return torch.cat(weights).to(read_dtype(weights[0]))
+
+
 def sinusoid(x: float, freqs: Tensor) -> Tensor:
     """phi(x): ``[sin(f x), cos(f x)]`` over ``freqs``, for a scalar ``x`` in [0, 1]."""
     angles = freqs * x
@@ -128,9 +134,13 @@ class FiLMAdapterModulator(Modulator):
 
         The heads' weights and biases are concatenated per call (they change every step), rows
         ``[omega; lambda; mu; g]`` per sublayer, so each sublayer's ``1 + (omega, lambda)`` is one add.
+        With gradients on, the backward pass concatenates the weights again rather than keeping a
+        copy per loop (:class:`~elr_lightning.recompute.RecomputedTensors`).
         """
         heads = [head for mod in modulators for head in (mod.omega, mod.film, mod.g)]
-        out = F.linear(c, torch.cat([head.weight for head in heads]), torch.cat([head.bias for head in heads]))
+        with RecomputedTensors(torch.is_grad_enabled() and not torch.compiler.is_compiling()) as keep:
+            weight = keep.add(_stacked, *(head.weight for head in heads))
+            out = F.linear(c, weight, torch.cat([head.bias for head in heads]))
         sizes = [n for mod in modulators for n in (2 * mod.omega.out_features, mod.omega.out_features, mod.g.out_features)]
         parts = out.split(sizes, dim=-1)
         terms = []

@@ -92,6 +92,11 @@ class LoopContext:
             their own depths, :meth:`on_rows`); ``None``: every row. Loop 1 runs on every row:
             per-token tensors a mixer keeps in the scratch of loop 1 cover the whole batch, and a
             view with ``rows`` reads these rows of them.
+        checkpointed: Whether this view runs inside activation checkpointing (the ``loop`` or
+            ``layer`` setting of :meth:`~elr_lightning.model.LoopedLM.set_backprop`): what its
+            layers save for the backward pass belongs to the checkpoint, which keeps none of it
+            across the forward, so a mixer installs no saved-tensor hooks of its own there
+            (:meth:`~elr_lightning.mixers.TokenMixer.modulated`).
     """
 
     positions: Positions
@@ -102,11 +107,16 @@ class LoopContext:
     modulations: Optional[dict[int, Any]] = None
     cache: Optional["KVCache"] = None
     rows: Optional[Union[slice, Tensor]] = None
+    checkpointed: bool = False
     _stores: "_Stores" = field(default_factory=lambda: _Stores(), repr=False)
 
     def at(self, loop: int, cond: Optional[Tensor], modulations: Optional[dict[int, Any]] = None) -> "LoopContext":
         """The view of this context at loop ``loop`` with context ``cond`` (and its ``modulations``); stores are shared."""
         return dataclasses.replace(self, loop=loop, cond=cond, modulations=modulations)
+
+    def under_checkpoint(self) -> "LoopContext":
+        """This view marked :attr:`checkpointed`, for a pass that runs inside activation checkpointing."""
+        return dataclasses.replace(self, checkpointed=True)
 
     def on_rows(
         self, loop: int, rows: Optional[Union[slice, Tensor]], positions: Positions, cache: Optional["KVCache"]

@@ -66,7 +66,9 @@ class RecurrentCore(nn.Module):
                     c = self.conditioner(i, ctx.loops, ctx.max_loops, h_in)
                 loop_ctx = ctx.at(i, c)
                 if tracked and not truncated and self.checkpointing == "loop":
-                    s = checkpoint(self.loop, s, h_in, loop_ctx, use_reentrant=False, preserve_rng_state=False)
+                    s = checkpoint(
+                        self.loop, s, h_in, loop_ctx.under_checkpoint(), use_reentrant=False, preserve_rng_state=False
+                    )
                 else:
                     s = self.loop(s, h_in, loop_ctx)
         return s, None if c is None else c.clone()
@@ -97,7 +99,7 @@ def run_layer(layer: nn.Module, x: Tensor, ctx: LoopContext, recompute: bool) ->
     The forward pass draws no random numbers, so the RNG state is not saved for the recomputation.
     """
     if recompute and torch.is_grad_enabled():
-        return checkpoint(layer, x, ctx, use_reentrant=False, preserve_rng_state=False)
+        return checkpoint(layer, x, ctx.under_checkpoint(), use_reentrant=False, preserve_rng_state=False)
     return layer(x, ctx)
 
 

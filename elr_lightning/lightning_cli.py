@@ -17,7 +17,8 @@ from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
 from elr_lightning.checkpoint_io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import resolve_sources
-from elr_lightning.module import ARCH_FREE_FIELDS, ELRModule
+from elr_lightning.module import ELRModule
+from elr_lightning.module_checkpoint import changed_arch_fields
 from elr_lightning.safe_load import load_weights_only
 from elr_lightning.tokenizers import load_tokenizer
 
@@ -51,6 +52,12 @@ class ELRCLI(LightningCLI):
             resolve_sources(init_args["sources"])
         if "tokenizer" in init_args:
             load_tokenizer(init_args["tokenizer"])
+
+    def before_fit(self) -> None:
+        """On a GPU, log the run's estimated peak memory per rank once, and warn if it exceeds the device."""
+        from elr_lightning.estimate_fit import log_fit_estimate  # it reads configs through this module
+
+        log_fit_estimate(self.trainer, self.model, self.datamodule)
 
     @override
     def _parse_ckpt_path(self) -> None:
@@ -155,8 +162,7 @@ def checkpoint_conflicts(checkpoint: dict[str, Any], init_args: dict[str, Any], 
         arch = dataclasses.asdict(ModelConfig(**(init_args.get("arch") or {})))
         problems += [
             f"model.init_args.arch.{key} is {arch[key]!r}, the checkpoint's {saved_arch[key]!r}"
-            for key in arch
-            if key in saved_arch and key not in ARCH_FREE_FIELDS and arch[key] != saved_arch[key]
+            for key in changed_arch_fields(saved_arch, arch)
         ]
     if subcommand == "fit":
         for key in OPTIMIZER_FIELDS:

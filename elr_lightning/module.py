@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections import UserDict
 import os
+from collections import UserDict
 import warnings
 from typing import Any, Mapping, MutableMapping, Optional
 
@@ -21,17 +20,16 @@ from elr_lightning.batches import IGNORE_INDEX, Batch, TokenBatch
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
-from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
+from elr_lightning.module_checkpoint import check_loaded_checkpoint, record_checkpoint
 from elr_lightning.module_checks import check_data_fits, check_meta_init, check_module_args, checked_sampler
 from elr_lightning.optim import adamw, param_groups, warmup_cosine
 from elr_lightning.parameter_usage import check_plain_ddp
 from elr_lightning.plugin_config import PluginConfigError, build_plugin, plain_hyperparameters
-from elr_lightning.resume import check_resumed_schedule, planned_steps
 from elr_lightning.roles import copy_with_roles
 from elr_lightning.safe_load import check_checkpoint, refusing_pickles
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
-from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, tokenizer_state
-from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats
+from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats, loop_gains
+from elr_lightning.tokenizers import Tokenizer
 from elr_lightning.updates import StateUpdate
 
 # Plug-ins stay in the hparams on purpose, as their class_path + init_args (plugin_config.py), so
@@ -40,28 +38,6 @@ warnings.filterwarnings("ignore", message=r"Attribute '(update|conditioner)' is 
 # The module checks labelled batches on the host in transfer_batch_to_device; Lightning's note that it does
 # so beside a data module is expected, not a problem.
 warnings.filterwarnings("ignore", message=r"You have overridden `transfer_batch_to_device` in `LightningModule` but")
-
-
-#: ``arch`` fields that a checkpoint may differ in: they set the init, the RoPE table's length or route replay only.
-ARCH_FREE_FIELDS = ("init_std", "max_seq_len", "route_replay")
-
-
-def loop_gains(losses: dict[int, float], max_loops: int) -> dict[str, float]:
-    """Elastic depth's gain from a validation's loss per k, under budget K = ``max_loops``.
-
-    ``gain_kK`` is the loss at k = 1 minus the loss at k = K; ``gain_frac_k{k}`` is the fraction
-    of it that k loops capture, ``(loss_1 - loss_k) / gain_kK``, for every other validated k > 1
-    (the paper's "two and three loops capture 79% and 96% of the four-loop gain"; NaN while the
-    gain is zero). Empty unless both k = 1 and k = K were validated and K > 1.
-    """
-    if max_loops < 2 or 1 not in losses or max_loops not in losses:
-        return {}
-    gain = losses[1] - losses[max_loops]
-    gains = {"gain_kK": gain}
-    for k in sorted(losses):
-        if k not in (1, max_loops):
-            gains[f"gain_frac_k{k}"] = (losses[1] - losses[k]) / gain if gain != 0 else math.nan
-    return gains
 
 
 class ELRModule(LightningModule):
@@ -482,78 +458,12 @@ class ELRModule(LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Record the architecture; refuse to save non-finite weights or plug-ins that are not plain data.
-
-        An update that makes the weights non-finite is only seen by the next forward pass; a
-        checkpoint saved in between would replace (with ``save_top_k: 1``, delete) the last good one.
-        Every rank checks its own tensors and all agree, so no file is written and every rank stops.
-
-        The hyperparameters are saved as plain data (:func:`~elr_lightning.plugin_config.plain_value`),
-        so the file loads with ``torch.load(..., weights_only=True)``.
-
-        Raises:
-            FloatingPointError: Naming the first non-finite tensors.
-            PluginConfigError: A plug-in cannot be saved as its ``class_path`` and ``init_args``, naming the
-                field and the fix. Nothing is written; the last checkpoint is kept.
-        """
-        if "hyper_parameters" in checkpoint:
-            checkpoint["hyper_parameters"] = plain_hyperparameters(checkpoint["hyper_parameters"])
-        bad = non_finite_tensors(checkpoint)
-        attached = self._trainer is not None  # also called outside a run, e.g. by ``elr import``
-        if not (self.trainer.strategy.reduce_boolean_decision(not bad, all=True) if attached else not bad):
-            found = f"non-finite values in {listed(bad)}" if bad else "non-finite values on another rank"
-            step = self.trainer.global_step if attached else checkpoint.get("global_step", 0)
-            raise FloatingPointError(
-                f"not saving the checkpoint of step {step}: {found}; the last good checkpoint "
-                "is kept. Lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
-            )
-        checkpoint["elr"] = {"arch": dataclasses.asdict(self.arch)}
-        if attached:
-            checkpoint["elr"]["schedule"] = {
-                "num_shards": self.num_shards(),
-                "seed": self.seed,
-                "total_steps": planned_steps(self.trainer),
-            }
-        if self.tokenizer is not None:
-            checkpoint["elr"]["tokenizer"] = tokenizer_state(self.tokenizer)
+        """Record the architecture, loop schedule and tokenizer; refuse non-finite weights or plug-ins that are
+        not plain data (:func:`~elr_lightning.module_checkpoint.record_checkpoint`)."""
+        record_checkpoint(self, checkpoint)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a checkpoint of another architecture, or with(out) heads this model lacks (has).
-
-        Compares the ``arch`` saved by :meth:`on_save_checkpoint` field by field, and (unless
-        ``strict_loading`` is off) the names and shapes of the checkpoint's tensors with this
-        module's, before Lightning's strict load. Restores the saved tokenizer unless :meth:`setup`
-        already took one from the data module (a resumed run keeps the data's tokenizer).
-
-        Raises:
-            ValueError: Naming every difference and the fix.
-        """
-        problems = []
-        saved_arch = checkpoint.get("elr", {}).get("arch")
-        if saved_arch is not None:
-            mine = dataclasses.asdict(self.arch)
-            problems += [
-                f"arch.{key}: checkpoint {saved_arch[key]!r}, this model {mine[key]!r}"
-                for key in mine
-                if key in saved_arch and key not in ARCH_FREE_FIELDS and saved_arch[key] != mine[key]
-            ]
-        state = checkpoint.get("state_dict")
-        if state is not None and self.strict_loading:
-            problems += state_dict_differences(state, self.state_dict())
-        if problems:
-            raise ValueError(
-                "this checkpoint does not fit this model:\n  - " + "\n  - ".join(problems) + "\nBuild the model "
-                "with the checkpoint's model.init_args (its hyper_parameters), or start a new run from it with "
-                "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
-            )
-        if self._trainer is not None and self.trainer.state.fn == "fit":
-            check_resumed_schedule(
-                checkpoint.get("elr", {}).get("schedule"),
-                self.trainer,
-                ranks=self.data_parallel_layout()[1],
-                virtual_ranks=self.virtual_ranks,
-                seed=self.seed,
-            )
-        if self.tokenizer is None:
-            self.tokenizer = checkpoint_tokenizer(checkpoint)
+        """Refuse a checkpoint of another architecture or schedule; restore its tokenizer
+        (:func:`~elr_lightning.module_checkpoint.check_loaded_checkpoint`)."""
+        check_loaded_checkpoint(self, checkpoint)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -57,3 +59,21 @@ def log_update_stats(module: Any, stats: Mapping[str, Tensor], means: StepMeans)
         if logs:
             mean = trainer.strategy.reduce(mean.to(module.device), reduce_op="mean")
         module.log(f"train/{name}", mean)
+
+
+def loop_gains(losses: dict[int, float], max_loops: int) -> dict[str, float]:
+    """Elastic depth's gain from a validation's loss per k, under budget K = ``max_loops``.
+
+    ``gain_kK`` is the loss at k = 1 minus the loss at k = K; ``gain_frac_k{k}`` is the fraction
+    of it that k loops capture, ``(loss_1 - loss_k) / gain_kK``, for every other validated k > 1
+    (the paper's "two and three loops capture 79% and 96% of the four-loop gain"; NaN while the
+    gain is zero). Empty unless both k = 1 and k = K were validated and K > 1.
+    """
+    if max_loops < 2 or 1 not in losses or max_loops not in losses:
+        return {}
+    gain = losses[1] - losses[max_loops]
+    gains = {"gain_kK": gain}
+    for k in sorted(losses):
+        if k not in (1, max_loops):
+            gains[f"gain_frac_k{k}"] = (losses[1] - losses[k]) / gain if gain != 0 else math.nan
+    return gains

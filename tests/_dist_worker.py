@@ -1,8 +1,8 @@
 """One rank of a multi-process strategy test: ``python tests/_dist_worker.py SPEC.json``.
 
 The test launches one process per rank with ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
-``NODE_RANK`` and ``LOCAL_RANK`` set (Lightning then joins them instead of spawning), and the same
-spec. Each case of the spec trains a tiny looped LM for a few steps and writes, from every rank,
+``NODE_RANK`` and ``LOCAL_RANK`` set (Lightning then joins them instead of spawning), or starts it
+under ``torchrun`` (one agent per "node"), and the same spec. Each case of the spec trains a tiny looped LM for a few steps and writes, from every rank,
 ``<out>/<case>.rank<r>.pt``: the full model state and the loop counts that rank ran per step.
 :func:`train_case` also serves the single-process reference, called from the test process.
 """
@@ -186,13 +186,14 @@ def full_state(module: ELRModule) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
 
 
-def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict[str, Any]:
-    """Train one case; return this rank's ``{"state", "loops", "rank", "fsdp_units"}``.
+def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nodes: int = 1) -> dict[str, Any]:
+    """Train one case on ``num_nodes`` nodes of ``devices`` processes; return this rank's ``{"state", "loops", "rank", "fsdp_units"}``.
 
     A case names ``virtual_ranks``, the per-rank ``batch_size``, and optionally ``accumulate``
     (micro-batches per step), ``conditioner_active``, ``meta_init``, ``hybrid``, ``moe``, ``labelled`` (labelled
     batches, :class:`LabelledText`), ``activation_checkpointing``,
     ``backprop_loops``, ``compile_model`` (``torch.compile`` of the whole model with :data:`COMPILE_BACKEND`),
+    ``strategy`` (instead of the spec's),
     ``timeout_s`` (the collective timeout, default :data:`COLLECTIVE_TIMEOUT`), ``precision`` (Lightning's,
     default ``32-true``), ``save_checkpoint`` (write
     ``<out>/<case>.ckpt`` after training), ``init_from`` (a weights file
@@ -200,7 +201,9 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     (that rank's loss is NaN at that step; the result is then ``{"rank", "error", "step"}``). The result also holds the
     per-micro-batch ``losses`` and, from the start of training, the ``initial`` state and the
     optimizer ``groups`` (``{name: {"weight_decay", "params"}}``) and this rank's ``expert_loads``
-    per step and MoE layer, ``dtypes``: what :func:`probe_forward_dtypes` saw (sorted lists),
+    per step and MoE layer, ``placement``: this process' ``global_rank``, ``node_rank``,
+    ``local_rank``, ``num_nodes`` and ``data_parallel_rank`` as the trainer and strategy saw them,
+    ``dtypes``: what :func:`probe_forward_dtypes` saw (sorted lists),
     ``betas`` (``[step, beta_mean]`` after each training forward) and ``beta_logged`` (the last step's
     ``train/beta_mean``; the last step is a logging step; NaN under ``compile_model``, which does not log it).
     """
@@ -225,7 +228,8 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
     trainer = Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=make_strategy(spec.get("strategy"), timedelta(seconds=case.get("timeout_s", COLLECTIVE_TIMEOUT.seconds))),
+        num_nodes=num_nodes,
+        strategy=make_strategy(case.get("strategy", spec.get("strategy")), timedelta(seconds=case.get("timeout_s", COLLECTIVE_TIMEOUT.seconds))),
         max_steps=spec["steps"],
         accumulate_grad_batches=case.get("accumulate", 1),
         precision=case.get("precision", "32-true"),
@@ -274,6 +278,13 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int) -> dict
         "betas": betas,
         "beta_logged": float(trainer.callback_metrics.get("train/beta_mean", float("nan"))),
         "rank": trainer.global_rank,
+        "placement": {
+            "global_rank": trainer.global_rank,
+            "node_rank": trainer.node_rank,
+            "local_rank": trainer.local_rank,
+            "num_nodes": trainer.num_nodes,
+            "data_parallel_rank": getattr(trainer.strategy, "data_parallel_rank", trainer.global_rank),
+        },
         "fsdp_units": units,
         "dtypes": {key: sorted(value) for key, value in record.dtypes.items()},
     }
@@ -285,9 +296,11 @@ def main(spec_path: str) -> None:
         spec = json.load(f)
     faulthandler.dump_traceback_later(spec["watchdog_s"], exit=True)
     torch.set_num_threads(1)
-    devices = int(os.environ.get("WORLD_SIZE", "1"))
+    # torchrun says how many processes run on this node (LOCAL_WORLD_SIZE); a plain launch runs one node
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     for case in spec["cases"]:
-        result = train_case(case, spec, devices)
+        result = train_case(case, spec, devices, world // devices)
         torch.save(result, os.path.join(spec["out"], f"{case['name']}.rank{result['rank']}.pt"))
     faulthandler.cancel_dump_traceback_later()
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import _dist_worker
-from conftest import GQA_CONFIG, perturbed_model
+from conftest import GQA_CONFIG, load_bench, perturbed_model
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
@@ -26,27 +26,21 @@ HYBRID = replace(
     token_pattern={"in": ["gdp"], "rec": ["gdp", "attention"], "out": ["attention"]},
     mixers={"gdp": {"class_path": "elr_lightning.mixers.GatedDeltaProduct", "init_args": {"chunk_size": 8}}},
 )
+MEMORY_BENCH = load_bench("memory")
 MODELS = {"attention": perturbed_model(GQA_CONFIG).train(), "hybrid": perturbed_model(HYBRID).train()}
 
 
 def grads(model: LoopedLM, ids: torch.Tensor, loops: int, checkpointing: str = "none", backprop_loops=None):
-    """``(loss, {name: grad}, bytes saved for backward outside checkpointed regions)``."""
+    """``(loss, {name: grad}, bytes the forward keeps for backward: none of the checkpointed regions')``."""
     model.set_backprop(checkpointing, backprop_loops)
     model.zero_grad(set_to_none=True)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logits = model(ids[:, :-1], loops)
+        logits, kept = MEMORY_BENCH.kept_for_backward(model, lambda: model(ids[:, :-1], loops))
         loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
     finally:
         model.set_backprop()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, sum(saved.values())
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, kept["bytes"]
 
 
 @settings(max_examples=6, deadline=None)

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from elr_lightning.data import (
     StepIndexedLoader,
+    StepLoader,
     TextDataModule,
     TokenWindows,
     default_corpus_files,
@@ -328,7 +329,7 @@ def _windows(n_windows: int, seq_len: int = 3) -> TokenWindows:
     return TokenWindows(np.arange(n_windows * seq_len + 1, dtype=np.int64), seq_len, 0, n_windows)
 
 
-def _take(loader: StepIndexedLoader, n: int) -> list[torch.Tensor]:
+def _take(loader: StepLoader, n: int) -> list[torch.Tensor]:
     """Take n batches, iterating again (next epoch) whenever an epoch ends."""
     out: list[torch.Tensor] = []
     while len(out) < n:
@@ -421,11 +422,12 @@ class Recorder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(tmp_path: Path, corpus: Path, max_steps: int, ckpt_dir: Optional[Path], ckpt_path: Optional[str]) -> list:
+def resume_trainer(tmp_path: Path, max_steps: int, ckpt_dir: Optional[Path], **kwargs: Any) -> pl.Trainer:
+    """A quiet one-device trainer that checkpoints every step into ``ckpt_dir`` (none if ``None``)."""
     callbacks = [] if ckpt_dir is None else [
         ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1)
     ]
-    trainer = pl.Trainer(
+    return pl.Trainer(
         max_steps=max_steps,
         accelerator="cpu",
         devices=1,
@@ -436,7 +438,12 @@ def _fit(tmp_path: Path, corpus: Path, max_steps: int, ckpt_dir: Optional[Path],
         callbacks=callbacks,
         num_sanity_val_steps=0,
         default_root_dir=tmp_path,
+        **kwargs,
     )
+
+
+def _fit(tmp_path: Path, corpus: Path, max_steps: int, ckpt_dir: Optional[Path], ckpt_path: Optional[str]) -> list:
+    trainer = resume_trainer(tmp_path, max_steps, ckpt_dir)
     # 18 train windows of 8 + 1 tokens, 2 validation windows: 4 batches of 4 per epoch
     dm = make_dm(tmp_path, sources=[str(corpus)], seq_len=8, batch_size=4, val_fraction=0.1, max_bytes=8 * 20 + 1)
     model = Recorder()

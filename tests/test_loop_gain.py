@@ -10,7 +10,8 @@ from lightning.pytorch import Trainer
 from conftest import perturbed_model, tiny_config
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.data import TextDataModule
-from elr_lightning.module import ELRModule, loop_gains
+from elr_lightning.module import ELRModule
+from elr_lightning.step_logging import loop_gains
 
 
 def test_validation_gain_is_the_recomputed_loss_drop_from_k1_to_K(tmp_path):

@@ -14,6 +14,7 @@ import inspect
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -86,6 +87,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for(procs: list[subprocess.Popen], logs: list[Any], timeout_s: float, what: str) -> None:
+    """Wait for a launch's processes (each started in its own session) and close their logs; fail naming ``what``
+    and quoting the log of one that exited with an error. On a timeout each process is killed with its
+    children: a stuck gloo rank ignores SIGTERM."""
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} did not finish in {timeout_s} s (hang?)")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for log in logs:
+            log.close()
+    for proc, log in zip(procs, logs):
+        text = Path(log.name).read_text()
+        assert proc.returncode == 0, f"{what}: {Path(log.name).stem} exited with {proc.returncode}:\n{text[-6000:]}"
+
+
 def launch(
     strategy: str,
     corpus: dict[str, str],
@@ -113,22 +135,12 @@ def launch(
         )
         log = open(out / f"rank{rank}.log", "w")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec_path)], env=env, stdout=log, stderr=log))
-    try:
-        for proc in procs:
-            proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{strategy}: the {WORLD}-process run did not finish in {timeout_s} s (hang?)")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
-    for rank, proc in enumerate(procs):
-        text = (out / f"rank{rank}.log").read_text()
-        assert proc.returncode == 0, f"{strategy} rank {rank} exited with {proc.returncode}:\n{text[-6000:]}"
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), str(spec_path)], env=env, stdout=log, stderr=log, start_new_session=True
+            )
+        )
+    wait_for(procs, logs, timeout_s, f"{strategy}: the {WORLD}-process run")
     return {
         name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=True) for r in range(WORLD)] for name in cases
     }

@@ -86,6 +86,8 @@ class MixtureLoader(StepLoader):
         seed: Data seed.
         rank: This process' rank.
         world_size: Number of processes sharing each global batch.
+        prefetch: Batches read ahead in a background thread while the step runs (0: read each when
+            asked for); the batches and the resume position are the same either way (:class:`StepLoader`).
     """
 
     LAYOUT_FIX = "use the same data.folders, data.weights, data.seq_len, data.seed and data.batch_size x devices"
@@ -101,8 +103,9 @@ class MixtureLoader(StepLoader):
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        prefetch: int = 2,
     ) -> None:
-        super().__init__(batch_size, rank, world_size)
+        super().__init__(batch_size, rank, world_size, prefetch)
         self.streams = list(streams)
         self.names = list(names)
         self.fingerprints = list(fingerprints)
@@ -125,11 +128,13 @@ class MixtureLoader(StepLoader):
 
     def _permutation(self, source: int, epoch: int) -> FeistelPermutation:
         key = (source, epoch)
-        if key not in self._permutations:
+        permutation = self._permutations.get(key)
+        if permutation is None:  # built and returned without a second lookup: the prefetch thread may clear the cache
             if len(self._permutations) > 64:
                 self._permutations.clear()
-            self._permutations[key] = FeistelPermutation(self.num_windows[source], keyed(self.seed, source, epoch))
-        return self._permutations[key]
+            permutation = FeistelPermutation(self.num_windows[source], keyed(self.seed, source, epoch))
+            self._permutations[key] = permutation
+        return permutation
 
     def global_rows(self, step: int) -> list[tuple[int, int]]:
         """The ``(source, window)`` rows of global batch ``step``, in batch order."""

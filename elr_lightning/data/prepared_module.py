@@ -8,6 +8,7 @@ from typing_extensions import override
 from elr_lightning.data.base import TokenDataModule
 from elr_lightning.data.mixture import MixtureLoader
 from elr_lightning.data.prepared import PreparedFolder, StreamWindows
+from elr_lightning.data.windows import check_prefetch
 from elr_lightning.tokenizers import Tokenizer, load_tokenizer
 
 
@@ -38,6 +39,8 @@ class PreparedDataModule(TokenDataModule):
         batch_size: Sequences per batch on each device.
         seed: Seed of the training order.
         val_batches: Use at most this many validation batches per device.
+        prefetch: Training batches read ahead in a background thread while the step runs (0: read
+            each when the step asks for it). The batches and the resume position do not depend on it.
 
     Raises:
         ValueError: A number is out of range, or the weights do not match the folders.
@@ -53,6 +56,7 @@ class PreparedDataModule(TokenDataModule):
         batch_size: int = 16,
         seed: int = 0,
         val_batches: Optional[int] = None,
+        prefetch: int = 2,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -75,6 +79,8 @@ class PreparedDataModule(TokenDataModule):
         self.batch_size = batch_size
         self.seed = seed
         self.val_batches = val_batches
+        check_prefetch(prefetch)
+        self.prefetch = prefetch
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         self.sources: list[PreparedFolder] = []
         self.val_windows: Optional[StreamWindows] = None
@@ -145,6 +151,7 @@ class PreparedDataModule(TokenDataModule):
                 seed=self.seed,
                 rank=rank,
                 world_size=world_size,
+                prefetch=self.prefetch,
             )
             self._train_loader = loader
         return loader

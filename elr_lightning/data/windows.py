@@ -1,8 +1,10 @@
 """Fixed windows over a token stream, and the step-indexed training loader that resumes exactly."""
 
 import hashlib
+import queue
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Protocol
 
 import numpy as np
@@ -82,6 +84,78 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def check_prefetch(prefetch: object) -> None:
+    """Refuse a ``data.prefetch`` that is not an integer >= 0, naming the field.
+
+    Raises:
+        ValueError: naming ``data.prefetch`` and what it must be.
+    """
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"data.prefetch must be an integer >= 0 (0: no background reads), got {prefetch!r}")
+
+
+class _Prefetcher:
+    """Builds ``batch_at(epoch, p)`` for ``p = start, start + 1, ... < stop`` in a daemon thread, ``depth`` ahead.
+
+    The batches come out in order through a queue of ``depth`` places, so the thread never runs more
+    than ``depth`` batches ahead of the step. An exception raised by ``batch_at`` is handed over
+    in the batch's place and raised by :meth:`get`, where the batch was asked for; the thread then
+    stops. :meth:`close` stops the thread and waits for it to finish the batch it is building.
+
+    Attributes:
+        epoch: The epoch it reads.
+        next: The position :meth:`get` returns next.
+    """
+
+    #: Seconds :meth:`close` waits for the thread to finish the batch it is building.
+    JOIN_S = 30.0
+
+    def __init__(
+        self, batch_at: Callable[[int, int], Batch], epoch: int, start: int, stop: int, depth: int
+    ) -> None:
+        self.epoch, self.next = epoch, start
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(batch_at, epoch, start, stop), name="elr-data-prefetch", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, batch_at: Callable[[int, int], Batch], epoch: int, start: int, stop: int) -> None:
+        for position in range(start, stop):
+            try:
+                item: tuple[Optional[Batch], Optional[BaseException]] = (batch_at(epoch, position), None)
+            except BaseException as err:  # raised in the training loop, at this batch
+                item = (None, err)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or item[1] is not None:
+                return
+
+    def get(self) -> Batch:
+        """The batch at :attr:`next` (waiting for it if it is not built yet); raises what building it raised."""
+        while True:
+            try:
+                batch, err = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the data prefetch thread stopped before building the next batch") from None
+        if err is not None:
+            raise err
+        self.next += 1
+        return batch
+
+    def close(self) -> None:
+        """Stop the thread and wait for it (it finishes the batch it is building)."""
+        self._stop.set()
+        self._thread.join(self.JOIN_S)
+
+
 class StepLoader(ABC):
     """A resumable training loader: batch ``p`` of epoch ``e`` is a pure function of its position.
 
@@ -97,23 +171,34 @@ class StepLoader(ABC):
     does not fetch ahead from a loader that has ``__len__``, so at checkpoint time that number is
     exactly the number of batches trained on (checked in the tests with a real ``Trainer``).
 
+    With ``prefetch`` > 0 a background thread builds the next batches of the epoch while the step
+    runs (at most ``prefetch`` ahead; reading windows is I/O and NumPy, which release the GIL). The
+    batches and the saved position are the same as without it: a batch counts as yielded when the
+    loop takes it, and a batch is a pure function of its position. A cursor moved while iterating
+    (:meth:`load_state_dict`) restarts the thread there. The thread stops when the epoch's batches
+    are built, when the iterator is closed or dropped, and after an exception (raised where its
+    batch is asked for).
+
     Args:
         batch_size: Windows per batch on this rank.
         rank: This process' rank.
         world_size: Number of processes sharing each global batch.
+        prefetch: Batches built ahead in a background thread; 0 builds each when it is asked for.
     """
 
     #: How the refusal of a foreign layout tells the user to fix it.
     LAYOUT_FIX = "use the same data.seed, data.batch_size x devices and corpus, or start a fresh run"
 
-    def __init__(self, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, batch_size: int, rank: int = 0, world_size: int = 1, prefetch: int = 0) -> None:
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
+        check_prefetch(prefetch)
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
+        self.prefetch = prefetch
         self.epoch = 0
         self.position = 0
 
@@ -142,10 +227,22 @@ class StepLoader(ABC):
         if self.position >= len(self):
             self.epoch += 1
             self.position = 0
-        while self.position < len(self):
-            batch = self.batch_at(self.epoch, self.position)
-            self.position += 1
-            yield batch
+        ahead: Optional[_Prefetcher] = None
+        try:
+            while self.position < len(self):
+                if not self.prefetch:
+                    batch = self.batch_at(self.epoch, self.position)
+                else:
+                    if ahead is None or (ahead.epoch, ahead.next) != (self.epoch, self.position):
+                        if ahead is not None:  # the cursor moved (load_state_dict): read from there
+                            ahead.close()
+                        ahead = _Prefetcher(self.batch_at, self.epoch, self.position, len(self), self.prefetch)
+                    batch = ahead.get()
+                self.position += 1
+                yield batch
+        finally:
+            if ahead is not None:
+                ahead.close()
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor and the layout it is valid for.

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from elr_lightning.context import LoopContext
+from elr_lightning.recompute import RecomputedTensors, read_dtype
 
 
 class Architecture(Protocol):
@@ -74,17 +75,19 @@ class _LowRankFold(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, w: Tensor, up: Tensor, down: Tensor) -> Tensor:
-        # In the weight's dtype even under autocast: the linear that reads the result casts it as it
-        # would the weight, and the backward then gets its gradient in that dtype too.
+        # Computed in the weight's dtype even under autocast, then cast once to the dtype the linear
+        # reads it in (what autocast's cast of the weight would give): no second weight-sized copy.
+        dtype = read_dtype(w)
         with torch.autocast(w.device.type, enabled=False):
             wu = w @ up
             ctx.save_for_backward(w, up, down, wu)
-            return torch.addmm(w, wu, down)
+            return torch.addmm(w, wu, down).to(dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         w, up, down, wu = ctx.saved_tensors
         with torch.autocast(grad.device.type, enabled=False):  # in the weight's dtype, as the forward
+            grad = grad.to(w.dtype)
             # The rank-r products short and wide ([r, out]): BLAS on the CPU runs these 1.5-2.5x
             # faster than the tall and skinny grad @ down^T and w^T @ t.
             t_rows = down @ grad.T
@@ -92,8 +95,26 @@ class _LowRankFold(torch.autograd.Function):
 
 
 def low_rank_fold(w: Tensor, up: Tensor, down: Tensor) -> Tensor:
-    """``w + (w @ up) @ down``: the weight ``W`` times ``P = I + up down`` (eq. 4), differentiable in all three."""
+    """``w + (w @ up) @ down``: the weight ``W`` times ``P = I + up down`` (eq. 4), differentiable in all three.
+
+    The result is in :func:`read_dtype` of ``w`` (autocast's dtype under autocast), computed in ``w``'s.
+    """
     return _LowRankFold.apply(w, up, down)
+
+
+def gated_rows(w: Tensor, gate: Tensor) -> Tensor:
+    """``diag(gate) W``: eq. (4)'s exit gate folded into the rows of an output weight, in :func:`read_dtype` of ``w``."""
+    return (gate.to(w.dtype)[:, None] * w).to(read_dtype(w))
+
+
+def adapted(flat: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """``P x = x + (x down^T) up^T`` for ``flat`` ``[tokens, d]``: eq. (4)'s adapter on the activations.
+
+    In ``flat``'s dtype even under autocast, as the reference form's ``x + A(g B x)`` and the
+    unmodulated layer give the mixer its input (the rank-r products cost little in any dtype).
+    """
+    with torch.autocast(flat.device.type, enabled=False):
+        return torch.addmm(flat, flat @ down.T.to(flat.dtype), up.T.to(flat.dtype))
 
 
 class _Mixer(nn.Module):
@@ -133,6 +154,11 @@ class _Mixer(nn.Module):
         * the gate: every Linear named in :attr:`fold_outputs` runs with its rows scaled when its
           input width is below the tokens of ``x``; else the output is multiplied.
 
+        In training (gradients on, no activation checkpointing, eager) the folded weights and
+        ``P x`` are rebuilt in the backward pass rather than kept
+        (:class:`~elr_lightning.recompute.RecomputedTensors`): eq. 4 then holds activations, not a
+        copy of the weights per loop.
+
         Folding is exact when the mixer reads its input only through ``fold_inputs`` and writes
         its output only through ``fold_outputs`` (the contract of :meth:`folded`). A mixer that
         names neither gets the modulation on its activations. Which form runs depends on shapes
@@ -142,22 +168,23 @@ class _Mixer(nn.Module):
         weights: dict[str, Tensor] = {}
         inputs = [getattr(self, name) for name in self.fold_inputs]
         outputs = [getattr(self, name) for name in self.fold_outputs]
-        if mod.up is not None and mod.down is not None:
-            if inputs and outputs and sum(linear.out_features for linear in inputs) < tokens:
-                for name, linear in zip(self.fold_inputs, inputs):
-                    w = linear.weight
-                    weights[f"{name}.weight"] = low_rank_fold(w, mod.up.to(w.dtype), mod.down.to(w.dtype))
-            else:
-                flat = x.reshape(tokens, x.shape[-1])
-                x = torch.addmm(flat, flat @ mod.down.T.to(x.dtype), mod.up.T.to(x.dtype)).view_as(x)
-        fold_gate = bool(inputs and outputs) and all(linear.in_features < tokens for linear in outputs)
-        if fold_gate:
-            for name, linear in zip(self.fold_outputs, outputs):
-                gate = mod.gate.to(linear.weight.dtype)
-                weights[f"{name}.weight"] = gate[:, None] * linear.weight
-                if linear.bias is not None:
-                    weights[f"{name}.bias"] = gate * linear.bias
-        y = functional_call(self, weights, (x, ctx, layer)) if weights else self(x, ctx, layer)
+        rebuild = torch.is_grad_enabled() and not ctx.checkpointed and not torch.compiler.is_compiling()
+        with RecomputedTensors(rebuild) as keep:
+            if mod.up is not None and mod.down is not None:
+                if inputs and outputs and sum(linear.out_features for linear in inputs) < tokens:
+                    for name, linear in zip(self.fold_inputs, inputs):
+                        w = linear.weight
+                        up, down = mod.up.to(w.dtype), mod.down.to(w.dtype)
+                        weights[f"{name}.weight"] = keep.add(low_rank_fold, w, up, down)
+                else:
+                    x = keep.add(adapted, x.reshape(tokens, x.shape[-1]), mod.up, mod.down).view_as(x)
+            fold_gate = bool(inputs and outputs) and all(linear.in_features < tokens for linear in outputs)
+            if fold_gate:
+                for name, linear in zip(self.fold_outputs, outputs):
+                    weights[f"{name}.weight"] = keep.add(gated_rows, linear.weight, mod.gate)
+                    if linear.bias is not None:
+                        weights[f"{name}.bias"] = mod.gate.to(linear.bias.dtype) * linear.bias
+            y = functional_call(self, weights, (x, ctx, layer)) if weights else self(x, ctx, layer)
         return y if fold_gate else mod.gate.to(y.dtype) * y
 
     def cache_bytes(self, dtype: torch.dtype) -> CacheBytes:

@@ -26,6 +26,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Optional
 
 import torch
@@ -160,6 +161,14 @@ def fla_unsupported(
     tensors = (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))
     if any(x.device.type not in FLA_DEVICE_TYPES for x in tensors):
         return "the tensors are not on CUDA"
+    why = _fla_shapes_unsupported(q, k, v)
+    if why is None and _fla_kernel() is None:
+        return "fla does not import (pip install 'elr-lightning[fla]')"
+    return why
+
+
+def _fla_shapes_unsupported(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
+    """The dtype and width conditions of :func:`fla_unsupported`: why fla's kernels refuse these inputs, or ``None``."""
     if q.dtype not in FLA_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         dtypes = ", ".join(sorted({str(x.dtype).removeprefix("torch.") for x in (q, k, v)}))
         return (
@@ -168,10 +177,13 @@ def fla_unsupported(
         )
     if q.shape[-1] > FLA_MAX_HEAD_DIM:
         return f"fla's kernels take head_dim <= {FLA_MAX_HEAD_DIM}, not {q.shape[-1]}"
-    if _fla_kernel() is None:
-        return "fla does not import (pip install 'elr-lightning[fla]')"
     return None
 
+
+#: While set, called in place of fla's kernels wherever their inputs suit them, on any device: the memory
+#: estimate traces fake tensors on the CPU with :func:`~elr_lightning.estimate_fla.fla_stand_in` here, so
+#: that its GDP layers hold what fla's hold on a GPU. Same arguments as :func:`_fla_delta_product`.
+FLA_STAND_IN: ContextVar[Optional[Callable[..., tuple[Tensor, Tensor]]]] = ContextVar("fla_stand_in", default=None)
 
 #: The reasons :func:`delta_product` has already warned about (each once per process).
 _FLA_WARNED: set[str] = set()
@@ -198,6 +210,9 @@ def delta_product(
     ``torch.compile`` traces the PyTorch path into its graph (the chunk loop unrolled: one copy per
     chunk of the sequence) and leaves fla's kernels out of it.
     """
+    stand_in = None if torch.compiler.is_compiling() else FLA_STAND_IN.get()
+    if kernels != "torch" and stand_in is not None and _fla_shapes_unsupported(q, k, v) is None:
+        return stand_in(q, k, v, g, beta, num_householder, initial_state)
     if kernels != "torch":
         why = fla_unsupported(q, k, v, g, beta, initial_state)
         if why is None:

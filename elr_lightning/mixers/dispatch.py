@@ -24,6 +24,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 #: Dispatch implementations: ``auto`` picks ``grouped`` where supported, else ``loop``.
 DISPATCH = ("auto", "grouped", "loop")
@@ -60,14 +61,15 @@ class DispatchPlan:
 def plan_dispatch(experts: Tensor, num_experts: int) -> DispatchPlan:
     """Sort the copies of ``experts`` ``[N, top_k]`` by expert: the plan every later step reuses.
 
-    On the meta device, where routes have shapes but no values (a ``meta_init`` model probed by a
-    strategy's setup), the copies are counted as spread evenly over the experts: every shape
-    downstream is right and every expert's weights take part, as they do on real data.
+    On the meta device or under ``FakeTensorMode``, where routes have shapes but no values (a
+    ``meta_init`` model probed by a strategy's setup, ``elr estimate``), the copies are counted as
+    spread evenly over the experts: every shape downstream is right (the copies' total does not
+    depend on the routes) and every expert's weights take part, as they do on real data.
     """
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
     known_sizes = None
-    if flat.is_meta:
+    if flat.is_meta or is_fake(flat):
         share, extra = divmod(flat.numel(), num_experts)
         known_sizes = [share + (e < extra) for e in range(num_experts)]
         counts = torch.tensor(known_sizes, device=flat.device)
@@ -105,8 +107,9 @@ def grouped_mm_supported(x: Tensor, weight: Tensor, dtype: Optional[torch.dtype]
     It needs this torch to have it, floating tensors of one dtype (or an autocast ``dtype`` both are
     cast to), rows aligned to 16 bytes (the inner and outer widths a multiple of 16 bytes in
     ``dtype``), and on CUDA bf16 on a Hopper-class device (compute capability 9.0 or later). Under
-    ``torch.compile`` (``compile_layers``) bf16 on the CPU too: the compiler's shape function of
-    ``torch._grouped_mm`` refuses other dtypes, though the eager CPU kernel takes them.
+    ``torch.compile`` (``compile_layers``) and under ``FakeTensorMode`` (``elr estimate``) bf16 on
+    the CPU too: the shape function of ``torch._grouped_mm`` refuses other dtypes, though the eager
+    CPU kernel takes them.
     """
     dtype = compute_dtype(x) if dtype is None else dtype
     if not hasattr(torch, "_grouped_mm") or not dtype.is_floating_point or not weight.dtype.is_floating_point:
@@ -118,7 +121,7 @@ def grouped_mm_supported(x: Tensor, weight: Tensor, dtype: Optional[torch.dtype]
         return False
     if x.device.type == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return x.device.type == "cpu" and (dtype == torch.bfloat16 or not torch.compiler.is_compiling())
+    return x.device.type == "cpu" and (dtype == torch.bfloat16 or not (torch.compiler.is_compiling() or is_fake(x)))
 
 
 def grouped_matmul(x: Tensor, weight: Tensor, plan: DispatchPlan, grouped: bool) -> Tensor:

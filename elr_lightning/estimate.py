@@ -1,0 +1,487 @@
+"""Per-rank peak memory of one training step, measured on fake tensors: no model is allocated.
+
+The model is built on the meta device, sharded as the run's strategy shards it (FSDP2's
+``fully_shard`` over a fake process group, :func:`~elr_lightning.strategies.shard_looped_lm`), and
+given fake storage (``FakeTensorMode`` and ``to_empty``, so parameters stay leaves, as torchtitan's
+memory estimation does). One training step then runs on the fake tensors exactly as
+:meth:`~elr_lightning.module.ELRModule.training_step` runs it (the micro-batch's shards forward at
+their k, auxiliary losses, backward, gradient clipping, AdamW, ``zero_grad``) under torch's
+``MemTracker`` (``FSDPMemTracker`` under FSDP2), which sees every tensor the step creates and frees.
+Its peak is the estimate: whatever the model does (eq. 4's terms, the per-loop stores, activation
+checkpointing's recomputation) is measured, not modelled.
+
+Not traced, hence not counted: the CUDA context, the caching allocator's fragmentation and reserve,
+NCCL's buffers. Two pieces of a GPU run cannot run on fake tensors and are stood in for by hand:
+fla's Triton kernels of the GDP layers (:mod:`elr_lightning.estimate_fla` allocates what they
+allocate, with ``Target(fla_kernels=True)``; else the layers run the PyTorch chunked path), and
+torch's DDP reducer (it reads parameter data), whose gradient buckets are added as one
+gradient-sized buffer per rank (the gradients live in them with ``gradient_as_bucket_view``).
+``elr estimate`` (:mod:`elr_lightning.estimate_report`) prints the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _RefType, _State
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from elr_lightning.core import CHECKPOINTING
+from elr_lightning.estimate_fla import fla_stand_in
+from elr_lightning.mixers.delta_rule import FLA_STAND_IN
+from elr_lightning.module import ELRModule
+from elr_lightning.optim import adamw, param_groups
+from elr_lightning.strategies.fsdp import mixed_precision_policy, shard_looped_lm
+
+#: How the step is distributed: one device, DDP (a full replica per rank) or FSDP2 (sharded over all ranks).
+STRATEGIES = ("single", "ddp", "fsdp")
+
+#: Lightning precisions: ``(autocast dtype, parameter dtype)``.
+PRECISIONS: dict[str, tuple[Optional[torch.dtype], torch.dtype]] = {
+    "32-true": (None, torch.float32),
+    "bf16-mixed": (torch.bfloat16, torch.float32),
+    "16-mixed": (torch.float16, torch.float32),
+    "bf16-true": (None, torch.bfloat16),
+}
+
+#: Tracker categories summed into each column of :class:`StepMemory`; every other category (buffers,
+#: inputs, activations, temporaries) is ``activations``.
+_PARAMS = {_MemRefType.PARAM, _FSDPRefType.SHARDED_PARAM, _FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER}
+_GRADS = {_MemRefType.GRAD, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.UNSHARDED_GRAD, _FSDPRefType.REDUCE_SCATTER}
+_OPTIMIZER = {_MemRefType.OPT, _FSDPRefType.OPT}
+
+
+def lightning_precision(precision: Any) -> str:
+    """A Lightning ``trainer.precision`` (``32``, ``"bf16"``, ``"bf16-mixed"``, ...) as a key of :data:`PRECISIONS`.
+
+    Raises:
+        ValueError: A precision the estimate does not cover, naming the field.
+    """
+    name = str(precision)
+    name = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}.get(name, name)
+    if name not in PRECISIONS:
+        raise ValueError(
+            f"trainer.precision={precision!r}: the memory estimate covers {', '.join(PRECISIONS)}; "
+            "estimate with one of them"
+        )
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the step runs, as the trainer runs it.
+
+    Attributes:
+        strategy: One of :data:`STRATEGIES`.
+        world_size: Ranks in all (devices x nodes); FSDP2 shards over all of them.
+        precision: A key of :data:`PRECISIONS`.
+        gradient_clip_val: ``trainer.gradient_clip_val`` (the step clips the gradients' norm when set).
+        gradient_as_bucket_view: DDP's option: the gradients live in its buckets instead of beside them.
+        reshard_after_forward: FSDP2's option (:func:`~elr_lightning.strategies.shard_looped_lm`).
+        fla_kernels: The GDP layers run fla's kernels, as on a CUDA device with fla installed and
+            half-precision activations (traced with :func:`~elr_lightning.estimate_fla.fla_stand_in`);
+            else the PyTorch chunked path.
+    """
+
+    strategy: str = "single"
+    world_size: int = 1
+    precision: str = "32-true"
+    gradient_clip_val: Optional[float] = None
+    gradient_as_bucket_view: bool = False
+    reshard_after_forward: bool = True
+    fla_kernels: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} must be one of {STRATEGIES}")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size!r} must be an integer >= 1 (devices x nodes)")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} must be one of {tuple(PRECISIONS)} (see lightning_precision)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One training step to estimate: every local shard runs ``loops`` under one backward setting.
+
+    Attributes:
+        loops: The loop count k of every shard of this rank's micro-batch (the step's worst case
+            when k is the largest the sampler draws).
+        checkpointing: ``activation_checkpointing`` (one of ``none``, ``loop``, ``layer``).
+        backprop_loops: Truncated backpropagation through the last n loops; ``None``: all.
+        micro_batch: Sequences per rank per step (``data.batch_size``), split into ``virtual_ranks`` shards.
+        seq_len: Tokens per sequence (``data.seq_len``).
+    """
+
+    loops: int
+    checkpointing: str = "none"
+    backprop_loops: Optional[int] = None
+    micro_batch: int = 1
+    seq_len: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("loops", "micro_batch", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.checkpointing not in CHECKPOINTING:
+            raise ValueError(f"checkpointing={self.checkpointing!r} must be one of {CHECKPOINTING}")
+
+    @property
+    def label(self) -> str:
+        """``none``, ``loop`` or ``layer``, with ``+bp{n}`` for truncated backpropagation (``bp1`` alone for ``none``)."""
+        if self.backprop_loops is None:
+            return self.checkpointing
+        return f"bp{self.backprop_loops}" if self.checkpointing == "none" else f"{self.checkpointing}+bp{self.backprop_loops}"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """What is alive on one rank at the peak of a training step, in bytes; the columns sum to :attr:`peak`.
+
+    Attributes:
+        params: Parameters (FSDP2: the rank's shards plus the gathered units alive at the peak).
+        grads: Gradients, DDP's gradient buckets and FSDP2's reduce-scatter buffers.
+        optimizer: AdamW's state.
+        activations: Activations saved for the backward pass, temporaries, buffers and the batch.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def peak(self) -> int:
+        """The peak, the sum of the columns."""
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def as_dict(self) -> dict[str, int]:
+        """The columns and the peak, in bytes."""
+        return {**dataclasses.asdict(self), "peak": self.peak}
+
+
+class _PeakOnly:
+    """Keep the trackers' global peak and skip their per-module peaks.
+
+    ``MemTracker`` updates the peak of every module it has seen after every operation, a cost that
+    grows with the model's size times its operation count; the estimate reads the global peak only.
+    """
+
+    _curr_mem_snap: dict[torch.device, dict[Any, int]]
+    _peak_mem: dict[torch.device, int]
+    _peak_mem_snap: dict[torch.device, dict[Any, int]]
+
+    def _update_peak_stats(self, peak_state: _State) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
+                self._peak_mem[device] = snapshot[_TOTAL_KEY]
+                self._peak_mem_snap[device] = dict(snapshot)
+
+
+class StepTracker(_PeakOnly, MemTracker):
+    """``MemTracker`` for a looped LM's training step (global peak only, see :class:`_PeakOnly`).
+
+    The fast form of eq. 4 calls a mixer through ``torch.func.functional_call`` with its weights
+    replaced by folded ones (:meth:`~elr_lightning.mixers.base._Mixer.modulated`). Those are
+    activations, not leaves, and ``MemTracker`` would register gradient hooks on them when the
+    mixer's first call is such a call, which fails; the mixer's own parameters are tracked already
+    (by the root's first call, or by ``track_external``).
+    """
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        if any(not p.is_leaf for p in module.parameters()):
+            return 0, 0
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
+class FSDPStepTracker(_PeakOnly, FSDPMemTracker):
+    """``FSDPMemTracker`` keeping the global peak only (see :class:`_PeakOnly`)."""
+
+
+class TrainingStep(nn.Module):
+    """The loss of one micro-batch as :meth:`ELRModule.training_step` computes it, as one module call.
+
+    Lightning calls the training step once per micro-batch through DDP's wrapper; the trackers need
+    that one root call too, while the module runs its model once per shard.
+    """
+
+    def __init__(self, module: ELRModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Tensor, loops: list[int]) -> Tensor:
+        """``shard_loss`` of ``batch`` with shards at ``loops``, plus the mixers' auxiliary losses."""
+        aux: dict[str, Tensor] = {}
+        loss = self.module.shard_loss(batch, loops, aux, {})
+        return loss + sum(aux.values(), start=torch.zeros_like(loss))
+
+
+def primed_optimizer(module: ELRModule, gradient_clip_val: Optional[float] = None) -> torch.optim.Optimizer:
+    """The module's AdamW (its groups, learning rates and fused kernel) holding state for every trainable parameter.
+
+    The state is made by one step on zero gradients (clipped first when ``gradient_clip_val`` is
+    set), so a traced step sees it as a run does from its second step on (after the delayed switch
+    every parameter has state). Under FSDP2 this also runs each of the step's operations on the
+    sharded parameters once before any tracing: DTensor derives an operation's output layout the
+    first time it meets it by running it on fake tensors of the global (unsharded) shapes, in the
+    active ``FakeTensorMode``, where a tracker would count them (clipping 8 shards would count as
+    8 full copies of the gradients); later calls reuse the layout.
+    """
+    hp = module.hparams
+    model = module.model
+    optimizer = adamw(param_groups(model, hp.weight_decay, hp.lr, hp.get("lr_scale")), lr=hp.lr, betas=tuple(hp.betas))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    if gradient_clip_val:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), gradient_clip_val)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def ddp_bucket_bytes(model: nn.Module) -> int:
+    """Bytes of DDP's gradient buckets for ``model``: one buffer the size of every trainable parameter's gradient."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def step_batch(module: ELRModule, setting: Setting) -> Tensor:
+    """Random token ids ``[micro_batch, seq_len + 1]`` on the model's device (fake under ``FakeTensorMode``)."""
+    param = next(module.model.parameters())
+    device = param.to_local().device if hasattr(param, "to_local") else param.device
+    return torch.randint(0, module.arch.vocab_size, (setting.micro_batch, setting.seq_len + 1), device=device)
+
+
+def training_step(
+    module: ELRModule, optimizer: torch.optim.Optimizer, target: Target, setting: Setting, batch: Tensor
+) -> None:
+    """One optimizer step of ``module`` on ``batch`` as Lightning runs it: the loss under the precision's autocast,
+    backward, gradient clipping, ``optimizer.step()``, ``zero_grad(set_to_none=True)``.
+
+    Every local shard runs ``setting.loops`` under ``setting``'s backward setting (set on the model).
+    """
+    model = module.model
+    model.set_backprop(setting.checkpointing, setting.backprop_loops)
+    autocast_dtype, _ = PRECISIONS[target.precision]
+    autocast = (
+        torch.autocast(batch.device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    )
+    with autocast:
+        loss = TrainingStep(module)(batch, [setting.loops] * module.virtual_ranks)
+    loss.backward()
+    del loss
+    if target.gradient_clip_val:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), target.gradient_clip_val)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for layer in module.all_layers():
+        layer.mlp.discard_step()
+
+
+def traced_step(module: ELRModule, optimizer: torch.optim.Optimizer, target: Target, setting: Setting) -> StepMemory:
+    """:func:`training_step` of ``module`` (fake or real tensors) under the tracker of ``target``; its peak.
+
+    The module's model must already be in the state the strategy gives it (sharded for FSDP2, on
+    the step's device); ``optimizer`` from :func:`primed_optimizer`.
+    """
+    model = module.model
+    batch = step_batch(module, setting)
+    if target.strategy == "fsdp":
+        tracker: MemTracker = FSDPStepTracker(model, optimizer)
+        tracker.track_inputs((batch,))
+    else:
+        tracker = StepTracker()
+        tracker.track_external(model, optimizer, batch)
+    with tracker, warnings.catch_warnings():
+        # torch's module tracker notes the modules it cannot see in the backward pass (a mixer called through
+        # functional_call); the peak does not depend on them
+        warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
+        training_step(module, optimizer, target, setting, batch)
+    memory = _columns(tracker.get_tracker_snapshot("peak").get(batch.device, {}))
+    if target.strategy == "ddp":
+        buckets = ddp_bucket_bytes(model)
+        grads = buckets if target.gradient_as_bucket_view else memory.grads + buckets
+        memory = dataclasses.replace(memory, grads=grads)
+    return memory
+
+
+def _columns(snapshot: dict[Any, int]) -> StepMemory:
+    kinds = {kind: n for kind, n in snapshot.items() if isinstance(kind, _RefType)}
+    params = sum(n for kind, n in kinds.items() if kind in _PARAMS)
+    grads = sum(n for kind, n in kinds.items() if kind in _GRADS)
+    optimizer = sum(n for kind, n in kinds.items() if kind in _OPTIMIZER)
+    return StepMemory(params, grads, optimizer, sum(kinds.values()) - params - grads - optimizer)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[DeviceMesh]:
+    """A fake default process group of ``world_size`` ranks (this process is rank 0) and its 1-D mesh.
+
+    No rank talks to another: collectives return buffers of the right shape (torch's ``fake``
+    backend). The group is destroyed on exit.
+
+    Raises:
+        RuntimeError: A process group exists already (the estimate needs its own; run it before
+            ``torch.distributed`` is initialised).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "the memory estimate needs a fake process group of its own, but torch.distributed is initialised "
+            "already; run the estimate before the run's process group starts"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",))
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_training(build: Callable[[], ELRModule], target: Target) -> Iterator[Callable[[Setting], StepMemory]]:
+    """A model of ``build`` on fake tensors, placed as ``target``'s strategy places it; yields ``step(setting)``.
+
+    ``step`` traces one training step (:func:`traced_step`) and returns its per-rank peak; call it
+    for as many settings as needed, all on the one fake model. Nothing is allocated but the fake
+    tensors' metadata, and the global random state is left as it was.
+
+    Args:
+        build: Returns the :class:`ELRModule` to estimate, built on the meta device (called once).
+        target: Strategy, ranks and precision of the run.
+
+    Raises:
+        ValueError: ``build`` returned a module whose parameters are not on the meta device.
+    """
+    _, param_dtype = PRECISIONS[target.precision]
+    mesh_context = fake_process_group(target.world_size) if target.strategy == "fsdp" else contextlib.nullcontext()
+    stand_in = FLA_STAND_IN.set(fla_stand_in if target.fla_kernels else None)
+    try:
+        with mesh_context as mesh, torch.random.fork_rng(devices=[]):
+            yield from _fake_steps(build, target, mesh, param_dtype)
+    finally:
+        FLA_STAND_IN.reset(stand_in)
+
+
+def _fake_steps(
+    build: Callable[[], ELRModule], target: Target, mesh: Optional[DeviceMesh], param_dtype: torch.dtype
+) -> Iterator[Callable[[Setting], StepMemory]]:
+    module = build()
+    model = module.model
+    if any(not p.is_meta for p in model.parameters()):
+        raise ValueError("the memory estimate needs a module built on the meta device (under torch.device('meta'))")
+    model.to(param_dtype)
+    with fake_mode():
+        if target.strategy == "fsdp":
+            policy = mixed_precision_policy(target.precision)
+            shard_looped_lm(model, mesh, reshard_after_forward=target.reshard_after_forward, mp_policy=policy)
+        model.to_empty(device="cpu")
+        model.train()
+        optimizer = primed_optimizer(module, target.gradient_clip_val)
+        yield lambda setting: traced_step(module, optimizer, target, setting)
+
+
+def estimate_steps(build: Callable[[], ELRModule], target: Target, settings: Sequence[Setting]) -> list[StepMemory]:
+    """The per-rank peak of one training step at each of ``settings``, without allocating the model
+    (:func:`fake_training`)."""
+    with fake_training(build, target) as step:
+        return [step(setting) for setting in settings]
+
+
+def fake_mode() -> contextlib.AbstractContextManager:
+    """The estimate's ``FakeTensorMode``: meta parameters from outside it become fake leaves under ``to_empty``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def largest_fitting(peak: Callable[[int], int], budget: int, start: int, minimum: int = 1, limit: int = 1 << 16) -> Optional[int]:
+    """The largest integer ``b`` in ``[minimum, limit]`` with ``peak(b) <= budget``, or ``None`` if none fits.
+
+    ``peak`` must grow with ``b`` (a step's memory grows with its micro-batch). Each probe after
+    the first two is placed where the straight line through the nearest known peaks below and above
+    the budget crosses it (a step's memory is close to affine in its micro-batch), so a search
+    usually needs three or four calls.
+    """
+    known: dict[int, int] = {}
+
+    def probe(b: int) -> int:
+        if b not in known:
+            known[b] = peak(b)
+        return known[b]
+
+    b = max(minimum, min(start, limit))
+    if probe(b) > budget:
+        if b == minimum or probe(minimum) > budget:
+            return None
+        lo, hi = minimum, b
+    else:
+        lo, hi = b, None
+    while hi is None or hi - lo > 1:
+        if hi is None:
+            if lo == limit:
+                return lo
+            nxt = min(limit, 2 * lo)
+            below = [x for x in known if x < lo]
+            if below:  # extrapolate along the last two fitting probes
+                x0 = max(below)
+                slope = (known[lo] - known[x0]) / (lo - x0)
+                if slope > 0:
+                    nxt = min(limit, max(lo + 1, int(lo + (budget - known[lo]) / slope)))
+        else:
+            slope = (known[hi] - known[lo]) / (hi - lo)
+            guess = lo + (budget - known[lo]) / slope if slope > 0 else (lo + hi) / 2
+            nxt = min(hi - 1, max(lo + 1, int(guess)))
+        if probe(nxt) <= budget:
+            lo = nxt
+        else:
+            hi = nxt
+    return lo
+
+
+def measured_steps(module: ELRModule, target: Target, settings: Sequence[Setting]) -> list[StepMemory]:
+    """The same steps as :func:`estimate_steps` on a real module of this process (CPU, one rank), each traced by
+    ``MemTracker`` on real tensors: what the estimate is checked against.
+
+    ``target.strategy`` must be ``single`` or ``ddp`` (the DDP term is added as in the estimate).
+    """
+    if target.strategy == "fsdp":
+        raise ValueError("measured_steps runs one rank without sharding: use strategy 'single' or 'ddp'")
+    _, param_dtype = PRECISIONS[target.precision]
+    module.model.to(param_dtype).train()
+    optimizer = primed_optimizer(module, target.gradient_clip_val)
+    return [traced_step(module, optimizer, target, setting) for setting in settings]
+
+
+__all__ = [
+    "PRECISIONS",
+    "STRATEGIES",
+    "FSDPStepTracker",
+    "Setting",
+    "StepMemory",
+    "StepTracker",
+    "Target",
+    "TrainingStep",
+    "ddp_bucket_bytes",
+    "estimate_steps",
+    "fake_mode",
+    "fake_process_group",
+    "fake_training",
+    "largest_fitting",
+    "lightning_precision",
+    "measured_steps",
+    "primed_optimizer",
+    "step_batch",
+    "traced_step",
+    "training_step",
+]
+

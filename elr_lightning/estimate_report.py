@@ -1,0 +1,457 @@
+"""``elr estimate``: per-rank peak training memory of a config for every k and backward setting, the
+largest micro-batch that fits a device, and a verdict.
+
+``elr estimate --config config/4b.yaml --devices 8 --strategy fsdp --device_memory 80GB`` prints the
+table. The numbers come from :mod:`elr_lightning.estimate` (one training step traced on fake
+tensors); this module reads the run's settings from the config, builds the rows and formats them.
+:mod:`elr_lightning.estimate_fit` reads them from a live trainer instead, for ``elr fit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, TextIO, Union
+
+import torch
+
+from elr_lightning.core import CHECKPOINTING
+from elr_lightning.cost import build_module, merged_config
+from elr_lightning.errors import root_cause
+from elr_lightning.estimate import PRECISIONS, STRATEGIES, Setting, StepMemory, Target, fake_training, largest_fitting, lightning_precision
+from elr_lightning.module import ELRModule
+
+
+#: Rows of the table: a name and its ``(activation_checkpointing, backprop_loops)``; ``None`` keeps the config's.
+MODES: dict[str, tuple[str, Optional[int]]] = {"none": ("none", None), "loop": ("loop", None), "layer": ("layer", None), "bp1": ("none", 1)}
+
+#: ``--device_memory`` when neither the flag nor a local GPU gives one: an "80 GB" accelerator.
+DEFAULT_DEVICE_MEMORY = 80 * 10**9
+
+_GIB = 2**30
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: Union[str, int], flag: str = "--device_memory") -> int:
+    """Bytes of a size such as ``80GB`` (10^9 bytes), ``79.6GiB`` (2^30), ``512MiB`` or ``1e9B``.
+
+    Raises:
+        ValueError: Naming ``flag``, the value and the accepted form.
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?i?b)\s*", str(text), flags=re.IGNORECASE)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"{flag} {text!r} is not a memory size; give a number and a unit, e.g. 80GB or 79.6GiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _count(value: Any, flag: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{flag} {value!r} must be an integer >= 1")
+    return value
+
+
+def device_count(devices: Any) -> int:
+    """Devices per node of a ``trainer.devices`` value: a count, ``"auto"``/``-1`` (this machine's GPUs, else 1),
+    ``"0,1"`` or a list of ids."""
+    if isinstance(devices, (list, tuple)):
+        return max(1, len(devices))
+    text = str(devices).strip()
+    if text in ("auto", "-1", "None"):
+        return max(1, torch.cuda.device_count())
+    if "," in text:
+        return len([part for part in text.split(",") if part.strip()])
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError(f"trainer.devices={devices!r}: give --devices N (devices per node)")
+
+
+def _strategy_kind(strategy: Any, world_size: int) -> tuple[str, dict[str, Any]]:
+    """``(kind, init_args)`` of a ``trainer.strategy`` value (a name or ``{class_path, init_args}``)."""
+    if strategy is None or strategy == "auto":
+        return ("ddp" if world_size > 1 else "single"), {}
+    if isinstance(strategy, str):
+        if strategy.startswith("ddp"):
+            return "ddp", {}
+        if strategy == "single_device":
+            return "single", {}
+        raise ValueError(
+            f"trainer.strategy={strategy!r}: the memory estimate covers DDP and the library's FSDP2 strategy; "
+            "pass --strategy ddp or --strategy fsdp (elr_lightning.strategies.OneLoopOverrideFSDPStrategy)"
+        )
+    class_path = str(strategy.get("class_path", ""))
+    init_args = dict(strategy.get("init_args") or {})
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"trainer.strategy.class_path={class_path!r} cannot be imported: {err}") from None
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    from elr_lightning.strategies import OneLoopOverrideFSDPStrategy
+
+    if issubclass(cls, OneLoopOverrideFSDPStrategy):
+        return "fsdp", init_args
+    if issubclass(cls, DDPStrategy):
+        return "ddp", init_args
+    if issubclass(cls, SingleDeviceStrategy):
+        return "single", init_args
+    raise ValueError(
+        f"trainer.strategy.class_path={class_path!r}: the memory estimate covers DDP and "
+        "elr_lightning.strategies.OneLoopOverrideFSDPStrategy; pass --strategy ddp or --strategy fsdp"
+    )
+
+
+def layout_of_config(config: dict[str, Any], devices: Optional[int] = None, num_nodes: Optional[int] = None) -> tuple[int, int]:
+    """``(devices per node, nodes)``: the flags, else ``trainer.devices`` and ``trainer.num_nodes``.
+
+    Raises:
+        ValueError: A value that is not a count >= 1, naming it.
+    """
+    trainer = config.get("trainer") or {}
+    devices = _count(devices, "--devices") if devices is not None else device_count(trainer.get("devices", "auto"))
+    nodes = num_nodes if num_nodes is not None else trainer.get("num_nodes") or 1
+    return devices, _count(nodes, "--num_nodes" if num_nodes is not None else "trainer.num_nodes")
+
+
+def target_of_config(
+    config: dict[str, Any], world_size: int, strategy: Optional[str] = None, gdp_kernels: str = "auto"
+) -> Target:
+    """The :class:`~elr_lightning.estimate.Target` of a merged ``elr fit`` config on ``world_size`` ranks.
+
+    Args:
+        config: The merged config.
+        world_size: Devices x nodes.
+        strategy: ``single``, ``ddp`` or ``fsdp`` instead of the config's ``trainer.strategy``.
+        gdp_kernels: What the GDP layers run: ``fla`` (fla's kernels, as on a CUDA device with
+            fla installed), ``torch`` (the PyTorch chunked path), or ``auto``: ``fla`` under a
+            half-precision ``trainer.precision`` (a GPU run), else ``torch``.
+
+    Raises:
+        ValueError: A bad flag or a config value the estimate does not cover, naming it.
+    """
+    trainer = config.get("trainer") or {}
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ValueError(f"--strategy {strategy!r} must be one of {', '.join(STRATEGIES)}")
+    kind, init_args = _strategy_kind(trainer.get("strategy"), world_size)
+    if strategy is not None and strategy != kind:
+        kind, init_args = strategy, {}
+    if gdp_kernels not in ("auto", "fla", "torch"):
+        raise ValueError(f"--gdp_kernels {gdp_kernels!r} must be auto, fla or torch")
+    clip = trainer.get("gradient_clip_val")
+    if trainer.get("gradient_clip_algorithm") == "value":
+        clip = None  # clipping by value is in place: no memory
+    precision = lightning_precision(trainer.get("precision") or "32-true")
+    return Target(
+        strategy=kind,
+        world_size=world_size,
+        precision=precision,
+        gradient_clip_val=float(clip) if clip else None,
+        gradient_as_bucket_view=bool(init_args.get("gradient_as_bucket_view", False)),
+        reshard_after_forward=bool(init_args.get("reshard_after_forward", True)),
+        fla_kernels=gdp_kernels == "fla" or (gdp_kernels == "auto" and half_precision(precision)),
+    )
+
+
+def half_precision(precision: str) -> bool:
+    """Whether a precision computes in bf16 or fp16 (where fla's kernels run)."""
+    autocast, params = PRECISIONS[precision]
+    return (autocast or params) in (torch.bfloat16, torch.float16)
+
+
+def geometry_of_config(config: dict[str, Any], micro_batch: Optional[int], seq_len: Optional[int]) -> tuple[int, int]:
+    """``(micro_batch, seq_len)``: the flags, else ``data.init_args.batch_size`` and ``seq_len``.
+
+    Raises:
+        ValueError: Neither gives a value, or one is not an integer >= 1.
+    """
+    data = (config.get("data") or {}).get("init_args") or {}
+    values = []
+    for flag, value, key in (("--micro_batch", micro_batch, "batch_size"), ("--seq_len", seq_len, "seq_len")):
+        if value is None:
+            if data.get(key) is None:
+                raise ValueError(f"the config has no data.init_args.{key}; pass {flag}")
+            value = data[key]
+            flag = f"data.init_args.{key}"
+        values.append(_count(value, flag))
+    return values[0], values[1]
+
+
+def meta_builder(config: dict[str, Any], path: str, conditioning: bool = True) -> Callable[[], ELRModule]:
+    """A function that builds the config's module on the meta device, conditioning on or off.
+
+    Raises (when called):
+        ValueError: The model cannot be built, naming the config and the cause.
+    """
+
+    def build() -> ELRModule:
+        try:
+            module = build_module(config)
+        except Exception as err:  # noqa: BLE001 - any failure means the config's model cannot be built
+            cause = " ".join(str(root_cause(err)).split())
+            raise ValueError(f"--config {path}: the model cannot be built: {cause}") from None
+        if module.model.conditioner is not None and not conditioning:
+            module.model.conditioner.set_active(False)
+        return module
+
+    return build
+
+
+def _row(setting: Setting, memory: StepMemory) -> dict[str, Any]:
+    return {
+        "loops": setting.loops,
+        "mode": setting.label,
+        "activation_checkpointing": setting.checkpointing,
+        "backprop_loops": setting.backprop_loops,
+        "micro_batch": setting.micro_batch,
+        "seq_len": setting.seq_len,
+        **memory.as_dict(),
+    }
+
+
+def _progress(stream: Optional[TextIO]) -> Callable[[str], None]:
+    return (lambda line: print(f"elr estimate: {line}", file=stream, flush=True)) if stream is not None else (lambda line: None)
+
+
+def memory_report(
+    paths: Union[str, Sequence[str]],
+    devices: Optional[int] = None,
+    num_nodes: Optional[int] = None,
+    strategy: Optional[str] = None,
+    device_memory: Optional[Union[str, int]] = None,
+    headroom: float = 0.1,
+    micro_batch: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    loops: Optional[Sequence[int]] = None,
+    modes: Sequence[str] = ("none", "loop", "layer"),
+    search: bool = True,
+    conditioning: bool = True,
+    gdp_kernels: str = "auto",
+    activation_checkpointing: Optional[str] = None,
+    backprop_loops: Optional[int] = None,
+    progress: Optional[TextIO] = None,
+) -> dict[str, Any]:
+    """The estimate table of one or more merged config files, with the micro-batch search and the verdict.
+
+    Args:
+        paths: ``elr fit`` YAML files, merged as ``elr fit`` merges them.
+        devices: Devices per node (default: ``trainer.devices``).
+        num_nodes: Nodes (default: ``trainer.num_nodes``).
+        strategy: ``single``, ``ddp`` or ``fsdp`` instead of the config's ``trainer.strategy``.
+        device_memory: Memory of one device (``"80GB"``, bytes); default: this machine's first GPU, else 80 GB.
+        headroom: Fraction of ``device_memory`` held back for what the trace does not see (CUDA
+            context, allocator fragmentation, communication buffers).
+        micro_batch: Sequences per rank per step (default: ``data.init_args.batch_size``).
+        seq_len: Tokens per sequence (default: ``data.init_args.seq_len``).
+        loops: Loop counts of the rows (default: 1..K).
+        modes: Backward settings of the rows, names of :data:`MODES`.
+        search: Search the largest micro-batch that fits (a few more traced steps).
+        conditioning: Eq. 4 conditioning on (as after the delayed switch) or off.
+        gdp_kernels: ``auto``, ``fla`` or ``torch`` (:func:`target_of_config`).
+        activation_checkpointing: The run's setting instead of ``model.init_args.activation_checkpointing``:
+            the verdict and the micro-batch search are about the run's setting at k = K.
+        backprop_loops: The run's setting instead of ``model.init_args.backprop_loops``.
+        progress: Where to print a line per traced step (``None``: nowhere).
+
+    Raises:
+        ValueError: A bad flag or config value, naming it and the fix.
+    """
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    path = " + ".join(paths)
+    for name in modes:
+        if name not in MODES:
+            raise ValueError(f"--modes {name!r} is not a mode; use some of {', '.join(MODES)}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"--headroom {headroom} must be in [0, 1): the fraction of device memory held back")
+    memory = parse_memory(device_memory) if device_memory is not None else None
+    config = merged_config(paths)
+    devices, nodes = layout_of_config(config, devices, num_nodes)
+    target = target_of_config(config, devices * nodes, strategy, gdp_kernels)
+    batch, length = geometry_of_config(config, micro_batch, seq_len)
+    args = config["model"].get("init_args") or {}
+    arch = args.get("arch") or {}
+    k_max = int(arch.get("max_loops", 4))
+    loops = list(range(1, k_max + 1)) if loops is None else [_count(k, "--loops") for k in loops]
+    own = (
+        activation_checkpointing or args.get("activation_checkpointing") or "none",
+        backprop_loops if backprop_loops is not None else args.get("backprop_loops"),
+    )
+    if own[0] not in CHECKPOINTING:
+        raise ValueError(f"--activation_checkpointing {own[0]!r} must be one of {', '.join(CHECKPOINTING)}")
+    if own[1] is not None:
+        _count(own[1], "--backprop_loops")
+    virtual_ranks = int(args.get("virtual_ranks") or 1)
+    if batch < virtual_ranks:
+        raise ValueError(
+            f"micro-batch {batch} is smaller than model.init_args.virtual_ranks={virtual_ranks}; every shard needs "
+            "a sequence: raise --micro_batch"
+        )
+    if memory is None:
+        memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else DEFAULT_DEVICE_MEMORY
+    budget = int(memory * (1 - headroom))
+    say = _progress(progress)
+
+    settings = []
+    for k in loops:
+        for name in modes:
+            checkpointing, backprop = MODES[name]
+            settings.append(Setting(k, checkpointing, backprop if name == "bp1" else own[1], batch, length))
+    configured = Setting(k_max, own[0], own[1], batch, length)  # the run's worst step: every shard at K
+    results: dict[Setting, StepMemory] = {}
+    with fake_training(meta_builder(config, path, conditioning), target) as trace:
+
+        def traced(setting: Setting) -> StepMemory:
+            if setting not in results:
+                start = time.perf_counter()
+                results[setting] = trace(setting)
+                say(
+                    f"k={setting.loops} {setting.label} micro-batch {setting.micro_batch}: "
+                    f"{results[setting].peak / _GIB:.2f} GiB ({time.perf_counter() - start:.0f} s)"
+                )
+            return results[setting]
+
+        rows = [_row(s, traced(s)) for s in settings]
+        peak = traced(configured).peak
+        largest = None
+        if search:
+            minimum = virtual_ranks
+            largest = largest_fitting(
+                lambda b: traced(Setting(configured.loops, own[0], own[1], b, length)).peak, budget, batch, minimum
+            )
+    report: dict[str, Any] = {
+        "config": path,
+        "target": {**dataclasses.asdict(target), "devices": devices, "num_nodes": nodes},
+        "micro_batch": batch,
+        "seq_len": length,
+        "virtual_ranks": virtual_ranks,
+        "conditioning": conditioning,
+        "device_memory": memory,
+        "headroom": headroom,
+        "budget": budget,
+        "rows": rows,
+        "configured": _row(configured, results[configured]),
+        "largest_micro_batch": largest,
+    }
+    report["verdict"] = verdict(report, peak, search)
+    return report
+
+
+def verdict(report: dict[str, Any], peak: int, searched: bool = True) -> str:
+    """One line: whether the configured step fits the budget, what fits instead, and the largest micro-batch."""
+    conf = report["configured"]
+    budget = report["budget"]
+    what = f"k = {conf['loops']}, {conf['mode']}, micro-batch {conf['micro_batch']} x {conf['seq_len']} tokens"
+    largest = report.get("largest_micro_batch")
+    tail = ""
+    if searched:
+        tail = f"; micro-batches up to {largest} fit" if largest is not None else "; no micro-batch fits"
+    if peak <= budget:
+        return f"fits: the configured step ({what}) peaks at {peak / _GIB:.1f} GiB per rank of a {budget / _GIB:.1f} GiB budget{tail}"
+    alternatives = [
+        f"{row['mode']} ({row['peak'] / _GIB:.1f} GiB)"
+        for row in report["rows"]
+        if row["loops"] == conf["loops"] and row["micro_batch"] == conf["micro_batch"] and row["peak"] <= budget
+    ]
+    instead = f"; at k = {conf['loops']} {' or '.join(alternatives)} fit{'s' if len(alternatives) == 1 else ''}" if alternatives else ""
+    return (
+        f"does not fit: the configured step ({what}) peaks at {peak / _GIB:.1f} GiB per rank, over the "
+        f"{budget / _GIB:.1f} GiB budget{instead}{tail}"
+    )
+
+
+def format_memory_report(report: dict[str, Any]) -> str:
+    """The report as a table in GiB."""
+    target = report["target"]
+    strategy = {"single": "one device", "ddp": "DDP", "fsdp": "FSDP2"}[target["strategy"]]
+    lines = [
+        f"config: {report['config']}",
+        f"run: {strategy} over {target['world_size']} rank(s) ({target['num_nodes']} node(s) x {target['devices']}), "
+        f"{target['precision']}, "
+        f"micro-batch {report['micro_batch']} x {report['seq_len']} tokens per rank in {report['virtual_ranks']} "
+        f"shard(s), eq. 4 conditioning {'on' if report['conditioning'] else 'off'}"
+        + (", GDP layers as fla's kernels" if target["fla_kernels"] else ""),
+        f"device memory {report['device_memory'] / 1e9:.1f} GB ({report['device_memory'] / _GIB:.1f} GiB) less "
+        f"{report['headroom']:.0%} headroom: budget {report['budget'] / _GIB:.1f} GiB per rank",
+        "per-rank peak of one training step (every local shard at k), GiB; what is alive at the peak:",
+        f"{'k':>4}  {'mode':<10}{'params':>9}{'grads':>9}{'optimizer':>11}{'activations':>13}{'peak':>9}",
+    ]
+    for row in report["rows"]:
+        lines.append(
+            f"{row['loops']:>4}  {row['mode']:<10}{row['params'] / _GIB:>9.2f}{row['grads'] / _GIB:>9.2f}"
+            f"{row['optimizer'] / _GIB:>11.2f}{row['activations'] / _GIB:>13.2f}{row['peak'] / _GIB:>9.2f}"
+        )
+    lines.append(f"verdict: {report['verdict']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    """``elr estimate --config FILE [--devices N] [--num_nodes M] [--device_memory 80GB] [--micro_batch B] [--json]``."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(
+        prog="elr estimate",
+        description="Per-rank peak memory of one training step of a config, for every k and backward setting, "
+        "traced on fake tensors (nothing is allocated).",
+        exit_on_error=False,
+    )
+    parser.add_argument("--config", type=str, action="append", required=True, help="An `elr fit` YAML file; repeat to merge.")
+    parser.add_argument("--devices", type=Optional[int], default=None, help="Devices per node (default: trainer.devices).")
+    parser.add_argument("--num_nodes", type=Optional[int], default=None, help="Nodes (default: trainer.num_nodes).")
+    parser.add_argument(
+        "--strategy", type=Optional[str], default=None, help="single, ddp or fsdp instead of the config's trainer.strategy."
+    )
+    parser.add_argument("--device_memory", type=Optional[str], default=None, help="Memory per device, e.g. 80GB or 79.6GiB.")
+    parser.add_argument("--headroom", type=float, default=0.1, help="Fraction of device memory held back (CUDA context, fragmentation).")
+    parser.add_argument("--micro_batch", type=Optional[int], default=None, help="Sequences per rank (default: data.batch_size).")
+    parser.add_argument("--seq_len", type=Optional[int], default=None, help="Tokens per sequence (default: data.seq_len).")
+    parser.add_argument("--loops", type=Optional[list[int]], default=None, help="Loop counts of the rows (default: 1..K).")
+    parser.add_argument("--modes", type=list[str], default=["none", "loop", "layer"], help=f"Rows' backward settings: {', '.join(MODES)}.")
+    parser.add_argument("--search", type=bool, default=True, help="Search the largest micro-batch that fits.")
+    parser.add_argument("--conditioning", type=bool, default=True, help="Eq. 4 conditioning on (after the switch) or off.")
+    parser.add_argument(
+        "--gdp_kernels", type=str, default="auto",
+        help="GDP layers: fla (its kernels, as on a GPU), torch (chunked path), auto (fla in half precision).",
+    )
+    parser.add_argument(
+        "--activation_checkpointing", type=Optional[str], default=None,
+        help="The run's none, loop or layer instead of the config's (the verdict and search are about it).",
+    )
+    parser.add_argument("--backprop_loops", type=Optional[int], default=None, help="The run's instead of the config's.")
+    parser.add_argument("--json", type=bool, default=False, help="Print JSON instead of a table.")
+    args = parser.parse_args(argv)
+    report = memory_report(
+        args.config,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=args.strategy,
+        device_memory=args.device_memory,
+        headroom=args.headroom,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        loops=args.loops,
+        modes=args.modes,
+        search=args.search,
+        conditioning=args.conditioning,
+        gdp_kernels=args.gdp_kernels,
+        activation_checkpointing=args.activation_checkpointing,
+        backprop_loops=args.backprop_loops,
+        progress=sys.stderr,
+    )
+    print(json.dumps(report, indent=2) if args.json else format_memory_report(report))
+
+
+__all__ = [
+    "MODES",
+    "format_memory_report",
+    "half_precision",
+    "layout_of_config",
+    "main",
+    "memory_report",
+    "parse_memory",
+    "target_of_config",
+]

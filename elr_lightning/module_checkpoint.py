@@ -1,0 +1,102 @@
+"""What an :class:`~elr_lightning.module.ELRModule` checkpoint records beside its weights, and what is checked
+when one is saved or loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Mapping
+
+from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
+from elr_lightning.plugin_config import plain_hyperparameters
+from elr_lightning.resume import check_resumed_schedule, planned_steps
+from elr_lightning.tokenizers import checkpoint_tokenizer, tokenizer_state
+
+if TYPE_CHECKING:
+    from elr_lightning.module import ELRModule
+
+#: ``arch`` fields that a checkpoint may differ in: they set the init, the RoPE table's length or route replay only.
+ARCH_FREE_FIELDS = ("init_std", "max_seq_len", "route_replay")
+
+
+def changed_arch_fields(saved_arch: Mapping[str, Any], arch: Mapping[str, Any]) -> list[str]:
+    """The ``arch`` fields that both hold and that differ, :data:`ARCH_FREE_FIELDS` excepted, in ``arch``'s order."""
+    return [key for key in arch if key in saved_arch and key not in ARCH_FREE_FIELDS and saved_arch[key] != arch[key]]
+
+
+def record_checkpoint(module: ELRModule, checkpoint: dict[str, Any]) -> None:
+    """Fill ``checkpoint`` for :meth:`ELRModule.on_save_checkpoint`; refuse non-finite weights.
+
+    Writes the hyperparameters as plain data (:func:`~elr_lightning.plugin_config.plain_value`, so the
+    file loads with ``torch.load(..., weights_only=True)``) and ``checkpoint["elr"]``: the
+    architecture, the loop schedule's inputs when attached to a trainer, and the tokenizer.
+
+    An update that makes the weights non-finite is only seen by the next forward pass; a checkpoint
+    saved in between would replace (with ``save_top_k: 1``, delete) the last good one. Every rank
+    checks its own tensors and all agree, so no file is written and every rank stops.
+
+    Raises:
+        FloatingPointError: Naming the first non-finite tensors.
+        PluginConfigError: A plug-in cannot be saved as its ``class_path`` and ``init_args``, naming the
+            field and the fix. Nothing is written; the last checkpoint is kept.
+    """
+    if "hyper_parameters" in checkpoint:
+        checkpoint["hyper_parameters"] = plain_hyperparameters(checkpoint["hyper_parameters"])
+    bad = non_finite_tensors(checkpoint)
+    attached = module._trainer is not None  # also called outside a run, e.g. by ``elr import``
+    if not (module.trainer.strategy.reduce_boolean_decision(not bad, all=True) if attached else not bad):
+        found = f"non-finite values in {listed(bad)}" if bad else "non-finite values on another rank"
+        step = module.trainer.global_step if attached else checkpoint.get("global_step", 0)
+        raise FloatingPointError(
+            f"not saving the checkpoint of step {step}: {found}; the last good checkpoint "
+            "is kept. Lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
+        )
+    checkpoint["elr"] = {"arch": dataclasses.asdict(module.arch)}
+    if attached:
+        checkpoint["elr"]["schedule"] = {
+            "num_shards": module.num_shards(),
+            "seed": module.seed,
+            "total_steps": planned_steps(module.trainer),
+        }
+    if module.tokenizer is not None:
+        checkpoint["elr"]["tokenizer"] = tokenizer_state(module.tokenizer)
+
+
+def check_loaded_checkpoint(module: ELRModule, checkpoint: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another architecture, or with(out) heads ``module`` lacks (has).
+
+    For :meth:`ELRModule.on_load_checkpoint`: compares the ``arch`` saved by :func:`record_checkpoint`
+    field by field, and (unless ``strict_loading`` is off) the names and shapes of the checkpoint's
+    tensors with the module's, before Lightning's strict load; a resumed fit must keep its loop
+    schedule's inputs. Restores the saved tokenizer unless :meth:`ELRModule.setup` already took one
+    from the data module (a resumed run keeps the data's tokenizer).
+
+    Raises:
+        ValueError: Naming every difference and the fix.
+    """
+    problems = []
+    saved_arch = checkpoint.get("elr", {}).get("arch")
+    if saved_arch is not None:
+        mine = dataclasses.asdict(module.arch)
+        problems += [
+            f"arch.{key}: checkpoint {saved_arch[key]!r}, this model {mine[key]!r}"
+            for key in changed_arch_fields(saved_arch, mine)
+        ]
+    state = checkpoint.get("state_dict")
+    if state is not None and module.strict_loading:
+        problems += state_dict_differences(state, module.state_dict())
+    if problems:
+        raise ValueError(
+            "this checkpoint does not fit this model:\n  - " + "\n  - ".join(problems) + "\nBuild the model "
+            "with the checkpoint's model.init_args (its hyper_parameters), or start a new run from it with "
+            "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
+        )
+    if module._trainer is not None and module.trainer.state.fn == "fit":
+        check_resumed_schedule(
+            checkpoint.get("elr", {}).get("schedule"),
+            module.trainer,
+            ranks=module.data_parallel_layout()[1],
+            virtual_ranks=module.virtual_ranks,
+            seed=module.seed,
+        )
+    if module.tokenizer is None:
+        module.tokenizer = checkpoint_tokenizer(checkpoint)

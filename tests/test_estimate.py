@@ -1,0 +1,293 @@
+"""``elr estimate``: the per-rank peak of a training step traced on fake tensors, against the same step on real ones.
+
+The check against reality runs each quickstart config's model at a small size through the same
+training step twice: on fake tensors from a meta-device build (the estimate) and on real tensors
+(torch's ``MemTracker`` on the real step, :func:`~elr_lightning.estimate.measured_steps`). The bench
+``bench/estimate.py`` repeats it at the configs' own size against the process's resident memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elr_lightning import estimate_fit, estimate_report
+from elr_lightning.cli import main
+from elr_lightning.core import CHECKPOINTING
+from elr_lightning.cost import build_module, merged_config
+from elr_lightning.estimate import (
+    FSDPStepTracker,
+    Setting,
+    StepMemory,
+    Target,
+    ddp_bucket_bytes,
+    estimate_steps,
+    fake_mode,
+    fake_process_group,
+    fake_training,
+    largest_fitting,
+    measured_steps,
+    primed_optimizer,
+)
+from elr_lightning.estimate_fit import log_fit_estimate
+from elr_lightning.estimate_report import memory_report, parse_memory
+from elr_lightning.module import ELRModule
+from elr_lightning.strategies import shard_looped_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTARTS = ("quickstart.yaml", "quickstart_hybrid.yaml", "quickstart_moe.yaml")
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: per-op latency, not arithmetic
+
+
+def _config(name: str) -> dict:
+    return merged_config(str(ROOT / "config" / name))
+
+
+def _small(name: str) -> dict:
+    """A quickstart config at a test's size: the same layers, mixers and eq. 4, narrower, in one shard."""
+    config = _config(name)
+    config["model"]["init_args"]["arch"]["d_model"] = 64
+    config["model"]["init_args"]["virtual_ranks"] = 1
+    return config
+
+
+def _real_module(config: dict) -> ELRModule:
+    torch.manual_seed(0)
+    return ELRModule(**config["model"]["init_args"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", QUICKSTARTS)
+def test_the_estimate_is_within_15_percent_of_the_real_steps_peak(name: str) -> None:
+    config = _small(name)
+    k_max = config["model"]["init_args"]["arch"]["max_loops"]
+    quick = name == "quickstart.yaml"  # every mode at k = 1 and K, and truncated backprop, on one config
+    cases = [(k, mode, None) for k in ((1, k_max) if quick else (k_max,)) for mode in CHECKPOINTING]
+    cases += [(k_max, "none", 1)] if quick else [(1, "none", None)]
+    settings = [Setting(k, mode, backprop, 2, 16) for k, mode, backprop in cases]
+    target = Target("single", 1, "32-true")
+    estimated = estimate_steps(lambda: build_module(config), target, settings)
+    measured = measured_steps(_real_module(config), target, settings)
+    for setting, guess, truth in zip(settings, estimated, measured):
+        assert abs(guess.peak / truth.peak - 1) <= 0.15, (setting, guess, truth)
+        assert guess.params == truth.params and guess.optimizer == truth.optimizer, setting
+    peaks = {(s.loops, s.label): m.peak for s, m in zip(settings, estimated)}
+    assert peaks[(k_max, "none")] > peaks[(1, "none")]  # activations grow with k without checkpointing
+    assert peaks[(k_max, "loop")] < peaks[(k_max, "none")] and peaks[(k_max, "layer")] < peaks[(k_max, "none")]
+
+
+@pytest.mark.slow
+def test_fsdp_shards_parameters_and_optimizer_state_and_ddp_adds_its_buckets() -> None:
+    config = _small("quickstart.yaml")
+    setting = Setting(2, "loop", None, 2, 16)
+    build = lambda: build_module(config)  # noqa: E731
+    single, = estimate_steps(build, Target("single"), [setting])
+    with fake_training(build, Target("fsdp", 4, gradient_clip_val=1.0)) as trace:
+        # DTensor derives an op's layout on global-shape fake tensors the first time only: the
+        # optimizer is primed so that the first traced step does not count them
+        sharded, again = trace(setting), trace(setting)
+    assert sharded == again
+    ddp, = estimate_steps(build, Target("ddp", 8), [setting])
+    in_buckets, = estimate_steps(build, Target("ddp", 8, gradient_as_bucket_view=True), [setting])
+    # FSDP2 pads every shard to an equal size: a quarter, give or take a row per tensor
+    assert sharded.optimizer == pytest.approx(single.optimizer / 4, rel=0.02)
+    assert sharded.params < single.params
+    buckets = ddp_bucket_bytes(build().model)
+    assert ddp.grads == single.grads + buckets
+    assert in_buckets.grads == buckets
+    assert ddp.activations == single.activations and ddp.optimizer == single.optimizer
+
+
+def test_clipping_sharded_gradients_counts_no_global_copies() -> None:
+    """DTensor derives an op's output layout the first time it meets it, on fake tensors of the global shapes in
+    the active fake mode, where the tracker would count them: clipping 8 shards would add 8 shards' worth of
+    gradients per rank. The primed optimizer has clipped once already, so a traced clip adds only the norms."""
+    config = _config("quickstart.yaml")
+    with fake_process_group(8) as mesh:
+        module = build_module(config)
+        with fake_mode():
+            shard_looped_lm(module.model, mesh)
+            module.model.to_empty(device="cpu")
+            optimizer = primed_optimizer(module, gradient_clip_val=1.0)
+            for p in module.model.parameters():
+                p.grad = torch.zeros_like(p)
+            tracker = FSDPStepTracker(module.model, optimizer)
+            with tracker:
+                before = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
+                torch.nn.utils.clip_grad_norm_(module.model.parameters(), 1.0)
+            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    global_grads = 4 * sum(p.numel() for p in module.model.parameters())
+    assert peak - before < 0.01 * global_grads, (peak - before, global_grads)
+
+
+def test_precision_sets_the_dtypes_of_weights_and_state() -> None:
+    config = _small("quickstart.yaml")
+    setting = Setting(1, "layer", None, 1, 8)
+    fp32, = estimate_steps(lambda: build_module(config), Target("single", 1, "32-true"), [setting])
+    bf16, = estimate_steps(lambda: build_module(config), Target("single", 1, "bf16-true"), [setting])
+    mixed, = estimate_steps(lambda: build_module(config), Target("single", 1, "bf16-mixed"), [setting])
+    assert bf16.params == fp32.params // 2 and bf16.optimizer < fp32.optimizer
+    assert mixed.params == fp32.params and mixed.optimizer == fp32.optimizer  # fp32 master weights and state
+
+
+@given(
+    intercept=st.integers(0, 10_000),
+    slope=st.integers(1, 1_000),
+    curve=st.integers(0, 3),
+    budget=st.integers(0, 200_000),
+    start=st.integers(1, 300),
+    minimum=st.integers(1, 4),
+)
+def test_largest_fitting_finds_the_boundary_of_any_growing_peak(intercept, slope, curve, budget, start, minimum):
+    def peak(b: int) -> int:
+        return intercept + slope * b + curve * b * b
+
+    calls = []
+    found = largest_fitting(lambda b: calls.append(b) or peak(b), budget, start, minimum, limit=1000)
+    fitting = [b for b in range(minimum, 1001) if peak(b) <= budget]
+    assert found == (max(fitting) if fitting else None)
+    assert len(set(calls)) == len(calls)  # no size is traced twice
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("80GB", 80 * 10**9), ("79.5 GiB", int(79.5 * 2**30)), ("512MiB", 512 * 2**20), ("1e9B", 10**9), ("2tb", 2 * 10**12)],
+)
+def test_parse_memory(text: str, expected: int) -> None:
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80", "eighty GB", "-1GB", "0GB", "80 GBs", ""])
+def test_parse_memory_refuses_what_is_not_a_size(text: str) -> None:
+    with pytest.raises(ValueError, match="--device_memory .* give a number and a unit"):
+        parse_memory(text)
+
+
+BAD_FLAGS = {
+    "devices": (["--devices", "0"], "--devices 0 must be an integer >= 1"),
+    "num_nodes": (["--num_nodes", "-2"], "--num_nodes -2"),
+    "memory": (["--device_memory", "80"], "--device_memory '80' is not a memory size"),
+    "strategy": (["--strategy", "zero3"], "--strategy 'zero3' must be one of"),
+    "mode": (["--modes", "[none, fast]"], "--modes 'fast' is not a mode"),
+    "micro_batch": (["--micro_batch", "2"], "smaller than model.init_args.virtual_ranks=4"),
+    "headroom": (["--headroom", "1.5"], "--headroom 1.5 must be in [0, 1)"),
+    "model": (["--config", "BROKEN"], "the model cannot be built: arch.d_model=30 is not divisible by arch.n_heads=4"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FLAGS))
+def test_a_bad_flag_is_one_line_naming_it(name: str, tmp_path: Path, capsys, monkeypatch) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model:\n  init_args:\n    arch: {d_model: 30, n_heads: 4}\n")
+    flags, message = BAD_FLAGS[name]
+    flags = [str(broken) if flag == "BROKEN" else flag for flag in flags]
+    monkeypatch.delenv("ELR_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--config", str(ROOT / "config" / "quickstart.yaml"), "--seq_len", "8", *flags])
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("elr:")]
+    assert exit_info.value.code == 1
+    assert len(said) == 1 and message in said[0], said
+
+
+@pytest.mark.slow
+def test_the_report_has_a_row_per_k_and_mode_and_a_verdict(tmp_path: Path, capsys) -> None:
+    one_shard = tmp_path / "one_shard.yaml"
+    one_shard.write_text("model:\n  init_args:\n    virtual_ranks: 1\n")
+    configs = ["--config", str(ROOT / "config" / "quickstart.yaml"), "--config", str(one_shard)]
+    main([
+        "estimate", *configs, "--micro_batch", "4", "--seq_len", "16",
+        "--modes", "[none, layer]", "--loops", "[1, 3]", "--device_memory", "40MiB", "--headroom", "0", "--json", "true",
+    ])
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert [(row["loops"], row["mode"]) for row in report["rows"]] == [(1, "none"), (1, "layer"), (3, "none"), (3, "layer")]
+    for row in report["rows"]:
+        assert row["peak"] == row["params"] + row["grads"] + row["optimizer"] + row["activations"]
+    largest = report["largest_micro_batch"]
+    assert largest is not None and largest >= 4 and report["configured"]["peak"] <= report["budget"]
+    too_big = memory_report(
+        configs[1::2], micro_batch=largest + 1, seq_len=16, loops=[3], modes=["none"],
+        device_memory="40MiB", headroom=0, search=False,
+    )
+    assert too_big["configured"]["peak"] > too_big["budget"]
+    assert too_big["verdict"].startswith("does not fit") and report["verdict"].startswith("fits")
+    assert "elr estimate: k=3 none micro-batch 4" in err  # progress, one line per traced step
+
+
+@pytest.mark.slow
+def test_fit_logs_the_estimate_once_and_warns_when_it_exceeds_the_device(tmp_path: Path, capsys, monkeypatch) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "seed_everything: 0\n"
+        "trainer: {accelerator: cpu, devices: 1, max_steps: 1, logger: false, enable_checkpointing: false,\n"
+        "  enable_progress_bar: false, enable_model_summary: false, limit_val_batches: 0,\n"
+        f"  default_root_dir: {tmp_path / 'run'}}}\n"
+        "model:\n  class_path: elr_lightning.ELRModule\n  init_args:\n"
+        "    arch: {vocab_size: 256, d_model: 16, n_heads: 2, n_in: 1, n_rec: 1, n_out: 1, max_seq_len: 32, max_loops: 2}\n"
+        "    sampler: {class_path: elr_lightning.sampling.OneLoopOverride, init_args: {max_loops: 2}}\n"
+        "    warmup_steps: 1\n"
+        "data:\n  class_path: elr_lightning.data.TextDataModule\n"
+        f"  init_args: {{sources: [{tmp_path / 'corpus.txt'}], seq_len: 16, batch_size: 2, cache_dir: {tmp_path / 'cache'}}}\n"
+    )
+    (tmp_path / "corpus.txt").write_text("".join(f"line {i}: {i * 7919 % 1000}\n" for i in range(300)))
+    queried = []
+
+    def tiny_device(device: torch.device) -> int:  # the CPU posing as a 64 KiB GPU
+        queried.append(device)
+        return 2**16
+
+    monkeypatch.setattr(estimate_fit, "cuda_total_memory", tiny_device)
+    main(["fit", "--config", str(config)])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("elr: ")]
+    assert len([line for line in lines if line.startswith("elr: estimated peak memory per rank")]) == 1, err
+    warnings = [line for line in lines if line.startswith("elr: warning: the estimated peak")]
+    assert len(warnings) == 1 and "exceeds 0.0 GiB" in warnings[0], err
+    assert queried == [torch.device("cpu")]
+
+
+def test_on_a_cpu_nothing_is_traced(capsys) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    module = _real_module(_config("quickstart.yaml"))
+    data = SimpleNamespace(batch_size=16, seq_len=128)
+    assert log_fit_estimate(trainer, module, data) is None
+    assert capsys.readouterr().err == ""
+
+
+def test_the_fit_estimate_is_the_runs_worst_step(capsys) -> None:
+    config = _small("quickstart.yaml")
+    module = ELRModule(**{**config["model"]["init_args"], "activation_checkpointing": "loop"})
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, gradient_clip_val=1.0)
+    data = SimpleNamespace(batch_size=2, seq_len=16)
+    roomy = log_fit_estimate(trainer, module, data, total_memory=lambda device: 2**40)
+    expected, = estimate_steps(lambda: build_module(config), Target("single", 1, "32-true", 1.0), [Setting(3, "loop", None, 2, 16)])
+    assert isinstance(roomy, StepMemory) and roomy == expected
+    err = capsys.readouterr().err
+    assert err.count("elr: estimated peak memory per rank") == 1 and "warning" not in err
+    assert module.model.core.checkpointing == "loop" and all(not p.is_meta for p in module.parameters())
+
+
+def test_a_run_the_estimate_cannot_cover_trains_on_with_one_line(capsys) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, precision="64-true")
+    module = _real_module(_config("quickstart.yaml"))
+    assert log_fit_estimate(trainer, module, SimpleNamespace(batch_size=4, seq_len=8), total_memory=lambda d: 2**30) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("elr: no memory estimate for this run: trainer.precision='64-true'")
+
+
+def test_config_strategies_map_to_targets() -> None:
+    config = _config("30b_a3b.yaml")
+    assert estimate_report.target_of_config(config, 8).strategy == "fsdp"
+    assert estimate_report.target_of_config(config, 8, "ddp").strategy == "ddp"
+    four = _config("4b.yaml")
+    target = estimate_report.target_of_config(four, 16)
+    assert (target.strategy, target.precision, target.gradient_clip_val) == ("ddp", "bf16-mixed", 1.0)
+    assert estimate_report.target_of_config(_config("quickstart.yaml"), 1).strategy == "single"
+    assert estimate_report.layout_of_config(four, 8, 2) == (8, 2)
