@@ -255,7 +255,8 @@ def test_quickstart_trains_then_eval_tables_and_generate_decodes_in_the_alphabet
 
     path = _depth_config(tmp_path)
     config = yaml.safe_load(open(path))
-    config["trainer"].update(default_root_dir=str(tmp_path / "runs"), logger=False, callbacks=[
+    logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(tmp_path / "tb"), "name": "fit"}}
+    config["trainer"].update(default_root_dir=str(tmp_path / "runs"), logger=logger, callbacks=[
         {"class_path": "elr_lightning.callbacks.DepthAccuracy", "init_args": {"n": 4}},
         {"class_path": "elr_lightning.callbacks.AtomicModelCheckpoint", "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True}},
     ])  # fmt: skip
@@ -264,7 +265,7 @@ def test_quickstart_trains_then_eval_tables_and_generate_decodes_in_the_alphabet
     ckpt = str(tmp_path / "ckpt" / "last.ckpt")
     capsys.readouterr()
     run(["eval", "--ckpt_path", ckpt, "--limit", "4", "--loops", "1,2,4,auto", "--threshold", "0.1,0.01", "--allow_extrapolation",
-         "--output_dir", str(tmp_path / "eval")])  # fmt: skip
+         "--output_dir", str(tmp_path / "eval"), "--log_dir", str(tmp_path / "tb" / "eval")])  # fmt: skip
     table = capsys.readouterr().out
     assert "exact match (%) of 4 held-out instances per difficulty" in table
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
@@ -272,6 +273,14 @@ def test_quickstart_trains_then_eval_tables_and_generate_decodes_in_the_alphabet
     assert set(summary["exact"]["1"]) == {"1", "2", "4"} and set(summary["adaptive"]) == {"auto:kl:0.1", "auto:kl:0.01"}
     assert all(0.0 <= v <= 100.0 for row in summary["exact"].values() for v in row.values())
     assert (tmp_path / "eval" / "depth_heatmap.png").stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for folder, prefix in ((tmp_path / "tb" / "fit" / "version_0", "val_depth"), (tmp_path / "tb" / "eval", "eval_depth")):
+        events = EventAccumulator(str(folder), size_guidance={"images": 0, "tensors": 0})
+        events.Reload()
+        assert f"{prefix}/heatmap" in events.Tags()["images"]
+        text = events.Tensors(f"{prefix}/table/text_summary")[-1].tensor_proto.string_val[0].decode()
+        assert text.startswith("| root | k=1 | k=2 |") and "| 2 |" in text
     run(["generate", "--ckpt_path", ckpt, "--loops", "2", "--max_new_tokens", "3", "--temperature", "0",
          "--prompt", "A1B12"])  # fmt: skip
     text = capsys.readouterr().out.strip()

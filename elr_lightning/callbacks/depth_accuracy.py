@@ -17,7 +17,7 @@ class DepthAccuracy(Callback):
     with another data module it does nothing. Rank 0 scores ``n`` instances per difficulty at every
     k of ``loops`` (:func:`~elr_lightning.depth.score.score`) and logs, to every logger,
     ``val_depth/d{difficulty}/exact_k{k}`` (the instance exact match) and, to TensorBoard, the image
-    ``val_depth/heatmap`` (difficulty x k). The model's other ranks wait at the next collective.
+    ``val_depth/heatmap`` (difficulty x k) and the same table as text, ``val_depth/table``. The model's other ranks wait at the next collective.
 
     Args:
         loops: Loop counts; default 1..2K (K = ``arch.max_loops``, so K+1..2K extrapolate), 1 alone for the
@@ -38,7 +38,7 @@ class DepthAccuracy(Callback):
         datamodule = getattr(trainer, "datamodule", None)
         if trainer.sanity_checking or not trainer.is_global_zero or not hasattr(datamodule, "eval_difficulties"):
             return
-        from elr_lightning.depth.score import default_loops, heatmap, score
+        from elr_lightning.depth.score import default_loops, format_table, heatmap, score
 
         max_loops = pl_module.arch.max_loops
         loops = self.loops or default_loops(pl_module.model)
@@ -50,3 +50,4 @@ class DepthAccuracy(Callback):
             if isinstance(logger, TensorBoardLogger):
                 title = f"{datamodule.task.name}: exact match (%), step {step}"
                 logger.experiment.add_figure("val_depth/heatmap", heatmap(table, title=title, max_loops=max_loops), step)
+                logger.experiment.add_text("val_depth/table", format_table(table, "exact", datamodule.task), step)

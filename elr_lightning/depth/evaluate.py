@@ -103,7 +103,7 @@ def run_depth_eval(args: Any, model: LoopedLM, task: DepthTask) -> dict[str, Any
     figure = heatmap(table, title=f"{task.name}: exact match (%); right of the line: k > K", max_loops=max_loops)
     figure.savefig(os.path.join(args.output_dir, "depth_heatmap.png"))
     if args.log_dir:
-        _log_tensorboard(table, figure, args.log_dir)
+        _log_tensorboard(table, figure, args.log_dir, task)
     return summary
 
 
@@ -117,8 +117,8 @@ def _report(table: Table, task: DepthTask, summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _log_tensorboard(table: Table, figure: Any, log_dir: str) -> None:
-    """Scalars ``eval_depth/d{difficulty}/exact`` and ``.../deep`` with k as the step, and the heatmap."""
+def _log_tensorboard(table: Table, figure: Any, log_dir: str, task: DepthTask) -> None:
+    """Scalars ``eval_depth/d{difficulty}/exact`` and ``.../deep`` with k as the step, the heatmap and the table."""
     from torch.utils.tensorboard import SummaryWriter
 
     with SummaryWriter(log_dir) as writer:
@@ -127,3 +127,4 @@ def _log_tensorboard(table: Table, figure: Any, log_dir: str) -> None:
                 for metric, value in cell.items():
                     writer.add_scalar(f"eval_depth/d{difficulty}/{metric}", value, k)
         writer.add_figure("eval_depth/heatmap", figure)
+        writer.add_text("eval_depth/table", format_table(table, "exact", task))
