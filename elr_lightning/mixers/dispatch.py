@@ -69,7 +69,7 @@ def plan_dispatch(experts: Tensor, num_experts: int) -> DispatchPlan:
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
     known_sizes = None
-    if flat.is_meta or is_fake(flat):
+    if flat.is_meta or (not torch.compiler.is_compiling() and is_fake(flat)):  # dynamo cannot trace is_fake
         share, extra = divmod(flat.numel(), num_experts)
         known_sizes = [share + (e < extra) for e in range(num_experts)]
         counts = torch.tensor(known_sizes, device=flat.device)
