@@ -110,8 +110,8 @@ def gated_rows(w: Tensor, gate: Tensor) -> Tensor:
 def adapted(flat: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """``P x = x + (x down^T) up^T`` for ``flat`` ``[tokens, d]``: eq. (4)'s adapter on the activations.
 
-    In ``flat``'s dtype even under autocast, as the reference form's ``x + A(g B x)`` and the
-    unmodulated layer give the mixer its input (the rank-r products cost little in any dtype).
+    In ``flat``'s dtype even under autocast (the rank-r products cost little in any dtype): the
+    caller passes the input in the dtype the mixer's Linears read it in, so that they share ``P x``.
     """
     with torch.autocast(flat.device.type, enabled=False):
         return torch.addmm(flat, flat @ down.T.to(flat.dtype), up.T.to(flat.dtype))
@@ -150,7 +150,8 @@ class _Mixer(nn.Module):
 
         * the adapter: every Linear named in :attr:`fold_inputs` runs with ``W P = W + (W up) down``
           when their output widths sum to fewer than the tokens of ``x``; else ``P x`` is one
-          ``addmm`` over the activations, shared by all of them;
+          ``addmm`` over the activations, shared by all of them, computed from ``x`` cast once to
+          the dtype they read (bf16 under autocast; a mixer that names none gets ``x``'s dtype);
         * the gate: every Linear named in :attr:`fold_outputs` runs with its rows scaled when its
           input width is below the tokens of ``x``; else the output is multiplied.
 
@@ -177,7 +178,11 @@ class _Mixer(nn.Module):
                         up, down = mod.up.to(w.dtype), mod.down.to(w.dtype)
                         weights[f"{name}.weight"] = keep.add(low_rank_fold, w, up, down)
                 else:
-                    x = keep.add(adapted, x.reshape(tokens, x.shape[-1]), mod.up, mod.down).view_as(x)
+                    # The input in the dtype its Linears read it in (the cast each would make and keep),
+                    # once: P x is rebuilt from it. A mixer that names none gets its input's dtype.
+                    dtype = read_dtype(inputs[0].weight) if inputs else x.dtype
+                    flat = x.reshape(tokens, x.shape[-1]).to(dtype)
+                    x = keep.add(adapted, flat, mod.up, mod.down).view(x.shape)
             fold_gate = bool(inputs and outputs) and all(linear.in_features < tokens for linear in outputs)
             if fold_gate:
                 for name, linear in zip(self.fold_outputs, outputs):
