@@ -101,7 +101,8 @@ def local_accuracy(model: LoopedLM, module: Any, depths: list[tuple[str, Any, De
     from lm_eval.tasks import TaskManager
 
     from elr_lightning.eval import LOCAL_GROUP, TASKS_DIR, ELRLM
-    from elr_lightning.eval.command import auto_label, summarize
+    from elr_lightning.eval.command import summarize
+    from elr_lightning.loop_points import auto_label
     from elr_lightning.tokenizers import choose_tokenizer
 
     manager = TaskManager(include_path=[TASKS_DIR], include_defaults=False,

@@ -59,6 +59,12 @@ _GRADS = {_MemRefType.GRAD, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.UNSHARDED_GR
 _OPTIMIZER = {_MemRefType.OPT, _FSDPRefType.OPT}
 
 
+def half_precision(precision: str) -> bool:
+    """Whether a precision computes in bf16 or fp16 (where fla's kernels run)."""
+    autocast, params = PRECISIONS[precision]
+    return (autocast or params) in (torch.bfloat16, torch.float16)
+
+
 def lightning_precision(precision: Any) -> str:
     """A Lightning ``trainer.precision`` (``32``, ``"bf16"``, ``"bf16-mixed"``, ...) as a key of :data:`PRECISIONS`.
 
@@ -476,6 +482,7 @@ __all__ = [
     "fake_mode",
     "fake_process_group",
     "fake_training",
+    "half_precision",
     "largest_fitting",
     "lightning_precision",
     "measured_steps",

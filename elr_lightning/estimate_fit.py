@@ -42,8 +42,7 @@ def target_of_trainer(trainer: "pl.Trainer") -> "Target":
     """
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-    from elr_lightning.estimate import Target, lightning_precision
-    from elr_lightning.estimate_report import half_precision
+    from elr_lightning.estimate import Target, half_precision, lightning_precision
     from elr_lightning.mixers.delta_rule import _fla_kernel
 
     strategy = trainer.strategy

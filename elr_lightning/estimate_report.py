@@ -23,7 +23,16 @@ import torch
 from elr_lightning.core import CHECKPOINTING
 from elr_lightning.cost import build_module, merged_config
 from elr_lightning.errors import root_cause
-from elr_lightning.estimate import PRECISIONS, STRATEGIES, Setting, StepMemory, Target, fake_training, largest_fitting, lightning_precision
+from elr_lightning.estimate import (
+    STRATEGIES,
+    Setting,
+    StepMemory,
+    Target,
+    fake_training,
+    half_precision,
+    largest_fitting,
+    lightning_precision,
+)
 from elr_lightning.module import ELRModule
 
 
@@ -156,12 +165,6 @@ def target_of_config(
         reshard_after_forward=bool(init_args.get("reshard_after_forward", True)),
         fla_kernels=gdp_kernels == "fla" or (gdp_kernels == "auto" and half_precision(precision)),
     )
-
-
-def half_precision(precision: str) -> bool:
-    """Whether a precision computes in bf16 or fp16 (where fla's kernels run)."""
-    autocast, params = PRECISIONS[precision]
-    return (autocast or params) in (torch.bfloat16, torch.float16)
 
 
 def geometry_of_config(config: dict[str, Any], micro_batch: Optional[int], seq_len: Optional[int]) -> tuple[int, int]:
@@ -448,7 +451,6 @@ def main(argv: list[str]) -> None:
 __all__ = [
     "MODES",
     "format_memory_report",
-    "half_precision",
     "layout_of_config",
     "main",
     "memory_report",

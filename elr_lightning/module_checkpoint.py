@@ -4,15 +4,14 @@ when one is saved or loaded."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
+
+from lightning.pytorch import LightningModule
 
 from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
 from elr_lightning.plugin_config import plain_hyperparameters
 from elr_lightning.resume import check_resumed_schedule, planned_steps
 from elr_lightning.tokenizers import checkpoint_tokenizer, tokenizer_state
-
-if TYPE_CHECKING:
-    from elr_lightning.module import ELRModule
 
 #: ``arch`` fields that a checkpoint may differ in: they set the init, the RoPE table's length or route replay only.
 ARCH_FREE_FIELDS = ("init_std", "max_seq_len", "route_replay")
@@ -23,8 +22,8 @@ def changed_arch_fields(saved_arch: Mapping[str, Any], arch: Mapping[str, Any]) 
     return [key for key in arch if key in saved_arch and key not in ARCH_FREE_FIELDS and saved_arch[key] != arch[key]]
 
 
-def record_checkpoint(module: ELRModule, checkpoint: dict[str, Any]) -> None:
-    """Fill ``checkpoint`` for :meth:`ELRModule.on_save_checkpoint`; refuse non-finite weights.
+def record_checkpoint(module: LightningModule, checkpoint: dict[str, Any]) -> None:
+    """Fill ``checkpoint`` for :meth:`~elr_lightning.module.ELRModule.on_save_checkpoint` (``module``); refuse non-finite weights.
 
     Writes the hyperparameters as plain data (:func:`~elr_lightning.plugin_config.plain_value`, so the
     file loads with ``torch.load(..., weights_only=True)``) and ``checkpoint["elr"]``: the
@@ -61,13 +60,13 @@ def record_checkpoint(module: ELRModule, checkpoint: dict[str, Any]) -> None:
         checkpoint["elr"]["tokenizer"] = tokenizer_state(module.tokenizer)
 
 
-def check_loaded_checkpoint(module: ELRModule, checkpoint: dict[str, Any]) -> None:
-    """Refuse a checkpoint of another architecture, or with(out) heads ``module`` lacks (has).
+def check_loaded_checkpoint(module: LightningModule, checkpoint: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another architecture, or with(out) heads ``module`` (an ``ELRModule``) lacks (has).
 
-    For :meth:`ELRModule.on_load_checkpoint`: compares the ``arch`` saved by :func:`record_checkpoint`
+    For :meth:`~elr_lightning.module.ELRModule.on_load_checkpoint`: compares the ``arch`` saved by :func:`record_checkpoint`
     field by field, and (unless ``strict_loading`` is off) the names and shapes of the checkpoint's
     tensors with the module's, before Lightning's strict load; a resumed fit must keep its loop
-    schedule's inputs. Restores the saved tokenizer unless :meth:`ELRModule.setup` already took one
+    schedule's inputs. Restores the saved tokenizer unless :meth:`~elr_lightning.module.ELRModule.setup` already took one
     from the data module (a resumed run keeps the data's tokenizer).
 
     Raises:

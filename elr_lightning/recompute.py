@@ -10,20 +10,33 @@ rebuilds each from the parameters and the rank-r terms when it needs it.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["RecomputedTensors", "read_dtype"]
+__all__ = ["RecomputedTensors", "autocast_off", "read_dtype"]
 
 
 def read_dtype(w: Tensor) -> torch.dtype:
     """The dtype a ``Linear`` reads its weight ``w`` in here: autocast's where it is on for ``w``'s device."""
-    device = w.device.type
-    if torch.is_autocast_enabled(device) and w.is_floating_point() and w.dtype != torch.float64:
-        return torch.get_autocast_dtype(device)
+    state = _autocast_state(w.device.type)
+    if state is not None and state[0] and w.is_floating_point() and w.dtype != torch.float64:
+        return state[1]
     return w.dtype
+
+
+def autocast_off(device: str) -> contextlib.AbstractContextManager[Any]:
+    """Autocast switched off for ``device`` (the type, e.g. ``"cpu"``); a no-op where it has none (meta)."""
+    return torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
+
+
+def _autocast_state(device: str) -> Optional[tuple[bool, torch.dtype]]:
+    """Whether autocast is on for ``device`` and its dtype; ``None`` where the device has no autocast (meta)."""
+    if not torch.amp.is_autocast_available(device):  # asking the meta device about autocast raises
+        return None
+    return torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
 
 
 class _Made:
@@ -32,7 +45,7 @@ class _Made:
     def __init__(self, out: Tensor, fn: Callable[..., Tensor], args: tuple[Tensor, ...]) -> None:
         self.out, self.fn, self.args = out, fn, args
         self.device = out.device.type
-        self.autocast = torch.is_autocast_enabled(self.device), torch.get_autocast_dtype(self.device)
+        self.autocast = _autocast_state(self.device)
 
 
 class _Rebuild:
@@ -49,8 +62,10 @@ class _Rebuild:
                 "a tensor eq. 4's folded weights are rebuilt from was modified in place between the forward "
                 "and the backward pass; modify parameters only after backward()"
             )
-        enabled, dtype = self.autocast
-        with torch.autocast(self.device, dtype=dtype, enabled=enabled):  # as the forward ran it
+        as_forward = contextlib.nullcontext() if self.autocast is None else torch.autocast(
+            self.device, dtype=self.autocast[1], enabled=self.autocast[0]
+        )
+        with as_forward:  # the autocast state the forward ran under
             return self.fn(*self.args).as_strided(self.size, self.stride, self.offset)
 
 

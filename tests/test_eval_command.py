@@ -20,7 +20,8 @@ from elr_lightning.conditioning import LoopConditioner  # noqa: E402
 from elr_lightning.config import ModelConfig  # noqa: E402
 from elr_lightning.data import TextDataModule, default_corpus_files, iter_documents  # noqa: E402
 from elr_lightning.eval import TASKS_DIR, build_tasks  # noqa: E402
-from elr_lightning.eval.command import format_table, parse_loops, parse_points, parse_thresholds, summarize  # noqa: E402
+from elr_lightning.eval.command import format_table, summarize  # noqa: E402
+from elr_lightning.loop_points import parse_loops, parse_points, parse_thresholds  # noqa: E402
 from elr_lightning.eval.taskdata import heldout_text  # noqa: E402
 from elr_lightning.module import ELRModule  # noqa: E402
 

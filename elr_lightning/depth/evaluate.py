@@ -63,7 +63,7 @@ def run_depth_eval(args: Any, model: LoopedLM, task: DepthTask) -> dict[str, Any
     ``output_dir`` and ``log_dir``.
     """
     from elr_lightning.eval.adapter import check_loops
-    from elr_lightning.eval.command import auto_label, parse_points, parse_thresholds
+    from elr_lightning.loop_points import auto_label, parse_points, parse_thresholds
 
     max_loops = model.config.max_loops
     if args.loops is None:

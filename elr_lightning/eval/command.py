@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -31,67 +30,11 @@ from typing import Any, Literal, Optional
 import torch
 
 from elr_lightning.errors import refuse_unread_flags
+from elr_lightning.loop_points import auto_label, parse_points, parse_thresholds
 from elr_lightning.tokenizers import choose_tokenizer
 from elr_lightning.trust import add_trust_argument, apply_trust_argument
 
 _EVAL_ERRORS = (ValueError, FileNotFoundError, ImportError, KeyError)
-
-
-def parse_loops(spec: str) -> list[int]:
-    """``"1,2,4"`` or ``"1-4"`` -> sorted distinct loop counts.
-
-    Raises:
-        ValueError: A part is not an integer, or a count is below 1.
-    """
-    loops: set[int] = set()
-    for part in str(spec).split(","):
-        part = part.strip()
-        bounds = part.split("-", 1) if "-" in part[1:] and not part.startswith("-") else (part, part)
-        try:
-            lo, hi = int(bounds[0]), int(bounds[1])
-        except ValueError:
-            raise ValueError(f"--loops {spec!r}: {part!r} is not a loop count; write e.g. --loops 1,2,4 or 1-4") from None
-        if hi < lo:
-            raise ValueError(f"--loops {spec!r}: the range {part!r} is empty; write the smaller count first")
-        loops.update(range(lo, hi + 1))
-    if not loops or min(loops) < 1:
-        raise ValueError(f"--loops {spec!r}: every loop count must be >= 1")
-    return sorted(loops)
-
-
-def parse_points(spec: str) -> tuple[list[int], bool]:
-    """``"1-3,auto"`` -> the loop counts (:func:`parse_loops`) and whether adaptive depth (``auto``) is asked for.
-
-    Raises:
-        ValueError: A part is neither a loop count nor ``auto``.
-    """
-    parts = [part.strip() for part in str(spec).split(",")]
-    fixed = ",".join(part for part in parts if part != "auto")
-    return (parse_loops(fixed) if fixed else []), "auto" in parts
-
-
-def parse_thresholds(spec: str) -> list[float]:
-    """``"0.01,1e-3"`` -> distinct exit thresholds in the order given.
-
-    Raises:
-        ValueError: A part is not a finite number >= 0.
-    """
-    out: list[float] = []
-    for part in str(spec).split(","):
-        try:
-            value = float(part)
-        except ValueError:
-            value = float("nan")
-        if not (value >= 0 and math.isfinite(value)):
-            raise ValueError(f"--threshold {spec!r}: {part.strip()!r} is not a number >= 0; write e.g. --threshold 0.01,0.001")
-        if value not in out:
-            out.append(value)
-    return out
-
-
-def auto_label(criterion: str, threshold: float) -> str:
-    """The name of an adaptive point in ``summary.json`` and the table, e.g. ``auto:kl:0.001``."""
-    return f"auto:{criterion}:{threshold:g}"
 
 
 def _parser() -> Any:
@@ -286,7 +229,7 @@ def summarize(
 
     Args:
         per_k: The harness's results dictionary for each k.
-        adaptive: Per adaptive point (:func:`auto_label`), its results and ``{"criterion",
+        adaptive: Per adaptive point (:func:`~elr_lightning.loop_points.auto_label`), its results and ``{"criterion",
             "threshold", "max_loops", "mean_loops"}``.
 
     Returns:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from elr_lightning.context import LoopContext
-from elr_lightning.recompute import RecomputedTensors, read_dtype
+from elr_lightning.recompute import RecomputedTensors, autocast_off, read_dtype
 
 
 class Architecture(Protocol):
@@ -78,7 +78,7 @@ class _LowRankFold(torch.autograd.Function):
         # Computed in the weight's dtype even under autocast, then cast once to the dtype the linear
         # reads it in (what autocast's cast of the weight would give): no second weight-sized copy.
         dtype = read_dtype(w)
-        with torch.autocast(w.device.type, enabled=False):
+        with autocast_off(w.device.type):
             wu = w @ up
             ctx.save_for_backward(w, up, down, wu)
             return torch.addmm(w, wu, down).to(dtype)
@@ -86,7 +86,7 @@ class _LowRankFold(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         w, up, down, wu = ctx.saved_tensors
-        with torch.autocast(grad.device.type, enabled=False):  # in the weight's dtype, as the forward
+        with autocast_off(grad.device.type):  # in the weight's dtype, as the forward
             grad = grad.to(w.dtype)
             # The rank-r products short and wide ([r, out]): BLAS on the CPU runs these 1.5-2.5x
             # faster than the tall and skinny grad @ down^T and w^T @ t.
@@ -113,7 +113,7 @@ def adapted(flat: Tensor, up: Tensor, down: Tensor) -> Tensor:
     In ``flat``'s dtype even under autocast (the rank-r products cost little in any dtype): the
     caller passes the input in the dtype the mixer's Linears read it in, so that they share ``P x``.
     """
-    with torch.autocast(flat.device.type, enabled=False):
+    with autocast_off(flat.device.type):
         return torch.addmm(flat, flat @ down.T.to(flat.dtype), up.T.to(flat.dtype))
 
 

@@ -22,7 +22,6 @@ so everything but the chunk-to-chunk state hand-over is a batched matrix product
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -32,6 +31,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from elr_lightning.recompute import autocast_off
+
 
 def chunked_delta_product(
     q: Tensor,
@@ -62,9 +64,7 @@ def chunked_delta_product(
     Returns:
         ``(o, S)``: outputs ``[B, T, H, d_v]`` in ``q``'s dtype and the final state ``[B, H, d_k, d_v]`` (float32).
     """
-    device = q.device.type  # autocast would run the products in bf16; the meta device has no autocast
-    off = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
-    with off:
+    with autocast_off(q.device.type):  # autocast would run the products in bf16
         return _chunked(q, k, v, g, beta, num_householder, initial_state, chunk_size)
 
 
