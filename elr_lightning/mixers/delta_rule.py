@@ -22,6 +22,7 @@ so everything but the chunk-to-chunk state hand-over is a batched matrix product
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -31,9 +32,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from elr_lightning.recompute import autocast_off
-
 
 def chunked_delta_product(
     q: Tensor,
@@ -64,7 +62,9 @@ def chunked_delta_product(
     Returns:
         ``(o, S)``: outputs ``[B, T, H, d_v]`` in ``q``'s dtype and the final state ``[B, H, d_k, d_v]`` (float32).
     """
-    with autocast_off(q.device.type):  # autocast would run the products in bf16
+    device = q.device.type  # autocast would run the products in bf16; the meta device has no autocast
+    off = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
+    with off:  # not recompute.autocast_off: this file is copied into HF exports, which import nothing of ours
         return _chunked(q, k, v, g, beta, num_householder, initial_state, chunk_size)
 
 
