@@ -17,7 +17,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from elr_lightning.cli import run  # noqa: E402
 from elr_lightning.generation import load_model  # noqa: E402
-from elr_lightning.hf.retrofit import SafetensorsWeights  # noqa: E402
+from elr_lightning.hf.source_weights import SafetensorsWeights  # noqa: E402
 from test_retrofit import ATOL, logits_pair, save_tiny  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
