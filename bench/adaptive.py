@@ -103,7 +103,7 @@ def local_accuracy(model: LoopedLM, module: Any, depths: list[tuple[str, Any, De
     from elr_lightning.eval import LOCAL_GROUP, TASKS_DIR, ELRLM
     from elr_lightning.eval.command import summarize
     from elr_lightning.loop_points import auto_label
-    from elr_lightning.tokenizers import choose_tokenizer
+    from elr_lightning.tokenizer_checkpoint import choose_tokenizer
 
     manager = TaskManager(include_path=[TASKS_DIR], include_defaults=False,
                           metadata={"data_dir": args.data_dir} if args.data_dir else {})  # fmt: skip

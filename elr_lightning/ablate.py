@@ -247,7 +247,7 @@ def reasoning_scores(config: dict[str, Any], n: int) -> dict[str, dict[str, dict
     """
     from elr_lightning.generation import load_model
     from elr_lightning.reasoning import GENERATORS, score_levels
-    from elr_lightning.tokenizers import choose_tokenizer
+    from elr_lightning.tokenizer_checkpoint import choose_tokenizer
     from elr_lightning.trust import named_packages, trust_modules
 
     # The checkpoint's plug-ins and layers come from the user's own config, which trained it.

@@ -25,7 +25,8 @@ from elr_lightning.checkpoint_io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.errors import refuse_unread_flags
 from elr_lightning.generation import generate, load_model
-from elr_lightning.tokenizers import IncrementalDecoder, choose_tokenizer
+from elr_lightning.tokenizer_checkpoint import choose_tokenizer
+from elr_lightning.tokenizers import IncrementalDecoder
 from elr_lightning.trust import add_trust_argument, apply_trust_argument
 
 

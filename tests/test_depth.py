@@ -18,7 +18,8 @@ from elr_lightning.depth.datamodule import DepthSteps, instances
 from elr_lightning.depth.score import decode_teacher_forced, score, score_adaptive
 from elr_lightning.batches import IGNORE_INDEX
 from elr_lightning.model import LoopedLM
-from elr_lightning.tokenizers import CharTokenizer, tokenizer_from_state, tokenizer_state
+from elr_lightning.tokenizer_checkpoint import tokenizer_from_state, tokenizer_state
+from elr_lightning.tokenizers import CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

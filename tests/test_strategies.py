@@ -36,7 +36,8 @@ from elr_lightning.module import ELRModule
 from elr_lightning.roles import set_module_role
 from elr_lightning.sampling import OneLoopOverride
 from elr_lightning.strategies import DataParallelLayout, OneLoopOverrideDDPStrategy, OneLoopOverrideFSDPStrategy
-from elr_lightning.tokenizers import ByteTokenizer, checkpoint_tokenizer
+from elr_lightning.tokenizer_checkpoint import checkpoint_tokenizer
+from elr_lightning.tokenizers import ByteTokenizer
 from elr_lightning.strategies.common import loop_dependent_parameters, unused_parameters, verify_loop_schedule
 from elr_lightning.strategies.fsdp import mixed_precision_policy, shard_looped_lm
 from elr_lightning.updates import StateUpdate

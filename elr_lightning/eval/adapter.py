@@ -43,7 +43,8 @@ from elr_lightning.generation import load_model, stream_generate
 from elr_lightning.prompts import left_pad
 from elr_lightning.model import LoopedLM
 from elr_lightning.serving import serving_model
-from elr_lightning.tokenizers import Tokenizer, choose_tokenizer
+from elr_lightning.tokenizer_checkpoint import choose_tokenizer
+from elr_lightning.tokenizers import Tokenizer
 
 #: ``dtype`` model argument -> autocast dtype (``None``: the weights' own fp32).
 DTYPES: dict[str, Optional[torch.dtype]] = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}

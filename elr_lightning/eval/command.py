@@ -31,7 +31,7 @@ import torch
 
 from elr_lightning.errors import refuse_unread_flags
 from elr_lightning.loop_points import auto_label, parse_points, parse_thresholds
-from elr_lightning.tokenizers import choose_tokenizer
+from elr_lightning.tokenizer_checkpoint import choose_tokenizer
 from elr_lightning.trust import add_trust_argument, apply_trust_argument
 
 _EVAL_ERRORS = (ValueError, FileNotFoundError, ImportError, KeyError)

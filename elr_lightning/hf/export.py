@@ -36,7 +36,8 @@ from elr_lightning.config import ModelConfig
 from elr_lightning.layers import Block
 from elr_lightning.mixers import Attention, GatedDeltaProduct, MoE, SwiGLU
 from elr_lightning.model import LoopedLM
-from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, choose_tokenizer
+from elr_lightning.tokenizer_checkpoint import choose_tokenizer
+from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 from elr_lightning.trust import add_trust_argument, apply_trust_argument, check_checkpoint_names
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
 

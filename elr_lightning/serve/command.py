@@ -21,7 +21,8 @@ from elr_lightning.serve.memory import (
     resolve_accelerator,
     serving_memory,
 )
-from elr_lightning.tokenizers import Tokenizer, checkpoint_tokenizer, choose_tokenizer
+from elr_lightning.tokenizer_checkpoint import checkpoint_tokenizer, choose_tokenizer
+from elr_lightning.tokenizers import Tokenizer
 from elr_lightning.trust import add_trust_argument, apply_trust_argument
 
 #: Default ``--max_request_bytes``: 4 MiB, room for a 131,072-token prompt of plain text.
