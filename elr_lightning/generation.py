@@ -37,6 +37,7 @@ from torch import Tensor
 from elr_lightning.cache import KVCache, PolicyLike
 from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
 from elr_lightning.decode import AdaptiveDepth, Decoder, Depth, budget
+from elr_lightning.checkpoint_schema import CheckpointConfigError
 from elr_lightning.safe_load import UnsafeCheckpointError, read_checkpoint
 from elr_lightning.serving import FoldedLM
 from elr_lightning.model import LoopedLM
@@ -406,11 +407,12 @@ def load_model(
 
     The file is data, never code: it is read with ``torch.load(..., weights_only=True)`` and a file
     that holds a pickled object is refused (:mod:`elr_lightning.safe_load`; a checkpoint of an
-    earlier version is converted once with ``elr upgrade-checkpoint OLD NEW --trust``). The modules
-    its hyperparameters name (plug-ins, layers) are checked before anything is imported: only the
-    library's own, modules already imported and those you trust (``--trust_module``,
-    ``ELR_TRUST_MODULES`` or :func:`~elr_lightning.trust.trust_modules`) are accepted. Then the
-    plug-ins (subclasses of the seams' base classes) are built as they describe.
+    earlier version is converted once with ``elr upgrade-checkpoint OLD NEW --trust``). What it says
+    about the model is checked against the schema of :mod:`elr_lightning.checkpoint_schema` before
+    anything is imported: plain data everywhere, and classes (plug-ins, layers) only in the seams'
+    fields, only from the library and the modules you trust (``--trust_module``, ``ELR_TRUST_MODULES``
+    or :func:`~elr_lightning.trust.trust_modules`); a module already imported is not trusted for
+    that. Then the plug-ins are built as they describe.
 
     Args:
         ckpt_path: Path of a ``.ckpt`` file written by ``elr fit`` or ``Trainer.save_checkpoint``, or of a
@@ -427,6 +429,7 @@ def load_model(
         FileNotFoundError: No file at ``ckpt_path``.
         UnsafeCheckpointError: The file holds a pickled object.
         UntrustedModuleError: The checkpoint names a module that is not trusted.
+        CheckpointConfigError: Its configuration breaks the schema, naming the field.
         ValueError: The file is not a readable ELR Lightning checkpoint.
     """
     if is_sharded_checkpoint(ckpt_path):  # written under FSDP with save_distributed_checkpoint
@@ -439,8 +442,8 @@ def load_model(
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"checkpoint {ckpt_path!r} does not exist")
     try:
-        raw = read_checkpoint(ckpt_path, "meta" if meta else "cpu")
-    except (UnsafeCheckpointError, UntrustedModuleError):
+        raw = read_checkpoint(ckpt_path, "meta" if meta else "cpu", ELRModule)
+    except (UnsafeCheckpointError, UntrustedModuleError, CheckpointConfigError):
         raise
     except Exception as err:  # torch.load raises many types (pickle, zip, EOF) for a bad file
         raise ValueError(f"checkpoint {ckpt_path!r} is not a readable PyTorch checkpoint ({err})") from err

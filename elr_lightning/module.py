@@ -11,12 +11,15 @@ from typing import Any, Mapping, MutableMapping, Optional
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.fabric.utilities.cloud_io import _load as pl_load
+from lightning.pytorch.core.saving import _default_map_location, _load_state, load_hparams_from_yaml
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from elr_lightning.batches import IGNORE_INDEX, Batch, TokenBatch
+from elr_lightning.checkpoint_schema import LEGACY_HPARAMS_KEYS, build_plugin, module_arguments
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
@@ -24,9 +27,9 @@ from elr_lightning.module_checkpoint import check_loaded_checkpoint, record_chec
 from elr_lightning.module_checks import check_data_fits, check_meta_init, check_module_args, checked_sampler
 from elr_lightning.optim import adamw, param_groups, warmup_cosine
 from elr_lightning.parameter_usage import check_plain_ddp
-from elr_lightning.plugin_config import PluginConfigError, build_plugin, plain_hyperparameters
+from elr_lightning.plugin_config import PluginConfigError, plain_hyperparameters
 from elr_lightning.roles import copy_with_roles
-from elr_lightning.safe_load import check_checkpoint, refusing_pickles
+from elr_lightning.safe_load import refusing_pickles, source_name
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats, loop_gains
 from elr_lightning.tokenizers import Tokenizer
@@ -64,7 +67,7 @@ class ELRModule(LightningModule):
             each plug-in as ``{"class_path": ..., "init_args": {...}}``
             (:func:`~elr_lightning.plugin_config.plugin_config`), so checkpoints load with
             ``torch.load(..., weights_only=True)``; these four arguments accept that form too
-            (:func:`~elr_lightning.plugin_config.build_plugin`). A plug-in that cannot be described
+            (:func:`~elr_lightning.checkpoint_schema.build_plugin`). A plug-in that cannot be described
             (its class defined in ``__main__``, a tensor argument, ...) is warned about here and
             refused, naming the field and the fix, when a checkpoint is saved.
         virtual_ranks: Shards per local batch, each with its own k (>= 1).
@@ -444,17 +447,31 @@ class ELRModule(LightningModule):
     ) -> Any:  # fmt: skip
         """Lightning's ``load_from_checkpoint``, the file read as data (:mod:`elr_lightning.safe_load`).
 
-        ``weights_only`` is ``True`` unless given: a pickled object is refused in one line, and the
-        modules the hyperparameters name are checked before any is imported (trust your own with
-        ``ELR_TRUST_MODULES`` or :func:`~elr_lightning.trust.trust_modules`). An explicit
-        ``weights_only=False`` trusts the file whole, as in Lightning.
+        Unless ``weights_only=False`` is given, the file is read once with ``torch.load(...,
+        weights_only=True)`` (a pickled object is refused in one line), and what it says about the
+        model is checked against the constructor's schema before anything is built
+        (:func:`~elr_lightning.checkpoint_schema.module_arguments`): plain data everywhere, classes only
+        in the plug-ins' fields, and only from ``elr_lightning`` and the modules you trust
+        (``ELR_TRUST_MODULES`` or :func:`~elr_lightning.trust.trust_modules`). Lightning then builds the
+        module (its ``_load_state``: ``configure_model``, ``on_load_checkpoint``, the strict state-dict
+        load) from those checked arguments alone: the file's own hyperparameters never reach it, and
+        its ``_instantiator`` is never called. A ``hparams_file`` replaces the checkpoint's
+        hyperparameters, checked the same way. An explicit ``weights_only=False`` trusts the file whole,
+        as in Lightning.
         """
-        if weights_only is not False and hparams_file is None:  # else the hyperparameters are the user's file
-            check_checkpoint(checkpoint_path)
-        with refusing_pickles(str(getattr(checkpoint_path, "name", checkpoint_path))):
-            return super().load_from_checkpoint(
-                checkpoint_path, map_location, hparams_file, strict, weights_only=weights_only is not False, **kwargs
-            )
+        if weights_only is False:
+            return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, False, **kwargs)
+        name = source_name(checkpoint_path)
+        with refusing_pickles(name):
+            checkpoint = pl_load(checkpoint_path, map_location=map_location or _default_map_location, weights_only=True)
+        overrides = load_hparams_from_yaml(hparams_file) if hparams_file is not None else None
+        target, arguments = module_arguments(checkpoint, cls, name, overrides)
+        for key in (*LEGACY_HPARAMS_KEYS, "hparams_name"):
+            checkpoint.pop(key, None)
+        checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = dict(arguments)  # what hooks read is what was checked
+        module = _load_state(target, checkpoint, strict=strict, **{**arguments, **kwargs})
+        tensors = (t for t in checkpoint.get("state_dict", {}).values() if isinstance(t, Tensor))
+        return module.to(next(tensors, torch.tensor(0)).device)  # as Lightning: where the weights were mapped
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

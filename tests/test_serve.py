@@ -472,6 +472,59 @@ def test_after_a_failed_step_the_next_request_answers_as_generate(
     assert texts == {uid: reference(model, good, policy) for uid in ("g1", "g2", "g3")}
 
 
+def test_a_step_that_fails_with_a_cancellation_pending_does_not_fail_the_next_requests(spec: CompletionsSpec) -> None:
+    """LitServe's own continuous-batching loop over the worker: a request is cancelled, then the step fails.
+
+    The loop answers every tracked id (the cancellation's too) with the error and forgets them; the
+    next request must then be answered as ``elr generate`` answers it, not with the forgotten
+    cancellation's ``KeyError``.
+    """
+    import asyncio
+
+    from elr_lightning.serve.api import ELRServeAPI, _EngineLoop
+
+    model = perturbed_model(SERVE_ARCH)
+    api = ELRServeAPI("unused.ckpt", spec, "last_loop", max_batch_size=2)
+    api.engine = DecodeEngine(model, TOK, "last_loop", max_batch_size=2)
+    loop, sent = _EngineLoop(), []
+
+    class Transport:
+        def send(self, item, consumer_id: int) -> None:
+            sent.append(item)
+
+    def run(requests: dict[str, object]) -> dict[str, list]:
+        sent.clear()
+        for uid, request in requests.items():
+            loop.add_request(uid, request, api, spec)
+            loop.response_queue_ids[uid] = 0
+        asyncio.run(loop.run(api, "cpu", 0, None, Transport(), {}, None))
+        answers: dict[str, list] = {}
+        for uid, (data, status, _, _) in sent:
+            answers.setdefault(uid, []).append((data, status))
+        return answers
+
+    armed = [False]
+
+    def fail(module, args) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("injected failure")
+
+    model.core.layers[0].attn.register_forward_pre_hook(fail)
+    api.engine.submit("a", REQUESTS["a"])
+    api.engine.step()  # a is running
+    armed[0] = True
+    failed = run({"cancel-a": Cancel("a")})
+    assert {uid for uid, pieces in failed.items() if pieces[-1][1].name == "ERROR"} == {"cancel-a"}
+    good = REQUESTS["e"]
+    answers = run({"g": good})
+    assert set(answers) == {"g"}, answers
+    statuses = [status.name for _, status in answers["g"]]
+    assert "ERROR" not in statuses and statuses[-1] == "FINISH_STREAMING"
+    text = "".join(json.loads(data)["text"] for data, status in answers["g"] if status.name == "OK")
+    assert text == reference(model, good, "last_loop")
+
+
 def test_finished_and_abandoned_requests_leave_the_response_buffer(spec: CompletionsSpec) -> None:
     """Each request's buffer entry goes when it is answered, streamed out, or its client disconnects mid-stream."""
     import asyncio

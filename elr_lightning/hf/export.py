@@ -31,14 +31,15 @@ import torch
 from torch import Tensor
 
 from elr_lightning.checkpoint_io import write_atomically
-from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.checkpoint_schema import checked_arch, plugin_from_config
+from elr_lightning.conditioning import Conditioner, LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.layers import Block
 from elr_lightning.mixers import Attention, GatedDeltaProduct, MoE, SwiGLU
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizer_checkpoint import choose_tokenizer
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
-from elr_lightning.trust import add_trust_argument, apply_trust_argument, check_checkpoint_names
+from elr_lightning.trust import add_trust_argument, apply_trust_argument
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
 
 #: ``ModelConfig`` fields the modeling file implements; a field outside it must keep its default.
@@ -361,12 +362,14 @@ def place_export(new: Path, out: Path) -> None:
 def import_hf(directory: str | os.PathLike) -> Any:
     """Rebuild an :class:`~elr_lightning.module.ELRModule` from an export (weights bit for bit).
 
-    The folder is data: ``config.json``'s ``elr_arch`` may name only trusted modules as layers
-    (:func:`~elr_lightning.trust.check_checkpoint_names`), and the weights are safetensors.
+    The folder is data: ``config.json``'s ``elr_arch`` and ``conditioning`` are checked against
+    their schema before anything is built (:func:`~elr_lightning.checkpoint_schema.checked_arch`:
+    plain data, layers only from trusted modules), and the weights are safetensors.
 
     Raises:
         FileNotFoundError: No ``config.json`` or ``model.safetensors`` in ``directory``.
         UntrustedModuleError: ``elr_arch`` names a module that is not trusted.
+        CheckpointConfigError: ``elr_arch`` or ``conditioning`` breaks its schema, naming the field.
         ValueError: The directory is not an ELR export.
     """
     _, st = _hf()
@@ -379,8 +382,8 @@ def import_hf(directory: str | os.PathLike) -> Any:
     fields = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     if fields.get("model_type") != "elr":
         raise ValueError(f"--hf {str(directory)!r}: model_type is {fields.get('model_type')!r}, not 'elr'")
-    check_checkpoint_names(fields, str(directory / "config.json"), fields=("elr_arch",))  # before the layers import
-    arch = ModelConfig(**fields["elr_arch"])
+    source = str(directory / "config.json")
+    arch = ModelConfig(**checked_arch(fields.get("elr_arch"), "elr_arch", source))  # checked before a layer imports
     rule = fields["state_update"]
     if rule not in UPDATE_RULES:
         raise ValueError(f"--hf config.json: state_update={rule!r} is not one of {sorted(UPDATE_RULES)}")
@@ -391,7 +394,9 @@ def import_hf(directory: str | os.PathLike) -> Any:
     else:
         update = UPDATE_RULES[rule]()
     cond = fields.get("conditioning")
-    conditioner = LoopConditioner(**cond) if cond else None
+    conditioner = plugin_from_config(
+        {"class_path": f"{LoopConditioner.__module__}.LoopConditioner", "init_args": cond}, Conditioner, "conditioning", source
+    ) if cond else None
     module = ELRModule(arch=arch, update=update, conditioner=conditioner)
     state = {}
     for name, tensor in st.load_file(str(directory / "model.safetensors")).items():

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
 from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, verify_checkpoint_path
+from elr_lightning.checkpoint_schema import checked_arch
 from elr_lightning.config import ModelConfig
 from elr_lightning.safe_load import read_checkpoint
 from elr_lightning.serve.memory import (
@@ -80,6 +81,8 @@ def checkpoint_arch(raw: Mapping[str, Any], ckpt_path: str) -> ModelConfig:
 
     Raises:
         ValueError: The checkpoint holds no ELRModule hyperparameters.
+        CheckpointConfigError: Its ``arch`` breaks the schema (:func:`~elr_lightning.checkpoint_schema.checked_arch`).
+        UntrustedModuleError: Its ``arch`` names a layer of a module that is not trusted.
     """
     hparams = raw.get("hyper_parameters")
     if not isinstance(hparams, Mapping):
@@ -88,11 +91,8 @@ def checkpoint_arch(raw: Mapping[str, Any], ckpt_path: str) -> ModelConfig:
     arch = saved.get("arch") if isinstance(saved, Mapping) and saved.get("arch") else hparams.get("arch")
     if arch is None:
         return ModelConfig()
-    if isinstance(arch, ModelConfig):
-        return arch
-    if isinstance(arch, Mapping):
-        return ModelConfig(**dict(arch))
-    raise ValueError(f"checkpoint {ckpt_path!r}: hyper_parameters.arch is a {type(arch).__name__}, not a ModelConfig")
+    field = "elr.arch" if isinstance(saved, Mapping) and saved.get("arch") else "hyper_parameters.arch"
+    return ModelConfig(**checked_arch(arch, field, ckpt_path))
 
 
 def serving_tokenizer(raw: Mapping[str, Any], override: Optional[str], config: ModelConfig) -> Tokenizer:

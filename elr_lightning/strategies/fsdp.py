@@ -18,7 +18,12 @@ from lightning.fabric.strategies.model_parallel import (
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from typing_extensions import override
 
 try:  # FSDP2's public home since torch 2.6
@@ -26,7 +31,8 @@ try:  # FSDP2's public home since torch 2.6
 except ImportError:  # torch 2.4 and 2.5 (pyproject allows torch>=2.4) ship it under a private path
     from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from elr_lightning.safe_load import check_sharded_index, refusing_pickles
+from elr_lightning.checkpoint_io import check_sharded_folder, read_sharded_meta
+from elr_lightning.safe_load import load_sharded, refusing_pickles
 from elr_lightning.model import LoopedLM
 from elr_lightning.strategies.common import find_looped_lm, loop_dependent_parameters, verify_loop_schedule
 
@@ -252,19 +258,25 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         optimizer state for parameter`` (full). Here the parameters without saved state end without
         state, as in the run that wrote the checkpoint, so the resumed run continues exactly. The
         model's weights and the metadata load as in Lightning, as data: ``weights_only`` is ``True``
-        unless given, a pickled object is refused in one line, and a sharded folder's index is checked
-        before torch unpickles it (:mod:`elr_lightning.safe_load`).
+        unless given, a pickled object is refused in one line, a sharded folder's index is checked
+        before torch unpickles it, and its shards are read as data (:mod:`elr_lightning.safe_load`;
+        Lightning's own sharded load lets torch unpickle their non-tensor entries).
         """
         path = Path(self.broadcast(checkpoint_path))
         assert self.lightning_module is not None
         module = self.lightning_module
         weights_only = True if weights_only is None else weights_only
         if weights_only and _is_sharded_checkpoint(path):
-            check_sharded_index(str(path))
-        with refusing_pickles(str(path)):
-            checkpoint = _load_checkpoint(
-                path=path, state={"state_dict": self.model}, strict=module.strict_loading, weights_only=weights_only
-            )
+            check_sharded_folder(str(path), "--ckpt_path")
+            state = {"state_dict": get_model_state_dict(self.model)}
+            load_sharded(state, str(path))
+            self.model.load_state_dict(state["state_dict"], strict=module.strict_loading)
+            checkpoint = read_sharded_meta(str(path), check_config=False)
+        else:
+            with refusing_pickles(str(path)):
+                checkpoint = _load_checkpoint(
+                    path=path, state={"state_dict": self.model}, strict=module.strict_loading, weights_only=weights_only
+                )
         for idx, optimizer in enumerate(self.optimizers):
             if _is_sharded_checkpoint(path):
                 self._load_sharded_optimizer_state(path, f"optimizer_{idx}", optimizer)
@@ -284,7 +296,7 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         layout = get_optimizer_state_dict(self.model, optimizer)
         layout["state"] = {name: state for name, state in layout["state"].items() if name in saved}
         wrapped = {key: layout}
-        dcp.load(wrapped, checkpoint_id=path)
+        load_sharded(wrapped, str(path))
         # The optimizer's ``load_state_dict`` replaces its whole state, so the placeholder state that
         # ``get_optimizer_state_dict`` created for the unsaved parameters goes; strict=False lets it.
         options = StateDictOptions(cpu_offload=True, strict=False)
