@@ -33,6 +33,7 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from elr_lightning.ablate_report import write_report
+from elr_lightning.checkpoint_io import write_file
 
 #: An arm's change to a config dict (edited in place), given the loop budget K.
 ArmEdit = Callable[[dict[str, Any], int], None]
@@ -251,7 +252,7 @@ def reasoning_scores(config: dict[str, Any], n: int) -> dict[str, dict[str, dict
     from elr_lightning.trust import named_packages, trust_modules
 
     # The checkpoint's plug-ins and layers come from the user's own config, which trained it.
-    trust_modules(*named_packages(config.get("model"), class_paths_only=False))
+    trust_modules(*named_packages(config.get("model")))
     model, module = load_model(os.path.join(config["trainer"]["default_root_dir"], "checkpoints", "last.ckpt"))
     data_args = (config.get("data") or {}).get("init_args") or {}
     tasks = data_args.get("reasoning_tasks") or dict.fromkeys(GENERATORS)
@@ -286,9 +287,7 @@ def depth_scores(config: dict[str, Any], n: int) -> dict[str, Any]:
 
 
 def _write_result(path: str, result: dict[str, Any]) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_file(path, json.dumps(result, indent=1))
 
 
 def _fit_in_process(config_path: str, ckpt_path: Optional[str], callbacks: list[Any]) -> None:
@@ -357,8 +356,7 @@ def run_ablation(
     for index, ((arm, seed), config) in enumerate(configs.items(), start=1):
         name = run_name(arm, seed)
         path = os.path.join(out, "configs", f"{name}.yaml")
-        with open(path, "w") as f:
-            yaml.safe_dump(config, f, sort_keys=False)
+        write_file(path, yaml.safe_dump(config, sort_keys=False))
         root = config["trainer"]["default_root_dir"]
         result_path = os.path.join(root, "result.json")
         prefix = f"[ablate {index}/{len(configs)}] {name}"

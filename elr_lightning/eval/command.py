@@ -29,6 +29,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
+from elr_lightning.checkpoint_io import save_figure, write_file
 from elr_lightning.errors import refuse_unread_flags
 from elr_lightning.loop_points import auto_label, parse_points, parse_thresholds
 from elr_lightning.tokenizer_checkpoint import choose_tokenizer
@@ -210,8 +211,7 @@ def _evaluate(lm: Any, tasks: list[str], manager: Any, args: Any) -> dict[str, A
 def _write_json(path: str, obj: Any) -> None:
     from lm_eval.utils import handle_non_serializable
 
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
+    write_file(path, json.dumps(obj, indent=2, default=handle_non_serializable, ensure_ascii=False))
 
 
 def _primary_metric(config: dict[str, Any]) -> Optional[str]:
@@ -326,7 +326,7 @@ def plot(summary: dict[str, Any], path: str) -> None:
     ax.set_title("accuracy vs loops (dashed: chance, stars: auto)" if adaptive else "accuracy vs loop count (dashed: chance)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
 
 
