@@ -481,6 +481,8 @@ def test_a_step_that_fails_with_a_cancellation_pending_does_not_fail_the_next_re
     """
     import asyncio
 
+    from litserve.utils import LitAPIStatus
+
     from elr_lightning.serve.api import ELRServeAPI, _EngineLoop
 
     model = perturbed_model(SERVE_ARCH)
@@ -511,17 +513,19 @@ def test_a_step_that_fails_with_a_cancellation_pending_does_not_fail_the_next_re
             raise RuntimeError("injected failure")
 
     model.core.layers[0].attn.register_forward_pre_hook(fail)
-    api.engine.submit("a", REQUESTS["a"])
-    api.engine.step()  # a is running
-    armed[0] = True
+    for uid in ("a", "b"):
+        loop.add_request(uid, REQUESTS[uid], api, spec)
+        loop.response_queue_ids[uid] = 0
+    api.step(None)  # both are running
+    armed[0] = True  # b's decode fails in the step that cancels a
     failed = run({"cancel-a": Cancel("a")})
-    assert {uid for uid, pieces in failed.items() if pieces[-1][1].name == "ERROR"} == {"cancel-a"}
+    assert {uid for uid, pieces in failed.items() if pieces[-1][1] == LitAPIStatus.ERROR} == {"a", "b", "cancel-a"}
     good = REQUESTS["e"]
     answers = run({"g": good})
     assert set(answers) == {"g"}, answers
-    statuses = [status.name for _, status in answers["g"]]
-    assert "ERROR" not in statuses and statuses[-1] == "FINISH_STREAMING"
-    text = "".join(json.loads(data)["text"] for data, status in answers["g"] if status.name == "OK")
+    statuses = [status for _, status in answers["g"]]
+    assert LitAPIStatus.ERROR not in statuses and statuses[-1] == LitAPIStatus.FINISH_STREAMING
+    text = "".join(json.loads(data)["text"] for data, status in answers["g"] if status == LitAPIStatus.OK)
     assert text == reference(model, good, "last_loop")
 
 

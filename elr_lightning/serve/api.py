@@ -425,13 +425,17 @@ class ELRServeAPI(ls.LitAPI):
     def step(self, prev_outputs: Optional[list[Output]]) -> list[Output]:
         """One engine step: every request's new text, then a finish marker for each that ended.
 
-        If the step fails, the engine drops every request before the error reaches LitServe's loop,
-        which answers all requests in flight with an error; the server then serves new ones.
+        If the step fails, the engine drops every request and the pending cancellation notes are
+        forgotten before the error reaches LitServe's loop, which answers all requests in flight (the
+        notes' ids among them) with an error and stops tracking them; the server then serves new ones.
+        A note kept past that point would be reported finished at the next step under an id the loop
+        no longer knows, failing every request then in flight.
         """
         try:
             events = self.engine.step()
         except Exception:
             self.engine.reset()
+            self._notes.clear()
             raise
         notes = [self._notes.popleft() for _ in range(len(self._notes))]
         outputs = [Output(uid, "", LitAPIStatus.FINISH_STREAMING) for uid in notes]
