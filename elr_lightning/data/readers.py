@@ -37,7 +37,7 @@ PREPARE_SUFFIXES: tuple[str, ...] = tuple(dict.fromkeys(TEXT_SUFFIXES + JSONL_SU
 """Files a folder given to ``elr prepare`` contributes (searched recursively)."""
 
 SOURCES_FIELD = "elr prepare SOURCES"
-TEXT_FIELD = "elr prepare --text-field"
+TEXT_FIELD = "elr prepare --text_field"
 
 _READ = 1 << 20
 """Bytes read at a time while looking for a line break or decompressing."""

@@ -30,6 +30,7 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
+from elr_lightning.arguments import CommandParser, add_switch, command_parser
 from elr_lightning.config import ModelConfig
 from elr_lightning.hf.source_weights import SafetensorsWeights
 from elr_lightning.tokenizers import HFTokenizer
@@ -446,16 +447,11 @@ def fit_config(
     }
 
 
-def retrofit_command(argv: list[str]) -> None:
-    """``elr retrofit --hf DIR --out DIR [--input A:B --shared A:B --output A:B ...]``."""
-    import yaml
-    from jsonargparse import ArgumentParser
-
-    from elr_lightning.hf.export import _hf, save_module_checkpoint
-
-    parser = ArgumentParser(
-        prog="elr retrofit",
-        description="Turn a local Hugging Face Llama, Mistral, Qwen2 or Qwen3 model into an ELR checkpoint and an `elr fit` YAML.",
+def retrofit_parser() -> CommandParser:
+    """The parser of ``elr retrofit``."""
+    parser = command_parser(
+        "retrofit",
+        "Turn a local Hugging Face Llama, Mistral, Qwen2 or Qwen3 model into an ELR checkpoint and an `elr fit` YAML.",
     )
     parser.add_argument("--hf", type=str, required=True, help="Model folder: config.json, *.safetensors, tokenizer.json.")
     parser.add_argument("--out", type=str, required=True, help="Folder to write retrofit.ckpt, retrofit.yaml and tokenizer.json.")
@@ -477,13 +473,21 @@ def retrofit_command(argv: list[str]) -> None:
         default="source",
         help="dtype of the checkpoint's weights; source keeps the safetensors files' dtype.",
     )
-    parser.add_argument(
-        "--verify",
-        type=bool,
-        default=True,
-        help="Load the source with transformers and report the k = 1 logit gap (two fp32 copies of the model in memory).",
-    )
-    args = parser.parse_args(argv)
+    add_switch(
+        parser, "--verify", True,
+        "Load the source with transformers and report the k = 1 logit gap (two fp32 copies of the model in memory).",
+        was_bool=True,
+    )  # fmt: skip
+    return parser
+
+
+def retrofit_command(argv: list[str]) -> None:
+    """``elr retrofit --hf DIR --out DIR [--input A:B --shared A:B --output A:B ...]``."""
+    import yaml
+
+    from elr_lightning.hf.export import _hf, save_module_checkpoint
+
+    args = retrofit_parser().parse_args(argv)
     _hf()
     directory, out = Path(args.hf), Path(args.out)
     config = read_hf_config(directory)
