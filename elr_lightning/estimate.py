@@ -416,7 +416,8 @@ def largest_fitting(peak: Callable[[int], int], budget: int, start: int, minimum
 
     ``peak`` must grow with ``b`` (a step's memory grows with its micro-batch). The search is
     logarithmic: a probe is placed where the straight line through the nearest known peaks crosses
-    the budget (a step's memory is close to affine in its micro-batch: three or four probes), except
+    the budget (just past it while no size is known not to fit, to close the range at once: a step's
+    memory is close to affine in its micro-batch, so the search usually takes three probes), except
     after two such probes in a row that moved the same end of the range, when it doubles the largest
     fitting size (no size is known not to fit yet) or takes the geometric middle of the range. So a
     peak that is far from a line (where the line alone would creep towards the answer a few sizes
@@ -445,8 +446,8 @@ def largest_fitting(peak: Callable[[int], int], budget: int, start: int, minimum
             nxt = min(limit, 2 * lo)
             below = [x for x in known if x < lo]
             slope = (known[lo] - known[max(below)]) / (lo - max(below)) if below else 0.0
-            if slope > 0 and not geometric:  # extrapolate along the last two fitting probes
-                nxt = min(limit, max(lo + 1, int(lo + (budget - known[lo]) / slope)))
+            if slope > 0 and not geometric:  # just past where the line through the last two fitting probes crosses
+                nxt = min(limit, max(lo + 1, int(lo + (budget - known[lo]) / slope) + 1))
             else:
                 geometric = True
         else:
