@@ -30,6 +30,7 @@ from typing import Any, Mapping, Optional, TypeVar
 
 from torch import Tensor
 
+#: The type a plug-in argument is rebuilt as.
 T = TypeVar("T")
 
 _RECORD = "_elr_init_args"

@@ -73,6 +73,7 @@ class CompletionBody(BaseModel):
     user: Optional[str] = None
 
 
+#: The server's logger; ``elr serve --log_level info`` logs every finished request.
 log = logging.getLogger("elr_lightning.serve")
 
 #: Exit threshold of ``loops: "auto"`` when a request gives none (see ``bench/adaptive.py``).
@@ -97,6 +98,7 @@ class RequestError(Exception):
         self.param, self.status = param, status
 
     def response(self) -> JSONResponse:
+        """The OpenAI-style error body with :attr:`status`."""
         body = {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": None}}
         return JSONResponse(body, status_code=self.status)
 

@@ -24,6 +24,7 @@ from elr_lightning.config import ModelConfig
 #: Default ``--max_context``: the checkpoint's ``arch.max_seq_len``, capped here.
 DEFAULT_MAX_CONTEXT = 4096
 
+#: Bytes in a GB, as the startup line counts them.
 GB = 1e9
 
 
