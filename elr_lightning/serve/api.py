@@ -98,7 +98,7 @@ class RequestError(Exception):
         self.param, self.status = param, status
 
     def response(self) -> JSONResponse:
-        """The OpenAI-style error body with :attr:`status`."""
+        """The OpenAI-style error body, with the HTTP ``status``."""
         body = {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": None}}
         return JSONResponse(body, status_code=self.status)
 
