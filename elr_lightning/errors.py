@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Optional
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
 #: The environment variable that, set to anything but ``""`` or ``"0"``, shows tracebacks.
 DEBUG_ENV = "ELR_DEBUG"
 
@@ -29,7 +31,8 @@ DEBUG_FLAG = "--debug"
 
 #: Exception types that describe a user's mistake; they are printed without a "bug" hint.
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    ValueError, OSError, FloatingPointError, ArgumentError, LookupError, ImportError
+    ValueError, OSError, FloatingPointError, ArgumentError, LookupError, ImportError,
+    MisconfigurationException,  # Lightning's own: e.g. `elr test` with a data module that has no test split
 )  # fmt: skip
 
 
