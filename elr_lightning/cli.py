@@ -28,7 +28,8 @@ class Command:
         run: The name of its function of the arguments after the subcommand.
         parser: The name of its function that builds its parser (a
             :func:`~elr_lightning.arguments.command_parser`).
-        needs: What to install when the module cannot be imported.
+        needs: What to install when the module cannot be imported and its own error does not say
+            (``elr_lightning.eval`` names its extra itself).
     """
 
     summary: str
@@ -53,8 +54,6 @@ class Command:
         return getattr(self.load(name), self.parser)()
 
 
-_EVAL_EXTRA = 'the eval extra: pip install "elr-lightning[eval]"'
-
 #: ELR's subcommands, in the order ``elr --help`` lists them.
 EXTRA_COMMANDS: dict[str, Command] = {
     "generate": Command(
@@ -63,11 +62,11 @@ EXTRA_COMMANDS: dict[str, Command] = {
     ),
     "eval": Command(
         "accuracy at every k: lm-evaluation-harness tasks, or a depth task's exact match",
-        "elr_lightning.eval.command", "eval_command", "eval_parser", _EVAL_EXTRA,
+        "elr_lightning.eval.command", "eval_command", "eval_parser",
     ),
     "eval-tasks": Command(
         "build the offline data of elr eval's local tasks",
-        "elr_lightning.eval.command", "eval_tasks_command", "eval_tasks_parser", _EVAL_EXTRA,
+        "elr_lightning.eval.command", "eval_tasks_command", "eval_tasks_parser",
     ),
     "cost": Command(
         "parameters, FLOPs and KV memory per k of a config (eq. 1, 3 and 5)",
