@@ -181,7 +181,7 @@ def main(argv: list[str]) -> None:
     elif args.command == "eval":
         _update(args.out, {args.key: json.loads(Path(args.summary).read_text())})
     elif args.command == "ablate":
-        runs = json.loads(Path(args.results).read_text())
+        runs = json.loads(Path(args.results).read_text())["runs"]
         keep = ("steps", "loss", "bpb", "seconds")
         _update(args.out, {args.key: {f"{run['arm']}-s{run['seed']}": {k: run[k] for k in keep} for run in runs}})
     else:
