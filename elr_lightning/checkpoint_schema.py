@@ -51,6 +51,7 @@ LEGACY_HPARAMS_KEYS = ("hparams", "module_arguments")
 
 _PLAIN = (type(None), bool, int, float, str)
 
+#: The type a plug-in argument is rebuilt as.
 T = TypeVar("T")
 
 

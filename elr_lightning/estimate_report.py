@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import re
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import Any, Optional, TextIO, Union
 
 import torch
 
+from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
 from elr_lightning.core import CHECKPOINTING
 from elr_lightning.cost import build_module, merged_config
 from elr_lightning.errors import root_cause
@@ -39,7 +41,7 @@ from elr_lightning.module import ELRModule
 #: Rows of the table: a name and its ``(activation_checkpointing, backprop_loops)``; ``None`` keeps the config's.
 MODES: dict[str, tuple[str, Optional[int]]] = {"none": ("none", None), "loop": ("loop", None), "layer": ("layer", None), "bp1": ("none", 1)}
 
-#: ``--device_memory`` when neither the flag nor a local GPU gives one: an "80 GB" accelerator.
+#: ``--device_memory`` of a GPU config estimated on a machine without a GPU: an "80 GB" accelerator.
 DEFAULT_DEVICE_MEMORY = 80 * 10**9
 
 _GIB = 2**30
@@ -57,6 +59,24 @@ def parse_memory(text: Union[str, int], flag: str = "--device_memory") -> int:
     if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
         raise ValueError(f"{flag} {text!r} is not a memory size; give a number and a unit, e.g. 80GB or 79.6GiB")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def detected_device_memory(accelerator: Any) -> tuple[int, str]:
+    """Memory of one device of a run on ``trainer.accelerator``, and where the figure comes from.
+
+    The CPU (``cpu``, or ``auto`` on a machine without a GPU) has this machine's RAM; a GPU run has
+    the memory of this machine's first GPU, or :data:`DEFAULT_DEVICE_MEMORY` when it has none.
+    """
+    name = str(accelerator or "auto").lower()
+    gpu = torch.cuda.is_available()
+    if name == "cpu" or (name == "auto" and not gpu):
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), f"this machine's RAM (trainer.accelerator {name})"
+        except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+            return DEFAULT_DEVICE_MEMORY, "assumed: this machine's RAM is unknown; pass --device_memory"
+    if gpu:
+        return torch.cuda.get_device_properties(0).total_memory, f"GPU 0 of this machine ({torch.cuda.get_device_name(0)})"
+    return DEFAULT_DEVICE_MEMORY, f"assumed: trainer.accelerator {name} and no GPU here; pass --device_memory"
 
 
 def _count(value: Any, flag: str) -> int:
@@ -246,7 +266,8 @@ def memory_report(
         devices: Devices per node (default: ``trainer.devices``).
         num_nodes: Nodes (default: ``trainer.num_nodes``).
         strategy: ``single``, ``ddp`` or ``fsdp`` instead of the config's ``trainer.strategy``.
-        device_memory: Memory of one device (``"80GB"``, bytes); default: this machine's first GPU, else 80 GB.
+        device_memory: Memory of one device (``"80GB"``, bytes); default: :func:`detected_device_memory`
+            of the config's ``trainer.accelerator``.
         headroom: Fraction of ``device_memory`` held back for what the trace does not see (CUDA
             context, allocator fragmentation, communication buffers).
         micro_batch: Sequences per rank per step (default: ``data.init_args.batch_size``).
@@ -271,8 +292,11 @@ def memory_report(
             raise ValueError(f"--modes {name!r} is not a mode; use some of {', '.join(MODES)}")
     if not 0 <= headroom < 1:
         raise ValueError(f"--headroom {headroom} must be in [0, 1): the fraction of device memory held back")
-    memory = parse_memory(device_memory) if device_memory is not None else None
     config = merged_config(paths)
+    if device_memory is not None:
+        memory, source = parse_memory(device_memory), "--device_memory"
+    else:
+        memory, source = detected_device_memory((config.get("trainer") or {}).get("accelerator"))
     devices, nodes = layout_of_config(config, devices, num_nodes)
     target = target_of_config(config, devices * nodes, strategy, gdp_kernels)
     batch, length = geometry_of_config(config, micro_batch, seq_len)
@@ -294,8 +318,6 @@ def memory_report(
             f"micro-batch {batch} is smaller than model.init_args.virtual_ranks={virtual_ranks}; every shard needs "
             "a sequence: raise --micro_batch"
         )
-    if memory is None:
-        memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else DEFAULT_DEVICE_MEMORY
     budget = int(memory * (1 - headroom))
     say = _progress(progress)
 
@@ -334,6 +356,7 @@ def memory_report(
         "virtual_ranks": virtual_ranks,
         "conditioning": conditioning,
         "device_memory": memory,
+        "device_memory_source": source,
         "headroom": headroom,
         "budget": budget,
         "rows": rows,
@@ -378,8 +401,9 @@ def format_memory_report(report: dict[str, Any]) -> str:
         f"micro-batch {report['micro_batch']} x {report['seq_len']} tokens per rank in {report['virtual_ranks']} "
         f"shard(s), eq. 4 conditioning {'on' if report['conditioning'] else 'off'}"
         + (", GDP layers as fla's kernels" if target["fla_kernels"] else ""),
-        f"device memory {report['device_memory'] / 1e9:.1f} GB ({report['device_memory'] / _GIB:.1f} GiB) less "
-        f"{report['headroom']:.0%} headroom: budget {report['budget'] / _GIB:.1f} GiB per rank",
+        f"device memory {report['device_memory'] / 1e9:.1f} GB ({report['device_memory'] / _GIB:.1f} GiB, "
+        f"{report['device_memory_source']}) less {report['headroom']:.0%} headroom: budget "
+        f"{report['budget'] / _GIB:.1f} GiB per rank",
         "per-rank peak of one training step (every local shard at k), GiB; what is alive at the peak:",
         f"{'k':>4}  {'mode':<10}{'params':>9}{'grads':>9}{'optimizer':>11}{'activations':>13}{'peak':>9}",
     ]
@@ -392,15 +416,12 @@ def format_memory_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
-    """``elr estimate --config FILE [--devices N] [--num_nodes M] [--device_memory 80GB] [--micro_batch B] [--json]``."""
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser(
-        prog="elr estimate",
-        description="Per-rank peak memory of one training step of a config, for every k and backward setting, "
-        "traced on fake tensors (nothing is allocated).",
-        exit_on_error=False,
+def estimate_parser() -> CommandParser:
+    """The parser of ``elr estimate``."""
+    parser = command_parser(
+        "estimate",
+        "Per-rank peak memory of one training step of a config, for every k and backward setting, traced on fake "
+        "tensors (nothing is allocated).",
     )
     parser.add_argument("--config", type=str, action="append", required=True, help="An `elr fit` YAML file; repeat to merge.")
     parser.add_argument("--devices", type=Optional[int], default=None, help="Devices per node (default: trainer.devices).")
@@ -408,25 +429,35 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--strategy", type=Optional[str], default=None, help="single, ddp or fsdp instead of the config's trainer.strategy."
     )
-    parser.add_argument("--device_memory", type=Optional[str], default=None, help="Memory per device, e.g. 80GB or 79.6GiB.")
+    parser.add_argument(
+        "--device_memory", type=Optional[str], default=None,
+        help="Memory per device, e.g. 80GB or 79.6GiB; default: this machine's RAM for a CPU config, its first GPU's "
+        "memory for a GPU one (80GB assumed without a GPU).",
+    )  # fmt: skip
     parser.add_argument("--headroom", type=float, default=0.1, help="Fraction of device memory held back (CUDA context, fragmentation).")
     parser.add_argument("--micro_batch", type=Optional[int], default=None, help="Sequences per rank (default: data.batch_size).")
     parser.add_argument("--seq_len", type=Optional[int], default=None, help="Tokens per sequence (default: data.seq_len).")
-    parser.add_argument("--loops", type=Optional[list[int]], default=None, help="Loop counts of the rows (default: 1..K).")
-    parser.add_argument("--modes", type=list[str], default=["none", "loop", "layer"], help=f"Rows' backward settings: {', '.join(MODES)}.")
-    parser.add_argument("--search", type=bool, default=True, help="Search the largest micro-batch that fits.")
-    parser.add_argument("--conditioning", type=bool, default=True, help="Eq. 4 conditioning on (after the switch) or off.")
+    add_loops(parser, "Loop counts of the rows; default 1..K")
+    parser.add_argument("--modes", type=str, default="none,loop,layer", help=f"Rows' backward settings, some of {','.join(MODES)}.")
+    parser.legacy_lists.add("--modes")
+    add_switch(parser, "--search", True, "Search the largest micro-batch that fits.", was_bool=True)
+    add_switch(parser, "--conditioning", True, "Eq. 4 conditioning on (after the switch) or off.", was_bool=True)
     parser.add_argument(
         "--gdp_kernels", type=str, default="auto",
         help="GDP layers: fla (its kernels, as on a GPU), torch (chunked path), auto (fla in half precision).",
-    )
+    )  # fmt: skip
     parser.add_argument(
         "--activation_checkpointing", type=Optional[str], default=None,
         help="The run's none, loop or layer instead of the config's (the verdict and search are about it).",
-    )
+    )  # fmt: skip
     parser.add_argument("--backprop_loops", type=Optional[int], default=None, help="The run's instead of the config's.")
-    parser.add_argument("--json", type=bool, default=False, help="Print JSON instead of a table.")
-    args = parser.parse_args(argv)
+    add_switch(parser, "--json", False, "Print JSON instead of a table.", was_bool=True)
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    """``elr estimate --config FILE [--devices N] [--num_nodes M] [--device_memory 80GB] [--micro_batch B] [--json]``."""
+    args = estimate_parser().parse_args(argv)
     report = memory_report(
         args.config,
         devices=args.devices,
@@ -436,8 +467,8 @@ def main(argv: list[str]) -> None:
         headroom=args.headroom,
         micro_batch=args.micro_batch,
         seq_len=args.seq_len,
-        loops=args.loops,
-        modes=args.modes,
+        loops=None if args.loops is None else list(args.loops.counts),
+        modes=[mode.strip() for mode in args.modes.split(",") if mode.strip()],
         search=args.search,
         conditioning=args.conditioning,
         gdp_kernels=args.gdp_kernels,
@@ -450,6 +481,8 @@ def main(argv: list[str]) -> None:
 
 __all__ = [
     "MODES",
+    "detected_device_memory",
+    "estimate_parser",
     "format_memory_report",
     "layout_of_config",
     "main",

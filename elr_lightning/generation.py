@@ -258,43 +258,7 @@ def stream_generate(
     ``bench/last_loop.py``), and a continuation depends on where a prompt is split between prefill
     and decoding. This function always prefills the whole prompt; ``per_loop`` is exact.
 
-    Args:
-        model: The model (an :class:`ELRModule` is unwrapped to its ``LoopedLM``), or one already
-            folded for ``loops`` by :func:`~elr_lightning.serving.fold_conditioning`.
-        prompt: ``[B, T]`` (or ``[T]``) token ids, left-padded when ``attention_mask`` marks padding,
-            or a list of token-id lists, left-padded here.
-        loops: The loop count k (any k >= 1; above ``arch.max_loops`` extrapolates), ``"auto"`` for
-            adaptive depth per new token, or an :class:`~elr_lightning.decode.AdaptiveDepth`.
-        max_loops: Budget of ``"auto"`` (``None``: ``arch.max_loops``); the prompt runs at it.
-        threshold: Exit threshold of ``"auto"``: a token leaves once its change is below it
-            (``None``: 0.001).
-        exit_criterion: ``"kl"`` (Huginn's, the default) or ``"delta"`` (relative state change); see
-            :data:`~elr_lightning.decode.EXIT_CRITERIA`. ``max_loops``, ``threshold`` and
-            ``exit_criterion`` are refused with another ``loops`` (they would be ignored).
-        attention_mask: ``[B, T]`` with 1 on real tokens, 0 on (left) padding; honoured in every
-            loop of prefill and decode.
-        max_new_tokens: Most tokens to generate per sequence.
-        kv_cache: ``"per_loop"``, ``"last_loop"``, a :class:`KVCache` subclass, or a fresh instance
-            with ``max_len >= T + max_new_tokens - 1`` (to inspect it afterwards).
-        temperature: Softmax temperature; 0 is greedy.
-        top_k: Sample among the ``top_k`` most likely tokens only.
-        top_p: Sample from the nucleus of mass ``top_p`` only.
-        greedy: Always take the most likely token.
-        eos_id: End-of-sequence id, or ``None`` to always run ``max_new_tokens`` steps.
-        pad_id: Id for padding and for the positions after a sequence's EOS.
-        seed: Seed of a fresh ``torch.Generator`` on the model's device (ignored with ``generator``).
-        generator: Random source for sampling, on the model's device (``ValueError`` otherwise).
-        autocast_dtype: Run the model under ``torch.autocast(device.type, dtype)``, e.g.
-            ``torch.bfloat16``; ``None`` runs in the weights' dtype.
-        fold: Whether to decode with each loop's conditioning constants computed once for this
-            ``loops`` and the weights shared (:func:`~elr_lightning.serving.serving_model`, built
-            anew in every call from the weights as they are, so no change of the weights between
-            calls is missed): the same logits to fp32 round-off, without running the conditioner
-            per token. ``None`` (default) follows
-            ``model.serve_folded`` (on), and a model whose conditioning has no constant form decodes
-            as it is, with one warning; ``True`` asks for it (``NotImplementedError`` if impossible);
-            ``False`` decodes with the model as it is. A model already folded
-            (:func:`~elr_lightning.serving.fold_conditioning`) is used as it is.
+    Takes the arguments of :func:`generate` but ``callback`` and ``output_logits``.
 
     Returns:
         An iterator over ``[B]`` int64 tokens, one tensor per step. The arguments are checked
@@ -352,11 +316,49 @@ def generate(
     output_logits: bool = False,
     fold: Optional[bool] = None,
 ) -> GenerationOutput:
-    """Generate continuations of a batch of prompts; :func:`stream_generate` describes the other arguments.
+    """Generate continuations of a batch of prompts at any loop count k, or with adaptive depth per token.
+
+    Runs as :func:`stream_generate` (prefill, then one cached decode step per token) and collects its tokens.
 
     Args:
+        model: The model (an :class:`ELRModule` is unwrapped to its ``LoopedLM``), or one already
+            folded for ``loops`` by :func:`~elr_lightning.serving.fold_conditioning`.
+        prompt: ``[B, T]`` (or ``[T]``) token ids, left-padded when ``attention_mask`` marks padding,
+            or a list of token-id lists, left-padded here.
+        loops: The loop count k (any k >= 1; above ``arch.max_loops`` extrapolates), ``"auto"`` for
+            adaptive depth per new token, or an :class:`~elr_lightning.decode.AdaptiveDepth`.
+        max_loops: Budget of ``"auto"`` (``None``: ``arch.max_loops``); the prompt runs at it.
+        threshold: Exit threshold of ``"auto"``: a token leaves once its change is below it
+            (``None``: 0.001).
+        exit_criterion: ``"kl"`` (Huginn's, the default) or ``"delta"`` (relative state change); see
+            :data:`~elr_lightning.decode.EXIT_CRITERIA`. ``max_loops``, ``threshold`` and
+            ``exit_criterion`` are refused with another ``loops`` (they would be ignored).
+        attention_mask: ``[B, T]`` with 1 on real tokens, 0 on (left) padding; honoured in every
+            loop of prefill and decode.
+        max_new_tokens: Most tokens to generate per sequence.
+        kv_cache: ``"per_loop"``, ``"last_loop"``, a :class:`KVCache` subclass, or a fresh instance
+            with ``max_len >= T + max_new_tokens - 1`` (to inspect it afterwards).
+        temperature: Softmax temperature; 0 is greedy.
+        top_k: Sample among the ``top_k`` most likely tokens only.
+        top_p: Sample from the nucleus of mass ``top_p`` only.
+        greedy: Always take the most likely token.
+        eos_id: End-of-sequence id, or ``None`` to always run ``max_new_tokens`` steps.
+        pad_id: Id for padding and for the positions after a sequence's EOS.
+        seed: Seed of a fresh ``torch.Generator`` on the model's device (ignored with ``generator``).
+        generator: Random source for sampling, on the model's device (``ValueError`` otherwise).
+        autocast_dtype: Run the model under ``torch.autocast(device.type, dtype)``, e.g.
+            ``torch.bfloat16``; ``None`` runs in the weights' dtype.
         callback: Called with each step's ``[B]`` tokens, in order, as they are produced.
         output_logits: Keep every step's next-token logits in :attr:`GenerationOutput.logits`.
+        fold: Whether to decode with each loop's conditioning constants computed once for this
+            ``loops`` and the weights shared (:func:`~elr_lightning.serving.serving_model`, built
+            anew in every call from the weights as they are, so no change of the weights between
+            calls is missed): the same logits to fp32 round-off, without running the conditioner
+            per token. ``None`` (default) follows
+            ``model.serve_folded`` (on), and a model whose conditioning has no constant form decodes
+            as it is, with one warning; ``True`` asks for it (``NotImplementedError`` if impossible);
+            ``False`` decodes with the model as it is. A model already folded
+            (:func:`~elr_lightning.serving.fold_conditioning`) is used as it is.
 
     Returns:
         The prompt with its continuations, the new tokens, optionally the logits, and the cache.

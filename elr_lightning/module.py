@@ -228,6 +228,8 @@ class ELRModule(LightningModule):
     # ---- lifecycle ---------------------------------------------------------------------------
     @override
     def setup(self, stage: str) -> None:
+        """Check the run before it starts (meta init, DDP, the data's fit to the model) and take the data
+        module's tokenizer and bytes per token (for bits per byte)."""
         check_meta_init(self)
         if stage == "fit":
             check_plain_ddp(self.trainer.strategy, self.model)
@@ -302,6 +304,12 @@ class ELRModule(LightningModule):
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        """The step's loss: each local shard of ``batch`` at its k of :meth:`step_schedule`, plus the mixers'
+        auxiliary losses; logs them, the mean k and p_1.
+
+        Raises:
+            FloatingPointError: The loss is not finite on some rank (checked on logging steps).
+        """
         schedule = self.step_schedule()
         loops = schedule[self.local_shards()]
         aux: dict[str, Tensor] = {}

@@ -34,6 +34,7 @@ from typing import IO, Any, Optional, Union
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from typing_extensions import override
 
 from elr_lightning.checkpoint_schema import check_checkpoint_config
 
@@ -174,7 +175,13 @@ class DataOnlyLoadPlanner(DefaultLoadPlanner):
         super().__init__(**kwargs)
         self.folder = folder
 
+    @override
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        """Read the non-tensor entry ``value`` as data, then hand it to torch's planner.
+
+        Raises:
+            UnsafeCheckpointError: The entry holds a pickled object, naming the entry and the object.
+        """
         try:
             torch.load(value, weights_only=True)
         except Exception as err:

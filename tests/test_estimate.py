@@ -37,7 +37,7 @@ from elr_lightning.estimate import (
     primed_optimizer,
 )
 from elr_lightning.estimate_fit import log_fit_estimate
-from elr_lightning.estimate_report import memory_report, parse_memory
+from elr_lightning.estimate_report import DEFAULT_DEVICE_MEMORY, detected_device_memory, memory_report, parse_memory
 from elr_lightning.module import ELRModule
 from elr_lightning.strategies import shard_looped_lm
 
@@ -156,6 +156,31 @@ def test_largest_fitting_finds_the_boundary_of_any_growing_peak(intercept, slope
     assert len(set(calls)) == len(calls)  # no size is traced twice
 
 
+def test_the_device_memory_is_this_machines_and_says_where_it_comes_from(monkeypatch) -> None:
+    """A CPU config is estimated against this machine's RAM; a GPU config without a GPU here against 80 GB, said so."""
+    import os
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert detected_device_memory("cpu") == (ram, "this machine's RAM (trainer.accelerator cpu)")
+    assert detected_device_memory(None)[0] == ram  # auto, no GPU: the run would be on the CPU
+    memory, source = detected_device_memory("gpu")
+    assert memory == DEFAULT_DEVICE_MEMORY and source.startswith("assumed") and "--device_memory" in source
+
+
+@given(peaks=st.sampled_from(["convex", "concave", "step"]), budget=st.integers(10**5, 10**9), start=st.integers(1, 64))
+def test_the_search_needs_few_probes_whatever_the_peaks_shape(peaks: str, budget: int, start: int) -> None:
+    """At most about 3 log2(limit) probes: the straight-line search alone crept, up to 210 probes on such peaks."""
+    peak = {
+        "convex": lambda b: 460_826 + 161 * b + 50 * b * b,
+        "concave": lambda b: 1000 + int(30_000 * b**0.5),
+        "step": lambda b: 1000 + 500 * b + (10**6 if b > 500 else 0),
+    }[peaks]
+    calls: list[int] = []
+    largest_fitting(lambda b: calls.append(b) or peak(b), budget, start, 1, limit=1 << 16)
+    assert len(calls) <= 3 * 16
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [("80GB", 80 * 10**9), ("79.5 GiB", int(79.5 * 2**30)), ("512MiB", 512 * 2**20), ("1e9B", 10**9), ("2tb", 2 * 10**12)],
@@ -175,7 +200,7 @@ BAD_FLAGS = {
     "num_nodes": (["--num_nodes", "-2"], "--num_nodes -2"),
     "memory": (["--device_memory", "80"], "--device_memory '80' is not a memory size"),
     "strategy": (["--strategy", "zero3"], "--strategy 'zero3' must be one of"),
-    "mode": (["--modes", "[none, fast]"], "--modes 'fast' is not a mode"),
+    "mode": (["--modes", "none,fast"], "--modes 'fast' is not a mode"),
     "micro_batch": (["--micro_batch", "2"], "smaller than model.init_args.virtual_ranks=4"),
     "headroom": (["--headroom", "1.5"], "--headroom 1.5 must be in [0, 1)"),
     "model": (["--config", "BROKEN"], "the model cannot be built: arch.d_model=30 is not divisible by arch.n_heads=4"),
@@ -191,7 +216,7 @@ def test_a_bad_flag_is_one_line_naming_it(name: str, tmp_path: Path, capsys, mon
     monkeypatch.delenv("ELR_DEBUG", raising=False)
     with pytest.raises(SystemExit) as exit_info:
         main(["estimate", "--config", str(ROOT / "config" / "quickstart.yaml"), "--seq_len", "8", *flags])
-    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("elr:")]
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("elr estimate: error:")]
     assert exit_info.value.code == 1
     assert len(said) == 1 and message in said[0], said
 
@@ -203,7 +228,7 @@ def test_the_report_has_a_row_per_k_and_mode_and_a_verdict(tmp_path: Path, capsy
     configs = ["--config", str(ROOT / "config" / "quickstart.yaml"), "--config", str(one_shard)]
     main([
         "estimate", *configs, "--micro_batch", "4", "--seq_len", "16",
-        "--modes", "[none, layer]", "--loops", "[1, 3]", "--device_memory", "40MiB", "--headroom", "0", "--json", "true",
+        "--modes", "none,layer", "--loops", "1,3", "--device_memory", "40MiB", "--headroom", "0", "--json",
     ])
     out, err = capsys.readouterr()
     report = json.loads(out)

@@ -365,7 +365,7 @@ def test_active_parameters_and_flops_count_top_k_experts():
 def test_cost_json_reports_total_and_active(capsys):
     from elr_lightning.cli import main
 
-    main(["cost", "--config", str(CONFIGS / "quickstart_moe.yaml"), "--json", "true"])
+    main(["cost", "--config", str(CONFIGS / "quickstart_moe.yaml"), "--json"])
     params = json.loads(capsys.readouterr().out)["parameters"]
     experts = 4 * 8 * 3 * 128 * 192  # 4 layers, 8 experts, 3 matrices of 128 x 192
     assert params["total"] - params["active"] == experts * 6 // 8

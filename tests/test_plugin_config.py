@@ -199,7 +199,7 @@ def test_an_old_format_checkpoint_is_refused_and_upgraded_by_one_command(
     with pytest.raises(SystemExit) as refused:  # it runs code from the file: only with --trust
         main(["upgrade-checkpoint", str(old), str(new)])
     assert refused.value.code == 1 and not new.exists()
-    assert capsys.readouterr().err.count("elr: error: OLD") == 1
+    assert capsys.readouterr().err.count("elr upgrade-checkpoint: error: OLD") == 1
     main(["upgrade-checkpoint", str(old), str(new), "--trust"])
     assert "it loads without running code" in capsys.readouterr().out
     raw = torch.load(new, weights_only=True)

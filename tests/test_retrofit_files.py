@@ -46,14 +46,14 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_index_is_followed_and_other_safetensors_files_are_not_read(sharded: Path, tmp_path: Path) -> None:
-    run(["retrofit", "--hf", str(sharded), "--out", str(tmp_path), "--verify", "false"])
+    run(["retrofit", "--hf", str(sharded), "--out", str(tmp_path), "--no_verify"])
     # transformers itself would read the stale model.safetensors first: compare with the shards alone
     theirs, ours = logits_pair(sharded.parent / "clean", tmp_path / "retrofit.ckpt")
     assert (theirs - ours).abs().max() < ATOL
 
 
 def test_the_source_dtype_is_kept_unless_asked(sharded: Path, tmp_path: Path) -> None:
-    run(["retrofit", "--hf", str(sharded), "--out", str(tmp_path / "kept"), "--verify", "false",
+    run(["retrofit", "--hf", str(sharded), "--out", str(tmp_path / "kept"), "--no_verify",
          "--shared_init", "average", "--input", "0:1", "--shared", "1:5", "--output", "5:6", "--n_rec", "2"])
     state = torch.load(tmp_path / "kept" / "retrofit.ckpt", weights_only=True)["state_dict"]
     assert state["model.core.layers.0.attn.kv.weight"].dtype == torch.bfloat16
@@ -66,7 +66,7 @@ def test_the_source_dtype_is_kept_unless_asked(sharded: Path, tmp_path: Path) ->
     model, _ = load_model(str(tmp_path / "kept" / "retrofit.ckpt"))  # bf16 weights load into the fp32 model
     assert model.embed.weight.dtype == torch.float32
 
-    run(["retrofit", "--hf", str(sharded), "--out", str(tmp_path / "fp32"), "--verify", "false", "--dtype", "float32"])
+    run(["retrofit", "--hf", str(sharded), "--out", str(tmp_path / "fp32"), "--no_verify", "--dtype", "float32"])
     state = torch.load(tmp_path / "fp32" / "retrofit.ckpt", weights_only=True)["state_dict"]
     assert {v.dtype for v in state.values() if v.is_floating_point()} == {torch.float32}
     bf16 = torch.load(tmp_path / "kept" / "retrofit.ckpt", weights_only=True)["state_dict"]["model.embed.weight"]

@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from argparse import ArgumentError
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from _elr_ckpt import SERVE_ARCH, write_checkpoint
 from conftest import perturbed_model
 from elr_lightning.decode import AdaptiveDepth
 from elr_lightning.generation import generate, load_model
-from elr_lightning.serve.api import Cancel, CompletionsSpec, RequestError, relative_costs
+from elr_lightning.serve.api import DEFAULT_THRESHOLD, Cancel, CompletionBody, CompletionsSpec, RequestError, relative_costs
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine, _StopText
 from elr_lightning.serve.command import checkpoint_arch, serving_tokenizer
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, IncrementalDecoder, Tokenizer
@@ -398,12 +399,21 @@ def test_serve_command_refuses_bad_flags_before_starting(checkpoint: Path, tmp_p
 
     with pytest.raises(FileNotFoundError, match="missing.ckpt"):
         run(["serve", "--ckpt_path", str(tmp_path / "missing.ckpt")])
-    with pytest.raises(ValueError, match="--loops_default 4 must be in 1..--loops_max"):
-        run(["serve", "--ckpt_path", str(checkpoint), "--loops_default", "4"])
+    with pytest.raises(ValueError, match="--loops 4 must be in 1..--max_loops"):
+        run(["serve", "--ckpt_path", str(checkpoint), "--loops", "4"])
     with pytest.raises(ValueError, match="--max_batch_size 0"):
         run(["serve", "--ckpt_path", str(checkpoint), "--max_batch_size", "0"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(ArgumentError, match="log_level"):  # raised for `elr` to print in one line
         run(["serve", "--ckpt_path", str(checkpoint), "--log_level", "verbose"])
+
+
+def test_a_server_default_of_auto_gives_requests_without_loops_adaptive_depth() -> None:
+    """``elr serve --loops auto``: a request that names no ``loops`` chooses its depth per token."""
+    spec = CompletionsSpec(SERVE_ARCH, TOK, "tiny", loops_default="auto", loops_max=3)
+    assert spec.depth(CompletionBody(prompt="a")) == AdaptiveDepth(3, DEFAULT_THRESHOLD, "kl")
+    assert spec.depth(CompletionBody(prompt="a", loops=2)) == 2
+    with pytest.raises(RequestError, match="threshold is only read with loops='auto'"):
+        spec.depth(CompletionBody(prompt="a", loops=2, threshold=0.1))
 
 
 def test_engine_reset_drops_every_request(model) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from elr_lightning.arguments import CommandParser, add_switch, command_parser
 from elr_lightning.checkpoint_io import write_atomically
 from elr_lightning.checkpoint_schema import checked_arch, plugin_from_config
 from elr_lightning.conditioning import Conditioner, LoopConditioner
@@ -435,24 +436,27 @@ def save_module_checkpoint(module: Any, path: str | os.PathLike, overwrite: bool
     write_atomically(os.fspath(path), lambda f: torch.save(checkpoint, f), overwrite=overwrite)
 
 
-def export_command(argv: list[str]) -> None:
-    """``elr export --ckpt_path X --out DIR [--tokenizer T] [--overwrite]``."""
-    from jsonargparse import ActionYesNo, ArgumentParser
-
-    from elr_lightning.generation import load_model
-
-    parser = ArgumentParser(prog="elr export", description="Write a checkpoint as a Hugging Face model directory.")
+def export_parser() -> CommandParser:
+    """The parser of ``elr export``."""
+    parser = command_parser("export", "Write a checkpoint as a Hugging Face model directory.")
     parser.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
     parser.add_argument("--out", type=str, required=True, help="Directory to write: new or empty.")
     parser.add_argument(
         "--tokenizer", type=Optional[str], default=None, help="Override the checkpoint's saved tokenizer."
     )
-    parser.add_argument(
-        "--overwrite", action=ActionYesNo, default=False,
-        help="Replace the export files of a folder that is not empty (an earlier export); other files are kept.",
+    add_switch(
+        parser, "--overwrite", False,
+        "Replace the export files of a folder that is not empty (an earlier export); other files are kept.",
     )  # fmt: skip
     add_trust_argument(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def export_command(argv: list[str]) -> None:
+    """``elr export --ckpt_path X --out DIR [--tokenizer T] [--overwrite]``."""
+    from elr_lightning.generation import load_model
+
+    args = export_parser().parse_args(argv)
     _hf()
     check_export_folder(Path(args.out), args.overwrite)
     apply_trust_argument(args.trust_module)
@@ -462,16 +466,19 @@ def export_command(argv: list[str]) -> None:
     print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
 
 
-def import_command(argv: list[str]) -> None:
-    """``elr import --hf DIR --out X.ckpt [--overwrite]``."""
-    from jsonargparse import ActionYesNo, ArgumentParser
-
-    parser = ArgumentParser(prog="elr import", description="Turn an `elr export` directory back into a checkpoint.")
+def import_parser() -> CommandParser:
+    """The parser of ``elr import``."""
+    parser = command_parser("import", "Turn an `elr export` directory back into a checkpoint.")
     parser.add_argument("--hf", type=str, required=True, help="Directory written by `elr export`.")
     parser.add_argument("--out", type=str, required=True, help="Checkpoint file to write (not an existing one).")
-    parser.add_argument("--overwrite", action=ActionYesNo, default=False, help="Replace an existing --out file.")
+    add_switch(parser, "--overwrite", False, "Replace an existing --out file.")
     add_trust_argument(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def import_command(argv: list[str]) -> None:
+    """``elr import --hf DIR --out X.ckpt [--overwrite]``."""
+    args = import_parser().parse_args(argv)
     if os.path.lexists(args.out) and not args.overwrite:
         raise FileExistsError(f"--out {args.out!r} exists; give a new path, or add --overwrite to replace it")
     apply_trust_argument(args.trust_module)

@@ -31,6 +31,7 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
+from elr_lightning.arguments import CommandParser, add_switch, command_parser
 from elr_lightning.checkpoint_io import write_file
 from elr_lightning.config import ModelConfig
 from elr_lightning.hf.source_weights import SafetensorsWeights
@@ -460,22 +461,17 @@ def fit_config(
     }
 
 
-def retrofit_command(argv: list[str]) -> None:
-    """``elr retrofit --hf DIR --out DIR [--input A:B --shared A:B --output A:B ...]``."""
-    import yaml
-    from jsonargparse import ActionYesNo, ArgumentParser
-
-    from elr_lightning.hf.export import _hf, save_module_checkpoint
-
-    parser = ArgumentParser(
-        prog="elr retrofit",
-        description="Turn a local Hugging Face Llama, Mistral, Qwen2 or Qwen3 model into an ELR checkpoint and an `elr fit` YAML.",
+def retrofit_parser() -> CommandParser:
+    """The parser of ``elr retrofit``."""
+    parser = command_parser(
+        "retrofit",
+        "Turn a local Hugging Face Llama, Mistral, Qwen2 or Qwen3 model into an ELR checkpoint and an `elr fit` YAML.",
     )
     parser.add_argument("--hf", type=str, required=True, help="Model folder: config.json, *.safetensors, tokenizer.json.")
     parser.add_argument("--out", type=str, required=True, help="Folder to write retrofit.ckpt, retrofit.yaml and tokenizer.json.")
-    parser.add_argument(
-        "--overwrite", action=ActionYesNo, default=False,
-        help="Replace those files in --out (each by a new file: a symbolic link is replaced, never followed).",
+    add_switch(
+        parser, "--overwrite", False,
+        "Replace those files in --out (each by a new file: a symbolic link is replaced, never followed).",
     )  # fmt: skip
     parser.add_argument("--input", type=Optional[str], default=None, help="Input-block layers START:END (default: first quarter).")
     parser.add_argument("--shared", type=Optional[str], default=None, help="Layers the shared block starts from (default: the middle).")
@@ -495,13 +491,21 @@ def retrofit_command(argv: list[str]) -> None:
         default="source",
         help="dtype of the checkpoint's weights; source keeps the safetensors files' dtype.",
     )
-    parser.add_argument(
-        "--verify",
-        type=bool,
-        default=True,
-        help="Load the source with transformers and report the k = 1 logit gap (two fp32 copies of the model in memory).",
-    )
-    args = parser.parse_args(argv)
+    add_switch(
+        parser, "--verify", True,
+        "Load the source with transformers and report the k = 1 logit gap (two fp32 copies of the model in memory).",
+        was_bool=True,
+    )  # fmt: skip
+    return parser
+
+
+def retrofit_command(argv: list[str]) -> None:
+    """``elr retrofit --hf DIR --out DIR [--input A:B --shared A:B --output A:B ...]``."""
+    import yaml
+
+    from elr_lightning.hf.export import _hf, save_module_checkpoint
+
+    args = retrofit_parser().parse_args(argv)
     _hf()
     directory, out = Path(args.hf), Path(args.out)
     config = read_hf_config(directory)
