@@ -59,9 +59,10 @@ PRECISIONS: dict[str, tuple[Optional[torch.dtype], torch.dtype]] = {
 
 #: Fraction of a device's memory that ``elr estimate`` and ``elr fit`` hold back for what the trace does not
 #: see. On the CPU that is mostly what the C allocator keeps of freed memory: with glibc's default
-#: thresholds a real step's resident set reached 1/0.79 = 1.27x the traced peak (``elr fit`` on a hybrid
-#: config the estimate had not been tuned on; ``bench/estimate.py --allocator default`` measures the
-#: step alone), against 1.06x with ``MALLOC_MMAP_THRESHOLD_=65536``. A quarter held back keeps a
+#: thresholds a real run's resident set reached 1/0.79 = 1.27x the traced peak (``elr fit`` on a hybrid
+#: config the estimate had not been tuned on, in the code audit of issue 40), against 1.06x with
+#: ``MALLOC_MMAP_THRESHOLD_=65536``; ``bench/estimate.py --allocator default`` measures the step alone
+#: (0.45-0.88x, the lower where the step is small; docs/memory.md). A quarter held back keeps a
 #: traced peak within the budget at no more than 0.75 / 0.79 = 95% of the memory there. On a GPU it
 #: covers the CUDA context, NCCL's buffers and the caching allocator's fragmentation.
 DEFAULT_HEADROOM = 0.25
