@@ -11,11 +11,16 @@ Its peak is the estimate: whatever the model does (eq. 4's terms, the per-loop s
 checkpointing's recomputation) is measured, not modelled.
 
 Not traced, hence not counted: the CUDA context, the caching allocator's fragmentation and reserve,
-NCCL's buffers. Two pieces of a GPU run cannot run on fake tensors and are stood in for by hand:
-fla's Triton kernels of the GDP layers (:mod:`elr_lightning.estimate_fla` allocates what they
-allocate, with ``Target(fla_kernels=True)``; else the layers run the PyTorch chunked path), and
-torch's DDP reducer (it reads parameter data), whose gradient buckets are added as one
-gradient-sized buffer per rank (the gradients live in them with ``gradient_as_bucket_view``).
+NCCL's buffers, and on the CPU what the C allocator keeps of freed memory (the headroom of
+``elr estimate`` and ``elr fit`` holds memory back for them). Two pieces of a GPU run cannot run on
+fake tensors and are stood in for by hand: fla's Triton kernels of the GDP layers
+(:mod:`elr_lightning.estimate_fla` allocates what they allocate, with ``Target(fla_kernels=True)``,
+which :func:`gdp_path` decides as the GDP layers do at run time; else the layers run the PyTorch
+chunked path), and torch's DDP reducer (it reads parameter data), whose gradient buckets are added
+as one gradient-sized buffer per rank (the gradients live in them with ``gradient_as_bucket_view``).
+Gradient accumulation is traced (two micro-batches, the gradients of the first alive through the
+second); ``compile_model`` is not: the eager step is traced, and a compiled step keeps what the
+compiler's partitioner chooses.
 ``elr estimate`` (:mod:`elr_lightning.estimate_report`) prints the table.
 """
 
@@ -37,10 +42,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elr_lightning.core import CHECKPOINTING
 from elr_lightning.estimate_fla import fla_stand_in
-from elr_lightning.mixers.delta_rule import FLA_STAND_IN
+from elr_lightning.mixers.delta_rule import FLA_STAND_IN, _fla_kernel
 from elr_lightning.module import ELRModule
 from elr_lightning.optim import adamw, param_groups
-from elr_lightning.strategies.fsdp import mixed_precision_policy, shard_looped_lm
+from elr_lightning.strategies.fsdp import RECURRENT_UNITS, mixed_precision_policy, shard_looped_lm
 
 #: How the step is distributed: one device, DDP (a full replica per rank) or FSDP2 (sharded over all ranks).
 STRATEGIES = ("single", "ddp", "fsdp")
@@ -53,6 +58,16 @@ PRECISIONS: dict[str, tuple[Optional[torch.dtype], torch.dtype]] = {
     "bf16-true": (None, torch.bfloat16),
 }
 
+#: Fraction of a device's memory that ``elr estimate`` and ``elr fit`` hold back for what the trace does not
+#: see. On the CPU that is mostly what the C allocator keeps of freed memory: with glibc's default
+#: thresholds a real run's resident set reached 1/0.79 = 1.27x the traced peak (``elr fit`` on a hybrid
+#: config the estimate had not been tuned on, in the code audit of issue 40), against 1.06x with
+#: ``MALLOC_MMAP_THRESHOLD_=65536``; ``bench/estimate.py --allocator default`` measures the step alone
+#: (0.45-0.88x, the lower where the step is small; docs/memory.md). A quarter held back keeps a
+#: traced peak within the budget at no more than 0.75 / 0.79 = 95% of the memory there. On a GPU it
+#: covers the CUDA context, NCCL's buffers and the caching allocator's fragmentation.
+DEFAULT_HEADROOM = 0.25
+
 #: Tracker categories summed into each column of :class:`StepMemory`; every other category (buffers,
 #: inputs, activations, temporaries) is ``activations``.
 _PARAMS = {_MemRefType.PARAM, _FSDPRefType.SHARDED_PARAM, _FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER}
@@ -64,6 +79,33 @@ def half_precision(precision: str) -> bool:
     """Whether a precision computes in bf16 or fp16 (where fla's kernels run)."""
     autocast, params = PRECISIONS[precision]
     return (autocast or params) in (torch.bfloat16, torch.float16)
+
+
+def gdp_path(precision: str, device_type: str) -> tuple[bool, str]:
+    """Whether a run's GDP layers run fla's kernels, by the test they apply at run time, and the path in words.
+
+    :func:`~elr_lightning.mixers.delta_rule.delta_product` runs fla's kernels where the tensors are on
+    CUDA in bf16 or fp16 and fla imports; else the PyTorch chunked path. ``elr fit`` asks this of its
+    own device, ``elr estimate`` of the device the config's ``trainer.accelerator`` gives here.
+
+    Args:
+        precision: A key of :data:`PRECISIONS`.
+        device_type: ``cuda``, ``cpu``, ...
+    """
+    if not half_precision(precision):
+        return False, f"the PyTorch chunked path ({precision}: fla's kernels need bf16 or fp16)"
+    if device_type != "cuda":
+        return False, f"the PyTorch chunked path (on {device_type}: fla's kernels run on CUDA only)"
+    if _fla_kernel() is None:
+        return False, "the PyTorch chunked path (fla does not import here)"
+    return True, "fla's kernels (CUDA, half precision, fla imports)"
+
+
+def has_gdp_layers(model: nn.Module) -> bool:
+    """Whether ``model`` holds Gated DeltaProduct layers (whose memory depends on :func:`gdp_path`)."""
+    from elr_lightning.mixers import GatedDeltaProduct
+
+    return any(isinstance(m, GatedDeltaProduct) for m in model.modules())
 
 
 def lightning_precision(precision: Any) -> str:
@@ -95,7 +137,11 @@ class Target:
         reshard_after_forward: FSDP2's option (:func:`~elr_lightning.strategies.shard_looped_lm`).
         fla_kernels: The GDP layers run fla's kernels, as on a CUDA device with fla installed and
             half-precision activations (traced with :func:`~elr_lightning.estimate_fla.fla_stand_in`);
-            else the PyTorch chunked path.
+            else the PyTorch chunked path (:func:`gdp_path` decides it as a run does).
+        recurrent_units: FSDP2's units of the recurrent block, ``layer`` or ``core``
+            (:func:`~elr_lightning.strategies.shard_looped_lm`).
+        accumulate_grad_batches: Micro-batches per optimizer step; above 1 the step traces two, so the
+            first one's gradients are alive through the second's forward and backward passes.
     """
 
     strategy: str = "single"
@@ -105,6 +151,8 @@ class Target:
     gradient_as_bucket_view: bool = False
     reshard_after_forward: bool = True
     fla_kernels: bool = False
+    recurrent_units: str = "layer"
+    accumulate_grad_batches: int = 1
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -113,6 +161,11 @@ class Target:
             raise ValueError(f"world_size={self.world_size!r} must be an integer >= 1 (devices x nodes)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} must be one of {tuple(PRECISIONS)} (see lightning_precision)")
+        if self.recurrent_units not in RECURRENT_UNITS:
+            raise ValueError(f"recurrent_units={self.recurrent_units!r} must be one of {', '.join(RECURRENT_UNITS)}")
+        accumulate = self.accumulate_grad_batches
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate_grad_batches={accumulate!r} must be an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,17 +328,20 @@ def training_step(
     backward, gradient clipping, ``optimizer.step()``, ``zero_grad(set_to_none=True)``.
 
     Every local shard runs ``setting.loops`` under ``setting``'s backward setting (set on the model).
+    With gradient accumulation two micro-batches run before the optimizer step (the memory of any
+    later one is the second's).
     """
     model = module.model
     model.set_backprop(setting.checkpointing, setting.backprop_loops)
     autocast_dtype, _ = PRECISIONS[target.precision]
-    autocast = (
-        torch.autocast(batch.device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
-    )
-    with autocast:
-        loss = TrainingStep(module)(batch, [setting.loops] * module.virtual_ranks)
-    loss.backward()
-    del loss
+    for _ in range(min(target.accumulate_grad_batches, 2)):
+        autocast = (
+            torch.autocast(batch.device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+        )
+        with autocast:
+            loss = TrainingStep(module)(batch, [setting.loops] * module.virtual_ranks)
+        loss.backward()
+        del loss
     if target.gradient_clip_val:
         torch.nn.utils.clip_grad_norm_(model.parameters(), target.gradient_clip_val)
     optimizer.step()
@@ -390,7 +446,10 @@ def _fake_steps(
     with fake_mode():
         if target.strategy == "fsdp":
             policy = mixed_precision_policy(target.precision)
-            shard_looped_lm(model, mesh, reshard_after_forward=target.reshard_after_forward, mp_policy=policy)
+            shard_looped_lm(
+                model, mesh, reshard_after_forward=target.reshard_after_forward, mp_policy=policy,
+                recurrent_units=target.recurrent_units,
+            )
         model.to_empty(device="cpu")
         model.train()
         optimizer = primed_optimizer(module, target.gradient_clip_val)
@@ -479,6 +538,7 @@ def measured_steps(module: ELRModule, target: Target, settings: Sequence[Setting
 
 
 __all__ = [
+    "DEFAULT_HEADROOM",
     "PRECISIONS",
     "STRATEGIES",
     "FSDPStepTracker",
@@ -492,7 +552,9 @@ __all__ = [
     "fake_mode",
     "fake_process_group",
     "fake_training",
+    "gdp_path",
     "half_precision",
+    "has_gdp_layers",
     "largest_fitting",
     "lightning_precision",
     "measured_steps",

@@ -26,12 +26,13 @@ from elr_lightning.core import CHECKPOINTING
 from elr_lightning.cost import build_module, merged_config
 from elr_lightning.errors import root_cause
 from elr_lightning.estimate import (
+    DEFAULT_HEADROOM,
     STRATEGIES,
     Setting,
     StepMemory,
     Target,
     fake_training,
-    half_precision,
+    gdp_path,
     largest_fitting,
     lightning_precision,
 )
@@ -148,6 +149,32 @@ def layout_of_config(config: dict[str, Any], devices: Optional[int] = None, num_
     return devices, _count(nodes, "--num_nodes" if num_nodes is not None else "trainer.num_nodes")
 
 
+def accelerator_type(config: dict[str, Any]) -> str:
+    """The device type ``trainer.accelerator`` gives on this machine: ``cuda`` or ``cpu`` (``auto``: CUDA if present)."""
+    accelerator = str((config.get("trainer") or {}).get("accelerator") or "auto").lower()
+    if accelerator in ("gpu", "cuda"):
+        return "cuda"
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return accelerator
+
+
+def gdp_choice(config: dict[str, Any], gdp_kernels: str = "auto") -> tuple[bool, str]:
+    """``(fla's kernels?, the path in words)`` of the GDP layers of a config's run under ``--gdp_kernels``.
+
+    ``auto`` applies the test the layers apply in ``elr fit`` (:func:`~elr_lightning.estimate.gdp_path`)
+    to the config's precision and the device its ``trainer.accelerator`` gives here; ``fla`` and
+    ``torch`` force a path.
+    """
+    if gdp_kernels == "fla":
+        return True, "fla's kernels (--gdp_kernels fla)"
+    if gdp_kernels == "torch":
+        return False, "the PyTorch chunked path (--gdp_kernels torch)"
+    precision = lightning_precision((config.get("trainer") or {}).get("precision") or "32-true")
+    fla, why = gdp_path(precision, accelerator_type(config))
+    return fla, why if fla else f"{why}; --gdp_kernels fla estimates a CUDA run with fla"
+
+
 def target_of_config(
     config: dict[str, Any], world_size: int, strategy: Optional[str] = None, gdp_kernels: str = "auto"
 ) -> Target:
@@ -158,8 +185,8 @@ def target_of_config(
         world_size: Devices x nodes.
         strategy: ``single``, ``ddp`` or ``fsdp`` instead of the config's ``trainer.strategy``.
         gdp_kernels: What the GDP layers run: ``fla`` (fla's kernels, as on a CUDA device with
-            fla installed), ``torch`` (the PyTorch chunked path), or ``auto``: ``fla`` under a
-            half-precision ``trainer.precision`` (a GPU run), else ``torch``.
+            fla installed), ``torch`` (the PyTorch chunked path), or ``auto``: what ``elr fit`` would
+            run here (:func:`gdp_choice`).
 
     Raises:
         ValueError: A bad flag or a config value the estimate does not cover, naming it.
@@ -176,6 +203,7 @@ def target_of_config(
     if trainer.get("gradient_clip_algorithm") == "value":
         clip = None  # clipping by value is in place: no memory
     precision = lightning_precision(trainer.get("precision") or "32-true")
+    accumulate = trainer.get("accumulate_grad_batches") or 1
     return Target(
         strategy=kind,
         world_size=world_size,
@@ -183,7 +211,9 @@ def target_of_config(
         gradient_clip_val=float(clip) if clip else None,
         gradient_as_bucket_view=bool(init_args.get("gradient_as_bucket_view", False)),
         reshard_after_forward=bool(init_args.get("reshard_after_forward", True)),
-        fla_kernels=gdp_kernels == "fla" or (gdp_kernels == "auto" and half_precision(precision)),
+        fla_kernels=gdp_choice(config, gdp_kernels)[0],
+        recurrent_units=str(init_args.get("recurrent_units", "layer")) if kind == "fsdp" else "layer",
+        accumulate_grad_batches=_count(accumulate, "trainer.accumulate_grad_batches"),
     )
 
 
@@ -247,7 +277,7 @@ def memory_report(
     num_nodes: Optional[int] = None,
     strategy: Optional[str] = None,
     device_memory: Optional[Union[str, int]] = None,
-    headroom: float = 0.1,
+    headroom: float = DEFAULT_HEADROOM,
     micro_batch: Optional[int] = None,
     seq_len: Optional[int] = None,
     loops: Optional[Sequence[int]] = None,
@@ -269,7 +299,8 @@ def memory_report(
         device_memory: Memory of one device (``"80GB"``, bytes); default: :func:`detected_device_memory`
             of the config's ``trainer.accelerator``.
         headroom: Fraction of ``device_memory`` held back for what the trace does not see (CUDA
-            context, allocator fragmentation, communication buffers).
+            context, allocator fragmentation, communication buffers, what a CPU allocator keeps;
+            :data:`~elr_lightning.estimate.DEFAULT_HEADROOM`).
         micro_batch: Sequences per rank per step (default: ``data.init_args.batch_size``).
         seq_len: Tokens per sequence (default: ``data.init_args.seq_len``).
         loops: Loop counts of the rows (default: 1..K).
@@ -358,6 +389,8 @@ def memory_report(
         "device_memory": memory,
         "device_memory_source": source,
         "headroom": headroom,
+        "gdp_path": gdp_choice(config, gdp_kernels)[1] if _has_gdp(arch) else None,
+        "not_modelled": ["compile_model: the eager step was traced"] if args.get("compile_model") else [],
         "budget": budget,
         "rows": rows,
         "configured": _row(configured, results[configured]),
@@ -365,6 +398,11 @@ def memory_report(
     }
     report["verdict"] = verdict(report, peak, search)
     return report
+
+
+def _has_gdp(arch: dict[str, Any]) -> bool:
+    """Whether a config's ``arch`` names a Gated DeltaProduct mixer."""
+    return any("GatedDeltaProduct" in str((spec or {}).get("class_path", "")) for spec in (arch.get("mixers") or {}).values())
 
 
 def verdict(report: dict[str, Any], peak: int, searched: bool = True) -> str:
@@ -394,13 +432,18 @@ def format_memory_report(report: dict[str, Any]) -> str:
     """The report as a table in GiB."""
     target = report["target"]
     strategy = {"single": "one device", "ddp": "DDP", "fsdp": "FSDP2"}[target["strategy"]]
+    if target["strategy"] == "fsdp":
+        strategy += f" (recurrent block sharded by {target['recurrent_units']})"
+    accumulate = target["accumulate_grad_batches"]
     lines = [
         f"config: {report['config']}",
         f"run: {strategy} over {target['world_size']} rank(s) ({target['num_nodes']} node(s) x {target['devices']}), "
         f"{target['precision']}, "
         f"micro-batch {report['micro_batch']} x {report['seq_len']} tokens per rank in {report['virtual_ranks']} "
-        f"shard(s), eq. 4 conditioning {'on' if report['conditioning'] else 'off'}"
-        + (", GDP layers as fla's kernels" if target["fla_kernels"] else ""),
+        f"shard(s)" + (f", {accumulate} micro-batches per step (gradients kept across them)" if accumulate > 1 else "")
+        + f", eq. 4 conditioning {'on' if report['conditioning'] else 'off'}",
+        *([f"GDP layers: {report['gdp_path']}"] if report.get("gdp_path") else []),
+        *(f"not modelled: {item}" for item in report.get("not_modelled", [])),
         f"device memory {report['device_memory'] / 1e9:.1f} GB ({report['device_memory'] / _GIB:.1f} GiB, "
         f"{report['device_memory_source']}) less {report['headroom']:.0%} headroom: budget "
         f"{report['budget'] / _GIB:.1f} GiB per rank",
@@ -434,7 +477,10 @@ def estimate_parser() -> CommandParser:
         help="Memory per device, e.g. 80GB or 79.6GiB; default: this machine's RAM for a CPU config, its first GPU's "
         "memory for a GPU one (80GB assumed without a GPU).",
     )  # fmt: skip
-    parser.add_argument("--headroom", type=float, default=0.1, help="Fraction of device memory held back (CUDA context, fragmentation).")
+    parser.add_argument(
+        "--headroom", type=float, default=DEFAULT_HEADROOM,
+        help="Fraction of device memory held back (CUDA context, fragmentation, CPU allocators).",
+    )  # fmt: skip
     parser.add_argument("--micro_batch", type=Optional[int], default=None, help="Sequences per rank (default: data.batch_size).")
     parser.add_argument("--seq_len", type=Optional[int], default=None, help="Tokens per sequence (default: data.seq_len).")
     add_loops(parser, "Loop counts of the rows; default 1..K")

@@ -2,7 +2,8 @@
 
 The check against reality runs each quickstart config's model at a small size through the same
 training step twice: on fake tensors from a meta-device build (the estimate) and on real tensors
-(torch's ``MemTracker`` on the real step, :func:`~elr_lightning.estimate.measured_steps`). The bench
+(torch's ``MemTracker`` on the real step, :func:`~elr_lightning.estimate.measured_steps`); the two
+agree to a few KiB, except where a mixture of experts routes real tokens unevenly. The bench
 ``bench/estimate.py`` repeats it at the configs' own size against the process's resident memory.
 """
 
@@ -63,24 +64,39 @@ def _real_module(config: dict) -> ELRModule:
     return ELRModule(**config["model"]["init_args"])
 
 
+#: How far the fake trace may be from torch's tracker on the real step: dense and hybrid layers allocate the
+#: same tensors on fake and real tensors (measured: 1 KiB less, at every k and mode); a mixture of experts
+#: routes fake tokens evenly where real ones are not (measured: 0.11 to 1.5 MiB more of 22 to 27 MiB, 0.4-7%).
+EXACT_BYTES = 4 * 2**10
+MOE_OVER = 0.08
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", QUICKSTARTS)
-def test_the_estimate_is_within_15_percent_of_the_real_steps_peak(name: str) -> None:
+def test_the_estimate_equals_the_real_steps_peak(name: str) -> None:
     config = _small(name)
     k_max = config["model"]["init_args"]["arch"]["max_loops"]
-    quick = name == "quickstart.yaml"  # every mode at k = 1 and K, and truncated backprop, on one config
+    quick = name == "quickstart.yaml"  # every mode at k = 1 and K, truncated backprop and accumulation, on one config
     cases = [(k, mode, None) for k in ((1, k_max) if quick else (k_max,)) for mode in CHECKPOINTING]
     cases += [(k_max, "none", 1)] if quick else [(1, "none", None)]
     settings = [Setting(k, mode, backprop, 2, 16) for k, mode, backprop in cases]
-    target = Target("single", 1, "32-true")
-    estimated = estimate_steps(lambda: build_module(config), target, settings)
-    measured = measured_steps(_real_module(config), target, settings)
-    for setting, guess, truth in zip(settings, estimated, measured):
-        assert abs(guess.peak / truth.peak - 1) <= 0.15, (setting, guess, truth)
-        assert guess.params == truth.params and guess.optimizer == truth.optimizer, setting
-    peaks = {(s.loops, s.label): m.peak for s, m in zip(settings, estimated)}
-    assert peaks[(k_max, "none")] > peaks[(1, "none")]  # activations grow with k without checkpointing
-    assert peaks[(k_max, "loop")] < peaks[(k_max, "none")] and peaks[(k_max, "layer")] < peaks[(k_max, "none")]
+    peaks = {}
+    for accumulate in (1, 2) if quick else (1,):
+        target = Target("single", 1, "32-true", accumulate_grad_batches=accumulate)
+        estimated = estimate_steps(lambda: build_module(config), target, settings)
+        measured = measured_steps(_real_module(config), target, settings)
+        for setting, guess, truth in zip(settings, estimated, measured):
+            if "moe" in name:
+                assert 0 <= guess.peak - truth.peak <= MOE_OVER * truth.peak, (setting, guess, truth)
+            else:
+                assert abs(guess.peak - truth.peak) <= EXACT_BYTES, (setting, guess, truth)
+            assert guess.params == truth.params and guess.optimizer == truth.optimizer, setting
+        peaks[accumulate] = {(s.loops, s.label): m.peak for s, m in zip(settings, estimated)}
+    one = peaks[1]
+    assert one[(k_max, "none")] > one[(1, "none")]  # activations grow with k without checkpointing
+    assert one[(k_max, "loop")] < one[(k_max, "none")] and one[(k_max, "layer")] < one[(k_max, "none")]
+    if quick:  # the first micro-batch's gradients stay alive through the second
+        assert all(peaks[2][key] > peak for key, peak in one.items())
 
 
 @pytest.mark.slow
@@ -98,7 +114,9 @@ def test_fsdp_shards_parameters_and_optimizer_state_and_ddp_adds_its_buckets() -
     in_buckets, = estimate_steps(build, Target("ddp", 8, gradient_as_bucket_view=True), [setting])
     # FSDP2 pads every shard to an equal size: a quarter, give or take a row per tensor
     assert sharded.optimizer == pytest.approx(single.optimizer / 4, rel=0.02)
-    assert sharded.params < single.params
+    # each layer its own unit: at the peak a layer or two are gathered (twice: all-gather buffer and copy-out),
+    # which at this size outweighs the parameters that sharding saves; gradients and the peak shrink
+    assert sharded.grads < single.grads and sharded.peak < single.peak
     buckets = ddp_bucket_bytes(build().model)
     assert ddp.grads == single.grads + buckets
     assert in_buckets.grads == buckets
@@ -316,3 +334,44 @@ def test_config_strategies_map_to_targets() -> None:
     assert (target.strategy, target.precision, target.gradient_clip_val) == ("ddp", "bf16-mixed", 1.0)
     assert estimate_report.target_of_config(_config("quickstart.yaml"), 1).strategy == "single"
     assert estimate_report.layout_of_config(four, 8, 2) == (8, 2)
+
+
+def test_gdp_layers_take_the_path_a_run_takes(monkeypatch) -> None:
+    """fla's kernels only where ``elr fit`` would run them: CUDA, half precision, fla importable."""
+    from elr_lightning import estimate
+
+    assert estimate.gdp_path("32-true", "cuda") == (False, "the PyTorch chunked path (32-true: fla's kernels need bf16 or fp16)")
+    assert estimate.gdp_path("bf16-mixed", "cpu")[0] is False
+    monkeypatch.setattr(estimate, "_fla_kernel", lambda: None)
+    assert estimate.gdp_path("bf16-mixed", "cuda") == (False, "the PyTorch chunked path (fla does not import here)")
+    monkeypatch.setattr(estimate, "_fla_kernel", lambda: print)
+    assert estimate.gdp_path("bf16-mixed", "cuda")[0] is True
+    four = _config("4b.yaml")  # bf16-mixed, accelerator auto: this machine's device decides
+    fla, why = estimate_report.gdp_choice(four)
+    assert fla is torch.cuda.is_available() and ("--gdp_kernels fla estimates a CUDA run" in why) is not fla
+    assert estimate_report.gdp_choice(four, "fla") == (True, "fla's kernels (--gdp_kernels fla)")
+    assert estimate_report.target_of_config(four, 8, gdp_kernels="torch").fla_kernels is False
+
+
+def test_the_report_says_what_it_assumed_and_what_it_does_not_model(tmp_path: Path) -> None:
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(
+        "trainer: {accumulate_grad_batches: 3}\nmodel:\n  init_args:\n    virtual_ranks: 1\n    compile_model: true\n"
+    )
+    paths = [str(ROOT / "config" / "quickstart_hybrid.yaml"), str(extra)]
+    report = memory_report(paths, micro_batch=1, seq_len=8, loops=[1], modes=["layer"], search=False)
+    assert report["target"]["accumulate_grad_batches"] == 3 and report["headroom"] == 0.25
+    text = estimate_report.format_memory_report(report)
+    assert "GDP layers: the PyTorch chunked path (32-true: fla's kernels need bf16 or fp16)" in text
+    assert "not modelled: compile_model" in text and "3 micro-batches per step (gradients kept across them)" in text
+
+
+def test_fsdp_layer_units_gather_one_recurrent_layer_at_a_time() -> None:
+    """The recurrent block as one unit keeps all its layers gathered (and their gradients unsharded) at the peak."""
+    config = _small("quickstart_hybrid.yaml")  # two recurrent layers
+    setting = Setting(3, "layer", None, 1, 16)
+    build = lambda: build_module(config)  # noqa: E731
+    core, = estimate_steps(build, Target("fsdp", 4, recurrent_units="core"), [setting])
+    layer, = estimate_steps(build, Target("fsdp", 4, recurrent_units="layer"), [setting])
+    assert layer.params < core.params and layer.peak < core.peak
+    assert estimate_report.target_of_config(_config("30b_a3b.yaml"), 8).recurrent_units == "layer"

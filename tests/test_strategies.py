@@ -115,23 +115,25 @@ def launch(
     out: Path,
     cases: dict[str, dict[str, Any]] = CASES,
     timeout_s: int = LAUNCH_TIMEOUT_S,
+    world: int = WORLD,
+    steps: int = STEPS,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Run every case of ``cases`` on WORLD fresh processes; return each case's per-rank results.
+    """Run every case of ``cases`` on ``world`` fresh processes for ``steps`` steps; return each case's per-rank results.
 
     ``timeout_s`` bounds the launch; each rank's watchdog fires 15 s before it.
     """
     out.mkdir()
     specs = [{"name": name, "batch_size": PER_RANK_BATCH, **case} for name, case in cases.items()]
     watchdog = WATCHDOG_S + timeout_s - LAUNCH_TIMEOUT_S
-    spec = {**corpus, "strategy": strategy, "steps": STEPS, "out": str(out), "watchdog_s": watchdog, "cases": specs}
+    spec = {**corpus, "strategy": strategy, "steps": steps, "out": str(out), "watchdog_s": watchdog, "cases": specs}
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = _free_port()
     procs, logs = [], []
-    for rank in range(WORLD):
+    for rank in range(world):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
         env.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
             LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
         )
         log = open(out / f"rank{rank}.log", "w")
@@ -141,9 +143,9 @@ def launch(
                 [sys.executable, str(WORKER), str(spec_path)], env=env, stdout=log, stderr=log, start_new_session=True
             )
         )
-    wait_for(procs, logs, timeout_s, f"{strategy}: the {WORLD}-process run")
+    wait_for(procs, logs, timeout_s, f"{strategy}: the {world}-process run")
     return {
-        name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=True) for r in range(WORLD)] for name in cases
+        name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=True) for r in range(world)] for name in cases
     }
 
 
@@ -208,8 +210,9 @@ def test_fsdp_two_processes_match_one_process_with_virtual_ranks(corpus, referen
     results = launch("fsdp", corpus, tmp_path / "fsdp")
     for name in CASES:
         assert_matches_reference(name, results[name], references[name])
-    # The recurrent core (the whole k-loop) is one unit; input and output layers one unit each; then the root.
-    assert results["v1"][0]["fsdp_units"] == ["", "input_layers.0", "core", "output_layers.0"]
+    # Each layer is a unit, the recurrent ones included (every rank makes as many passes); the core keeps the
+    # state update and the conditioner; then the root.
+    assert results["v1"][0]["fsdp_units"] == ["", "input_layers.0", "core", "core.layers.0", "output_layers.0"]
     assert_checkpoint_has_tokenizer(tmp_path / "fsdp" / "v1.ckpt")
     # Conditioner off on every rank: its heads have no gradient anywhere, so nothing moves them.
     off = results["v1_conditioner_off"][0]["state"]

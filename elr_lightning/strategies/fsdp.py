@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
+#: ``recurrent_units`` of :func:`shard_looped_lm`: the recurrent block as one unit, or one unit per recurrent layer.
+RECURRENT_UNITS = ("core", "layer")
+
 #: Lightning precisions whose autocast computes in half precision, and the dtype FSDP2 gathers in for them.
 _HALF_PRECISIONS = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -71,14 +74,25 @@ def shard_looped_lm(
     reshard_after_forward: bool = True,
     reduce_scatter_unused_params: bool = False,
     mp_policy: Optional[MixedPrecisionPolicy] = None,
+    recurrent_units: str = "layer",
 ) -> None:
     """Apply FSDP2 ``fully_shard`` to ``model`` in place, in units whose collectives do not depend on k.
 
-    Units: each input layer, the whole :class:`~elr_lightning.model.RecurrentCore` (its ``forward``
-    runs all k loops, so it all-gathers once per forward and reduce-scatters once per backward at
-    any k), each output layer, then the root (embedding, final norm and the tied head). Sharding
-    each recurrent layer as its own unit would all-gather k times per forward, and ranks at
-    different k would fall out of step and deadlock (DESIGN §6).
+    Units: each input layer, the recurrent block, each output layer, then the root (embedding,
+    final norm and the tied head). The recurrent block is sharded by ``recurrent_units``:
+
+    * ``layer``: each recurrent layer is a unit, then the :class:`~elr_lightning.model.RecurrentCore`
+      (the state update and the conditioner). A layer gathers its weights at every loop and frees
+      them after, so no more than a layer or two of the block is gathered at once, and in the
+      backward pass it reduce-scatters its gradient at every loop. A layer called k times issues k
+      gathers per forward: the model must then make the same number of passes on every rank,
+      which ``LoopedLM.forward(..., passes=...)`` does (idle passes on zero rows;
+      :meth:`ELRModule.collective_passes <elr_lightning.module.ELRModule.collective_passes>` asks
+      for the deepest k of the shard's peers). Eq. 4's terms are then computed by each layer in its
+      own forward (``RecurrentCore.batch_modulations`` off), where its heads are gathered.
+    * ``core``: the whole core is one unit (its ``forward`` runs all k loops, so it all-gathers once
+      per forward and reduce-scatters once per backward at any k, with no padding), at the cost of
+      the whole block's weights, gradients and communication buffers gathered at once.
 
     ``fully_shard`` replaces every parameter by a new sharded one and drops attributes set on the
     old ones; roles survive because the model records them by name (``LoopedLM.roles``).
@@ -96,10 +110,20 @@ def shard_looped_lm(
             and the recurrent state, in bf16, where DDP under autocast keeps them fp32 (the head's
             matmul still runs in bf16 under autocast). It costs one fp32 gather of the root per step
             (FSDP2 keeps the root gathered between forward and backward).
+        recurrent_units: ``layer`` or ``core`` (above).
+
+    Raises:
+        ValueError: ``recurrent_units`` is neither, or ``reduce_scatter_unused_params`` on a torch without it.
     """
+    if recurrent_units not in RECURRENT_UNITS:
+        raise ValueError(f"recurrent_units={recurrent_units!r} must be one of {', '.join(RECURRENT_UNITS)}")
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in model.input_layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
+    if recurrent_units == "layer":
+        for layer in model.core.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
+        model.core.batch_modulations = False
     fully_shard(model.core, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
     for layer in model.output_layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
@@ -126,6 +150,13 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
     shard only, and initialised with ``LoopedLM.init_weights``. Under ``bf16-mixed`` (or ``16-mixed``)
     the units gather their parameters in half precision (:func:`mixed_precision_policy`).
 
+    With ``recurrent_units: layer`` (the default) each recurrent layer is its own unit, so the
+    recurrent block is never gathered whole; every rank's forward makes as many passes of it as the
+    deepest rank's shard runs loops (:attr:`pads_recurrent_passes`): a rank past its own k calls
+    the layers on zero rows, which gathers and reduce-scatters without arithmetic. With
+    ``ELRModule(depth_layout="micro_batches")`` all ranks run one k per micro-batch and no rank
+    pads. ``recurrent_units: core`` keeps the whole block one unit (DESIGN §6).
+
     Every rank must reduce-scatter the same parameters at every step, whatever k it runs. At setup
     the strategy probes the unsharded model at k = 1..``arch.max_loops`` (conditioner as it is and
     switched on) and raises if some parameter's use depends on k. Parameters unused at every k
@@ -136,6 +167,7 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
     Args:
         reshard_after_forward: See :func:`shard_looped_lm`.
         reduce_scatter_unused_params: See :func:`shard_looped_lm`; also turns the k probe off.
+        recurrent_units: ``layer`` or ``core``, see :func:`shard_looped_lm`.
         check_schedule_every_n_steps: Every this many optimizer steps, gather the loop counts the
             ranks run and raise if they are not one shared schedule (``0``: never).
         save_distributed_checkpoint: One checkpoint file per rank (``True``) or one full file.
@@ -154,10 +186,16 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        recurrent_units: str = "layer",
     ) -> None:
         if check_schedule_every_n_steps < 0:
             raise ValueError(
                 f"check_schedule_every_n_steps={check_schedule_every_n_steps} must be >= 0 (0 turns the check off)"
+            )
+        if recurrent_units not in RECURRENT_UNITS:
+            raise ValueError(
+                f"recurrent_units={recurrent_units!r} must be one of {', '.join(RECURRENT_UNITS)} "
+                "(one unit per recurrent layer, or the whole recurrent block as one)"
             )
         super().__init__(
             data_parallel_size="auto",
@@ -169,6 +207,12 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.reduce_scatter_unused_params = reduce_scatter_unused_params
         self.check_schedule_every_n_steps = check_schedule_every_n_steps
+        self.recurrent_units = recurrent_units
+
+    @property
+    def pads_recurrent_passes(self) -> bool:
+        """Whether every rank's forward must make as many recurrent passes as its peers' (``recurrent_units: layer``)."""
+        return self.recurrent_units == "layer"
 
     def _data_parallel_mesh(self) -> Optional["DeviceMesh"]:
         """The data-parallel mesh, or ``None`` before the processes have joined (Lightning's ``device_mesh`` raises then)."""
@@ -206,6 +250,7 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
                 reshard_after_forward=self.reshard_after_forward,
                 reduce_scatter_unused_params=self.reduce_scatter_unused_params,
                 mp_policy=mixed_precision_policy(str(self.precision_plugin.precision)),
+                recurrent_units=self.recurrent_units,
             )
             if any(p.is_meta for p in model.parameters()):
                 # Built with meta_init: give each rank's shard memory, then the model's own init.
