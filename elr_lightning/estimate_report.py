@@ -690,14 +690,8 @@ def estimate_parser() -> CommandParser:
         help="Fraction of device memory held back; default 0.25 of CPU RAM (what glibc keeps), 0.10 of a GPU's "
         "(context, NCCL, caching allocator).",
     )  # fmt: skip
-    parser.add_argument(
-        "--accelerator", type=Optional[str], default=None,
-        help="cpu, gpu or auto instead of the config's trainer.accelerator: the device the run trains on.",
-    )  # fmt: skip
-    add_switch(
-        parser, "--cpu_offload", None,
-        "FSDP2's CPU offload (state in host memory) instead of the strategy's init_args.cpu_offload.",
-    )  # fmt: skip
+    parser.add_argument("--accelerator", type=Optional[str], default=None, help="cpu, gpu or auto: the run's device.")
+    add_switch(parser, "--cpu_offload", None, "FSDP2's CPU offload instead of the strategy's init_args.cpu_offload.")
     parser.add_argument(
         "--host_memory", type=Optional[str], default=None,
         help="RAM per node for offloaded state, e.g. 2TB; default: this machine's where it has the GPU, else not checked.",

@@ -421,6 +421,17 @@ def test_the_fit_estimate_is_the_runs_worst_step(capsys) -> None:
     assert module.model.core.checkpointing == "loop" and all(not p.is_meta for p in module.parameters())
 
 
+def test_the_fit_estimate_takes_the_strategys_offload_and_the_devices_headroom() -> None:
+    from elr_lightning.estimate import default_headroom
+    from elr_lightning.strategies import OneLoopOverrideFSDPStrategy
+
+    strategy = OneLoopOverrideFSDPStrategy(cpu_offload=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, strategy=strategy)
+    target = estimate_fit.target_of_trainer(trainer)
+    assert (target.strategy, target.cpu_offload, target.accelerator) == ("fsdp", True, "cpu")
+    assert default_headroom("cpu")[0] == 0.25 and default_headroom("cuda")[0] == 0.10
+
+
 def test_a_run_the_estimate_cannot_cover_trains_on_with_one_line(capsys) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, precision="64-true")
     module = _real_module(_config("quickstart.yaml"))
