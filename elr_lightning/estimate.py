@@ -58,21 +58,54 @@ PRECISIONS: dict[str, tuple[Optional[torch.dtype], torch.dtype]] = {
     "bf16-true": (None, torch.bfloat16),
 }
 
-#: Fraction of a device's memory that ``elr estimate`` and ``elr fit`` hold back for what the trace does not
-#: see. On the CPU that is mostly what the C allocator keeps of freed memory: with glibc's default
-#: thresholds a real run's resident set reached 1/0.79 = 1.27x the traced peak (``elr fit`` on a hybrid
-#: config the estimate had not been tuned on, in the code audit of issue 40), against 1.06x with
-#: ``MALLOC_MMAP_THRESHOLD_=65536``; ``bench/estimate.py --allocator default`` measures the step alone
-#: (0.45-0.88x, the lower where the step is small; docs/memory.md). A quarter held back keeps a
-#: traced peak within the budget at no more than 0.75 / 0.79 = 95% of the memory there. On a GPU it
-#: covers the CUDA context, NCCL's buffers and the caching allocator's fragmentation.
-DEFAULT_HEADROOM = 0.25
+#: Fraction of the CPU's memory that ``elr estimate`` holds back for what the trace does not see, for a run on the CPU.
+#: That is mostly what the C allocator keeps of freed memory: with glibc's default thresholds a real run's resident
+#: set reached 1/0.79 = 1.27x the traced peak (``elr fit`` on a hybrid config the estimate had not been tuned on, in
+#: the code audit of issue 40), against 1.06x with ``MALLOC_MMAP_THRESHOLD_=65536``; ``bench/estimate.py --allocator
+#: default`` measures the step alone (0.45-0.88x, the lower where the step is small; docs/memory.md). A quarter held
+#: back keeps a traced peak within the budget at no more than 0.75 / 0.79 = 95% of the memory there. The host memory
+#: of an offloaded run is CPU memory too, and is held to the same fraction.
+CPU_HEADROOM = 0.25
+
+#: Fraction of an accelerator's memory held back, for a run on a GPU: 8 GB of 80. No CPU allocator is involved:
+#: tensors come from torch's caching allocator, whose blocks the trace counts at their tensors' sizes. What the
+#: trace does not see is the CUDA context and the kernels' modules (about 0.5 GB with lazy loading), cuBLAS's
+#: workspaces (tens of MiB), NCCL's buffers (some hundreds of MiB per communicator) and the caching allocator's
+#: reserve above what is allocated (rounding to its block sizes and fragmentation; ``expandable_segments`` lowers
+#: it). These are priors, not measured here (no GPU was lent to this work): compare the estimate ``elr fit`` logs
+#: with ``torch.cuda.max_memory_reserved()`` of the first steps, and set ``--headroom`` from that ratio.
+ACCELERATOR_HEADROOM = 0.10
+
+
+def default_headroom(device_type: str) -> tuple[float, str]:
+    """The fraction of a device's memory ``elr estimate`` and ``elr fit`` hold back by default, and why in words.
+
+    :data:`CPU_HEADROOM` on the CPU (what glibc keeps of freed memory), :data:`ACCELERATOR_HEADROOM`
+    on any accelerator (its context, communication buffers and caching allocator's reserve).
+
+    Args:
+        device_type: ``cpu``, ``cuda``, ...
+    """
+    if device_type == "cpu":
+        return CPU_HEADROOM, "the default for CPU RAM: what glibc keeps of freed memory, up to 1.27x the traced peak"
+    return ACCELERATOR_HEADROOM, (
+        f"the default for a {device_type} device: its context, NCCL's buffers and the caching allocator's reserve"
+    )
 
 #: Tracker categories summed into each column of :class:`StepMemory`; every other category (buffers,
 #: inputs, activations, temporaries) is ``activations``.
 _PARAMS = {_MemRefType.PARAM, _FSDPRefType.SHARDED_PARAM, _FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER}
 _GRADS = {_MemRefType.GRAD, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.UNSHARDED_GRAD, _FSDPRefType.REDUCE_SCATTER}
 _OPTIMIZER = {_MemRefType.OPT, _FSDPRefType.OPT}
+#: What FSDP2's CPU offload keeps in host memory: the rank's parameter and gradient shards, and the optimizer's state
+#: (AdamW allocates it beside its parameters).
+_HOST = {_FSDPRefType.SHARDED_PARAM, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.OPT}
+#: What stays on the device of an offloaded step while the host runs the update (clipping, the optimizer step):
+#: gathered units, unsharded gradients, their collectives' buffers, the module buffers and the batch.
+_DEVICE_RESIDENT = {
+    _FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER, _FSDPRefType.UNSHARDED_GRAD, _FSDPRefType.REDUCE_SCATTER,
+    _FSDPRefType.BUFFER, _FSDPRefType.INP,
+}  # fmt: skip
 
 
 def half_precision(precision: str) -> bool:
@@ -135,6 +168,12 @@ class Target:
         gradient_clip_val: ``trainer.gradient_clip_val`` (the step clips the gradients' norm when set).
         gradient_as_bucket_view: DDP's option: the gradients live in its buckets instead of beside them.
         reshard_after_forward: FSDP2's option (:func:`~elr_lightning.strategies.shard_looped_lm`).
+        cpu_offload: FSDP2's CPU offload (:func:`~elr_lightning.strategies.shard_looped_lm`): the shards,
+            their gradients and the optimizer's state are the host's, the rest the device's
+            (:class:`StepMemory`).
+        accelerator: The device type the run trains on (``cpu``, ``cuda``, ...). On an accelerator an
+            offloaded run pins its host shards and gradient shards, in blocks rounded up to a power
+            of two (torch's pinned-memory allocator), which :attr:`StepMemory.host` counts.
         fla_kernels: The GDP layers run fla's kernels, as on a CUDA device with fla installed and
             half-precision activations (traced with :func:`~elr_lightning.estimate_fla.fla_stand_in`);
             else the PyTorch chunked path (:func:`gdp_path` decides it as a run does).
@@ -153,6 +192,8 @@ class Target:
     fla_kernels: bool = False
     recurrent_units: str = "layer"
     accumulate_grad_batches: int = 1
+    cpu_offload: bool = False
+    accelerator: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -166,6 +207,8 @@ class Target:
         accumulate = self.accumulate_grad_batches
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate_grad_batches={accumulate!r} must be an integer >= 1")
+        if self.cpu_offload and self.strategy != "fsdp":
+            raise ValueError(f"cpu_offload is FSDP2's (strategy 'fsdp'); strategy={self.strategy!r} has none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,19 +248,31 @@ class Setting:
 
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
-    """What is alive on one rank at the peak of a training step, in bytes; the columns sum to :attr:`peak`.
+    """What is alive on one rank's device at the peak of a training step, in bytes; the columns sum to
+    :attr:`peak`, and :attr:`host` is what the rank keeps in host memory.
+
+    Under FSDP2's CPU offload (``Target(cpu_offload=True)``) the device holds the gathered units,
+    the unsharded gradients with their collectives' buffers, the activations and the batch; the
+    shards, their gradients, the optimizer's state and the update's temporaries (clipping and the
+    optimizer step run on the host) are :attr:`host`'s. Each is the peak of its own memory, which may
+    come at different moments of the step.
 
     Attributes:
-        params: Parameters (FSDP2: the rank's shards plus the gathered units alive at the peak).
+        params: Parameters (FSDP2: the rank's shards, unless offloaded, plus the gathered units alive
+            at the peak; offloaded, also one unit's shards copied to the device for its all-gather,
+            which the trace on the CPU does not see).
         grads: Gradients, DDP's gradient buckets and FSDP2's reduce-scatter buffers.
-        optimizer: AdamW's state.
+        optimizer: AdamW's state (0 when offloaded).
         activations: Activations saved for the backward pass, temporaries, buffers and the batch.
+        host: Host memory of the step's offloaded state at its peak (0 without offload), with the
+            power-of-two rounding of pinned memory where the run pins it.
     """
 
     params: int
     grads: int
     optimizer: int
     activations: int
+    host: int = 0
 
     @property
     def peak(self) -> int:
@@ -234,17 +289,44 @@ class _PeakOnly:
 
     ``MemTracker`` updates the peak of every module it has seen after every operation, a cost that
     grows with the model's size times its operation count; the estimate reads the global peak only.
+
+    With :attr:`offloaded` set, every snapshot is split as FSDP2's CPU offload places it: the peak
+    kept is the device's part (every category but the shards, their gradients and the optimizer's
+    state; while :attr:`updating`, the categories that stay on the device only, since clipping and
+    the optimizer step then run on the host), and :attr:`host_peak` the largest host part.
     """
 
     _curr_mem_snap: dict[torch.device, dict[Any, int]]
     _peak_mem: dict[torch.device, int]
     _peak_mem_snap: dict[torch.device, dict[Any, int]]
+    offloaded: bool = False
+    updating: bool = False
+    host_peak: int = 0
+
+    def __enter__(self) -> Any:
+        # the trackers start the peak from the snapshot on entry, which holds the host's part too
+        entered = super().__enter__()  # type: ignore[misc]
+        if self.offloaded:
+            self._peak_mem_snap = {device: self._device_part(snap) for device, snap in self._curr_mem_snap.items()}
+            self._peak_mem = {device: snap[_TOTAL_KEY] for device, snap in self._peak_mem_snap.items()}
+        return entered
 
     def _update_peak_stats(self, peak_state: _State) -> None:
         for device, snapshot in self._curr_mem_snap.items():
+            if self.offloaded:
+                snapshot = self._device_part(snapshot)
             if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
                 self._peak_mem[device] = snapshot[_TOTAL_KEY]
                 self._peak_mem_snap[device] = dict(snapshot)
+
+    def _device_part(self, snapshot: dict[Any, int]) -> dict[Any, int]:
+        kinds = {kind: n for kind, n in snapshot.items() if isinstance(kind, _RefType)}
+        if self.updating:
+            device = {kind: n for kind, n in kinds.items() if kind in _DEVICE_RESIDENT}
+        else:
+            device = {kind: n for kind, n in kinds.items() if kind not in _HOST}
+        self.host_peak = max(self.host_peak, sum(kinds.values()) - sum(device.values()))
+        return {**device, _TOTAL_KEY: sum(device.values())}
 
 
 class StepTracker(_PeakOnly, MemTracker):
@@ -322,14 +404,20 @@ def step_batch(module: ELRModule, setting: Setting) -> Tensor:
 
 
 def training_step(
-    module: ELRModule, optimizer: torch.optim.Optimizer, target: Target, setting: Setting, batch: Tensor
+    module: ELRModule,
+    optimizer: torch.optim.Optimizer,
+    target: Target,
+    setting: Setting,
+    batch: Tensor,
+    before_update: Optional[Callable[[], None]] = None,
 ) -> None:
     """One optimizer step of ``module`` on ``batch`` as Lightning runs it: the loss under the precision's autocast,
     backward, gradient clipping, ``optimizer.step()``, ``zero_grad(set_to_none=True)``.
 
     Every local shard runs ``setting.loops`` under ``setting``'s backward setting (set on the model).
     With gradient accumulation two micro-batches run before the optimizer step (the memory of any
-    later one is the second's).
+    later one is the second's). ``before_update`` is called after the last backward pass, before
+    clipping.
     """
     model = module.model
     model.set_backprop(setting.checkpointing, setting.backprop_loops)
@@ -342,6 +430,8 @@ def training_step(
             loss = TrainingStep(module)(batch, [setting.loops] * module.virtual_ranks)
         loss.backward()
         del loss
+    if before_update is not None:
+        before_update()
     if target.gradient_clip_val:
         torch.nn.utils.clip_grad_norm_(model.parameters(), target.gradient_clip_val)
     optimizer.step()
@@ -364,17 +454,73 @@ def traced_step(module: ELRModule, optimizer: torch.optim.Optimizer, target: Tar
     else:
         tracker = StepTracker()
         tracker.track_external(model, optimizer, batch)
+    tracker.offloaded = target.cpu_offload
+
+    def updating() -> None:
+        tracker.updating = True
+
     with tracker, warnings.catch_warnings():
         # torch's module tracker notes the modules it cannot see in the backward pass (a mixer called through
         # functional_call); the peak does not depend on them
         warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
-        training_step(module, optimizer, target, setting, batch)
+        training_step(module, optimizer, target, setting, batch, before_update=updating)
     memory = _columns(tracker.get_tracker_snapshot("peak").get(batch.device, {}))
+    if target.cpu_offload:
+        pinned = target.accelerator != "cpu"
+        memory = dataclasses.replace(
+            memory,
+            params=memory.params + offload_copy_bytes(model),
+            host=tracker.host_peak + (pinned_rounding_bytes(model) if pinned else 0),
+        )
     if target.strategy == "ddp":
         buckets = ddp_bucket_bytes(model)
         grads = buckets if target.gradient_as_bucket_view else memory.grads + buckets
         memory = dataclasses.replace(memory, grads=grads)
     return memory
+
+
+def _fsdp_params(model: nn.Module) -> list[list[Any]]:
+    """FSDP2's per-parameter records (``FSDPParam``) of each unit of ``model``."""
+    units = []
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        group = getattr(state, "_fsdp_param_group", None)
+        if group is not None:
+            units.append(list(group.fsdp_params))
+    return units
+
+
+def offload_copy_bytes(model: nn.Module) -> int:
+    """Device bytes an offloaded all-gather adds that a trace on the CPU does not see: the largest unit's shards.
+
+    Under CPU offload FSDP2 copies a unit's shards from the host to the device before it casts them
+    and gathers (``FSDPParam.all_gather_inputs``); on a CPU mesh that copy is the shard itself. At
+    most a unit's shards are alive at once (with mixed precision each is freed once cast).
+    """
+    sizes = [sum(p._sharded_param_data.numel() * p._sharded_param_data.element_size() for p in unit) for unit in _fsdp_params(model)]
+    return max(sizes, default=0)
+
+
+def _power_of_two_ceil(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
+def pinned_rounding_bytes(model: nn.Module) -> int:
+    """Host bytes that pinning adds to an offloaded rank's shards and gradient shards, which the trace does not see.
+
+    On an accelerator FSDP2 pins each parameter's shard (``pin_memory()``) and copies each gradient
+    shard to pinned memory; torch's pinned-memory allocator (``CachingHostAllocator``) rounds every
+    block up to the next power of two. Optimizer state is allocated like its parameter but not
+    pinned (``zeros_like``), so it is not rounded.
+    """
+    extra = 0
+    for unit in _fsdp_params(model):
+        for p in unit:
+            element = p._sharded_param_data.element_size()
+            shard = p._sharded_param_data.numel() * element
+            grad = math.prod(p.sharded_size) * element
+            extra += _power_of_two_ceil(shard) - shard + _power_of_two_ceil(grad) - grad
+    return extra
 
 
 def _columns(snapshot: dict[Any, int]) -> StepMemory:
@@ -448,7 +594,7 @@ def _fake_steps(
             policy = mixed_precision_policy(target.precision)
             shard_looped_lm(
                 model, mesh, reshard_after_forward=target.reshard_after_forward, mp_policy=policy,
-                recurrent_units=target.recurrent_units,
+                recurrent_units=target.recurrent_units, cpu_offload=target.cpu_offload,
             )
         model.to_empty(device="cpu")
         model.train()
@@ -538,7 +684,8 @@ def measured_steps(module: ELRModule, target: Target, settings: Sequence[Setting
 
 
 __all__ = [
-    "DEFAULT_HEADROOM",
+    "ACCELERATOR_HEADROOM",
+    "CPU_HEADROOM",
     "PRECISIONS",
     "STRATEGIES",
     "FSDPStepTracker",
@@ -548,6 +695,7 @@ __all__ = [
     "Target",
     "TrainingStep",
     "ddp_bucket_bytes",
+    "default_headroom",
     "estimate_steps",
     "fake_mode",
     "fake_process_group",
@@ -558,6 +706,8 @@ __all__ = [
     "largest_fitting",
     "lightning_precision",
     "measured_steps",
+    "offload_copy_bytes",
+    "pinned_rounding_bytes",
     "primed_optimizer",
     "step_batch",
     "traced_step",

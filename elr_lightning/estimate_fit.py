@@ -50,6 +50,7 @@ def target_of_trainer(trainer: "pl.Trainer") -> "Target":
         kind = "fsdp"
         options["reshard_after_forward"] = bool(getattr(strategy, "reshard_after_forward", True))
         options["recurrent_units"] = str(getattr(strategy, "recurrent_units", "core"))
+        options["cpu_offload"] = bool(getattr(strategy, "cpu_offload", False))
     elif isinstance(strategy, DDPStrategy):
         kind = "ddp"
         options["gradient_as_bucket_view"] = bool(getattr(strategy, "_ddp_kwargs", {}).get("gradient_as_bucket_view"))
@@ -66,6 +67,7 @@ def target_of_trainer(trainer: "pl.Trainer") -> "Target":
         gradient_clip_val=float(clip) if clip else None,
         fla_kernels=gdp_path(precision, trainer.strategy.root_device.type)[0],
         accumulate_grad_batches=int(trainer.accumulate_grad_batches),
+        accelerator=trainer.strategy.root_device.type,
         **options,
     )
 
@@ -86,7 +88,8 @@ def log_fit_estimate(
     ``activation_checkpointing``, at the data module's ``batch_size`` x ``seq_len``, with its gradient
     accumulation. Prints one line (with the GDP layers' path where the model has some, and a note
     under ``compile_model``, which is not modelled), and a second, a warning, when the peak exceeds
-    the memory less ``headroom`` (default :data:`~elr_lightning.estimate.DEFAULT_HEADROOM`). A run
+    the memory less ``headroom`` (default: :func:`~elr_lightning.estimate.default_headroom` of the device). Under
+    FSDP2's ``cpu_offload`` the line adds the host memory per rank. A run
     the estimate cannot cover logs why in one line and trains on.
 
     Returns:
@@ -99,9 +102,9 @@ def log_fit_estimate(
     model = module.model
     try:
         # torch's memory tools: imported on a GPU only
-        from elr_lightning.estimate import DEFAULT_HEADROOM, Setting, fake_training, gdp_path, has_gdp_layers
+        from elr_lightning.estimate import Setting, default_headroom, fake_training, gdp_path, has_gdp_layers
 
-        headroom = DEFAULT_HEADROOM if headroom is None else headroom
+        headroom = default_headroom(trainer.strategy.root_device.type)[0] if headroom is None else headroom
         target = target_of_trainer(trainer)
         setting = Setting(
             model.config.max_loops,
@@ -129,6 +132,8 @@ def log_fit_estimate(
         notes += f"; GDP layers: {gdp_path(target.precision, trainer.strategy.root_device.type)[1]}"
     if module.hparams.get("compile_model", False):
         notes += "; compile_model is not modelled: the eager step was traced"
+    if target.cpu_offload:
+        notes += f"; offloaded to host memory: {estimate.host / _GIB:.1f} GiB per rank"
     print(
         f"elr: estimated peak memory per rank {estimate.peak / _GIB:.1f} GiB of {memory / _GIB:.1f} GiB "
         f"(k = {setting.loops}, {setting.label}, micro-batch {setting.micro_batch} x {setting.seq_len}: params "

@@ -295,7 +295,7 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
     (micro-batches per step), ``conditioner_active``, ``meta_init``, ``hybrid``, ``moe``, ``labelled`` (labelled
     batches, :class:`LabelledText`), ``activation_checkpointing``,
     ``backprop_loops``, ``compile_model`` (``torch.compile`` of the whole model with :data:`COMPILE_BACKEND`),
-    ``strategy`` (instead of the spec's), ``recurrent_units`` (of the FSDP strategy), ``depth_layout`` (of the module),
+    ``strategy`` (instead of the spec's), ``recurrent_units`` and ``cpu_offload`` (of the FSDP strategy), ``depth_layout`` (of the module),
     ``simulated_ranks`` (a one-process reference, :class:`SimulatedRanks`), ``rank_ordered`` (gradients averaged in
     rank order, :class:`RankOrderedReduceScatter`),
     ``timeout_s`` (the collective timeout, default :data:`COLLECTIVE_TIMEOUT`), ``precision`` (Lightning's,
@@ -309,7 +309,9 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
     ``local_rank``, ``num_nodes`` and ``data_parallel_rank`` as the trainer and strategy saw them,
     ``dtypes``: what :func:`probe_forward_dtypes` saw (sorted lists),
     ``betas`` (``[step, beta_mean]`` after each training forward) and ``beta_logged`` (the last step's
-    ``train/beta_mean``; the last step is a logging step; NaN under ``compile_model``, which does not log it).
+    ``train/beta_mean``; the last step is a logging step; NaN under ``compile_model``, which does not log it),
+    ``optimizer``: its ``fused`` and ``foreach`` choice and the devices of its parameters' local tensors and state,
+    ``fsdp_offloaded``: the values of FSDP2's ``offload_to_cpu`` over every sharded parameter (``[]`` without FSDP2).
     """
     backprop = {key: case[key] for key in ("activation_checkpointing", "backprop_loops", "compile_model") if key in case}
     module = tiny_module(
@@ -329,7 +331,7 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
     )
     record = RecordLoops(probe_forward_dtypes(module.model))
     callbacks: list[Callback] = [record]
-    strategy_options = {"recurrent_units": case["recurrent_units"]} if "recurrent_units" in case else {}
+    strategy_options = {key: case[key] for key in ("recurrent_units", "cpu_offload") if key in case}
     if case.get("rank_ordered"):  # the ranks' gradients added in rank order, as SimulatedRanks accumulates them
         callbacks.append(RankOrderedReductions())
     if "init_from" in case:  # start the mixed phase from these weights, at step 0
@@ -381,6 +383,11 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
     if case.get("save_checkpoint") and "out" in spec:  # every rank calls it; the strategy picks the writer
         trainer.save_checkpoint(os.path.join(spec["out"], f"{case['name']}.ckpt"))
     units = [name for name, m in module.model.named_modules() if isinstance(m, FSDPModule)]
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in module.model.modules() if isinstance(m, FSDPModule)]
+    offloaded = sorted({p.offload_to_cpu for group in groups if group is not None for p in group.fsdp_params})
+    optimizer = trainer.optimizers[0]
+    local = [p.to_local() if isinstance(p, DTensor) else p for g in optimizer.param_groups for p in g["params"]]
+    state = [v.to_local() if isinstance(v, DTensor) else v for s in optimizer.state.values() for v in s.values()]
     return {
         "state": full_state(module),
         "loops": record.loops,
@@ -400,6 +407,12 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
             "data_parallel_rank": getattr(trainer.strategy, "data_parallel_rank", trainer.global_rank),
         },
         "fsdp_units": units,
+        "fsdp_offloaded": offloaded,
+        "optimizer": {
+            "fused": optimizer.defaults.get("fused"),
+            "foreach": optimizer.defaults.get("foreach"),
+            "devices": sorted({str(t.device) for t in local + state if isinstance(t, torch.Tensor)}),
+        },
         "dtypes": {key: sorted(value) for key, value in record.dtypes.items()},
     }
 

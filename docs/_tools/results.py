@@ -19,7 +19,7 @@ The name is the file, then keys; an object or list stands for its values in orde
 or by `` | `` in a table row (one cell each). A marker never starts a line: Markdown would read the
 comment as a block of its own and split the paragraph. The format is a Python format spec, or ``min`` (seconds
 as ``6 min 41 s``), ``pct`` (a fraction as a percentage, ``.1f``), ``K`` or ``M`` (thousands or
-millions, ``75.9K``, ``1.09M``).
+millions, ``75.9K``, ``1.09M``), ``GiB`` (bytes in GiB, ``.1f``).
 
     python docs/_tools/results.py write     # rewrite every quoted figure from the JSON files
     python docs/_tools/results.py check     # list the figures that disagree with them (tests/test_docs.py)
@@ -74,6 +74,8 @@ def formatted(value: Any, spec: str) -> str:
         return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
     if spec == "pct":
         return f"{100 * value:.1f}"
+    if spec == "GiB":
+        return f"{value / 2**30:.1f}"
     if spec in ("K", "M"):
         return f"{value / (1e3 if spec == 'K' else 1e6):.{1 if spec == 'K' else 2}f}{spec}"
     return format(value, spec)
