@@ -187,6 +187,22 @@ def test_score_counts_exact_matches_per_difficulty_and_k():
     assert table[8][2]["deep"] == 1.0 and table[8][1]["deep"] == 0.0
 
 
+@pytest.mark.parametrize("task, difficulty, space", [("parity", 8, 38), ("parity", 9, 76), ("root", 2, None)])
+def test_heldout_draws_are_distinct_up_to_the_size_of_the_heldout_space(task, difficulty, space):
+    from elr_lightning.depth.score import format_table, heldout_arrays
+
+    t = TASKS[task]
+    ids, _, _ = heldout_arrays(t, difficulty, 256, seed=0)
+    rows = {tuple(row.tolist()) for row in ids}
+    assert len(rows) == len(ids) == (256 if space is None else space)
+    if space is not None:  # every held-out string of the space, and nothing else
+        every = [np.array([int(c) for c in np.binary_repr(i, difficulty)]) for i in range(2**difficulty)]
+        assert rows == {tuple(bits.tolist()) for bits in every if is_heldout(t, bits)}
+    table = score(Oracle(torch.zeros(len(ids), t.length(difficulty), dtype=torch.long), needs=1), t, [difficulty], [1], n=256)
+    assert table[difficulty][1]["instances"] == len(ids)
+    assert f"| {difficulty} | {len(ids)} | " in format_table(table, "exact", t)
+
+
 def test_decoded_fixed_k_equals_the_forward_pass_and_auto_counts_its_loops():
     torch.manual_seed(0)
     model = LoopedLM(tiny_config(vocab_size=2, max_loops=3)).eval()
@@ -240,8 +256,10 @@ def test_ablate_scores_depth_arms_and_checks_the_targets(tmp_path):
     assert depth["baseline"]["task"] == "root" and depth["elr"]["trained_difficulty"] == 2
     assert set(depth["baseline"]["exact"]["2"]) == {"1"}  # the non-recurrent baseline runs once
     assert set(depth["elr"]["exact"]["2"]) == {"1", "2", "3", "4"}  # 1..2K
+    assert depth["elr"]["instances"] == depth["baseline"]["instances"] == {"1": 4, "2": 4}
     report = (tmp_path / "out" / "ablate.md").read_text()
     assert "## Depth task `root`" in report and "k = 1 within 2 points of the baseline" in report
+    assert "Distinct held-out instances per difficulty (the same for every arm, seed and k): 1: 4, 2: 4." in report
     assert (tmp_path / "out" / "depth_heatmaps.png").stat().st_size > 0
 
 
@@ -268,10 +286,11 @@ def test_quickstart_trains_then_eval_tables_and_generate_decodes_in_the_alphabet
     run(["eval", "--ckpt_path", ckpt, "--limit", "4", "--loops", "1,2,4,auto", "--threshold", "0.1,0.01", "--allow_extrapolation",
          "--output_dir", str(tmp_path / "eval"), "--log_dir", str(tmp_path / "tb" / "eval")])  # fmt: skip
     table = capsys.readouterr().out
-    assert "exact match (%) of 4 held-out instances per difficulty" in table
+    assert "exact match (%) of up to 4 distinct held-out instances per difficulty" in table
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["task"] == "root" and summary["difficulties"] == [1, 2] and summary["loops"] == [1, 2, 4]
     assert set(summary["exact"]["1"]) == {"1", "2", "4"} and set(summary["adaptive"]) == {"auto:kl:0.1", "auto:kl:0.01"}
+    assert summary["instances"]["2"] == {"1": 4, "2": 4, "4": 4}
     assert all(0.0 <= v <= 100.0 for row in summary["exact"].values() for v in row.values())
     assert (tmp_path / "eval" / "depth_heatmap.png").stat().st_size > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -281,7 +300,7 @@ def test_quickstart_trains_then_eval_tables_and_generate_decodes_in_the_alphabet
         events.Reload()
         assert f"{prefix}/heatmap" in events.Tags()["images"]
         text = events.Tensors(f"{prefix}/table/text_summary")[-1].tensor_proto.string_val[0].decode()
-        assert text.startswith("| root | k=1 | k=2 |") and "| 2 |" in text
+        assert text.startswith("| root | instances | k=1 | k=2 |") and "| 2 | 4 |" in text
     run(["generate", "--ckpt_path", ckpt, "--loops", "2", "--max_new_tokens", "3", "--temperature", "0",
          "--prompt", "A1B12"])  # fmt: skip
     text = capsys.readouterr().out.strip()

@@ -89,7 +89,11 @@ def ablation_section(results: list[dict[str, Any]], k_max: int) -> str:
         return ""
     task = next(run["depth"]["task"] for run in results if run.get("depth"))
     hardest = max(run["depth"]["trained_difficulty"] for run in results if run.get("depth"))
+    counts = {d: n for run in results for d, n in ((run.get("depth") or {}).get("instances") or {}).items()}
     lines = [f"## Depth task `{task}`: exact match (%) on held-out instances", ""]
+    if counts:
+        lines += ["Distinct held-out instances per difficulty (the same for every arm, seed and k): "
+                  + ", ".join(f"{d}: {n}" for d, n in sorted(counts.items(), key=lambda item: int(item[0]))) + ".", ""]  # fmt: skip
     for arm, rows in table.items():
         loops = sorted({k for row in rows.values() for k in row})
         lines += [f"### `{arm}`", "", "| difficulty | " + " | ".join(f"k={k}" for k in loops) + " |",
