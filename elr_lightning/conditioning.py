@@ -162,18 +162,26 @@ class FiLMAdapterModulator(Modulator):
 class LoopConditioner(Conditioner):
     """c_i = MLP([phi(tau_i); phi(kappa)]) with tau_i = i / k and kappa = k / K (eq. 4).
 
+    Beyond the budget (k > K) kappa is held at 1 (``clamp_budget``): phi's frequencies ``2^j pi``
+    (:meth:`reset_buffers`) are periodic, so phi(k / K) for k in K + 1..2K is a code never seen in
+    training that differs from phi((k - K) / K) only at the lowest frequency; told such a budget,
+    the quickstart depth model dipped at k = 7 and 10 (K = 6) and recovered at 8, 9, 11 and 12.
+    Clamped, every k > K runs under the budget it was trained at, with finer loop steps tau_i
+    (docs/lab-depth-recipe.md). ``clamp_budget=False`` keeps eq. 4's ratio at every k.
+
     Args:
         d_cond: Width of the context vector c.
         rank: Rank of each sublayer's low-rank adapter.
         n_freqs: Sinusoid frequencies in phi.
+        clamp_budget: Hold kappa at 1 for k > K.
     """
 
-    def __init__(self, d_cond: int = 64, rank: int = 8, n_freqs: int = 8) -> None:
+    def __init__(self, d_cond: int = 64, rank: int = 8, n_freqs: int = 8, clamp_budget: bool = True) -> None:
         super().__init__()
         for name, value in (("d_cond", d_cond), ("rank", rank), ("n_freqs", n_freqs)):
             if value < 1:
                 raise ValueError(f"LoopConditioner.{name}={value} must be >= 1")
-        self.d_cond, self.rank, self.n_freqs = d_cond, rank, n_freqs
+        self.d_cond, self.rank, self.n_freqs, self.clamp_budget = d_cond, rank, n_freqs, bool(clamp_budget)
         self.mlp = nn.Sequential(nn.Linear(4 * n_freqs, d_cond), nn.SiLU(), nn.Linear(d_cond, d_cond))
         self.register_buffer("freqs", torch.empty(n_freqs), persistent=False)
         self.reset_buffers()
@@ -190,6 +198,10 @@ class LoopConditioner(Conditioner):
     def make_modulator(self, d_model: int) -> Modulator:
         return FiLMAdapterModulator(d_model, self.d_cond, self.rank)
 
+    def budget(self, loops: int, max_loops: int) -> float:
+        """kappa of eq. 4: ``k / K``, or ``min(k, K) / K`` with ``clamp_budget``."""
+        return (min(loops, max_loops) if self.clamp_budget else loops) / max_loops
+
     def context(self, loop: int, loops: int, max_loops: int, like: Tensor) -> Tensor:
-        phi = torch.cat((sinusoid(loop / loops, self.freqs), sinusoid(loops / max_loops, self.freqs)))
+        phi = torch.cat((sinusoid(loop / loops, self.freqs), sinusoid(self.budget(loops, max_loops), self.freqs)))
         return self.mlp(phi.to(self.mlp[0].weight.dtype))

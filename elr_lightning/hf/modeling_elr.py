@@ -214,11 +214,12 @@ class ELRUpdate(nn.Module):
 
 
 class ELRConditioner(nn.Module):
-    """c_i = MLP([phi(tau_i); phi(kappa)]), tau_i = i / k, kappa = k / K; phi = [sin(f x), cos(f x)], f = 2^j pi."""
+    """c_i = MLP([phi(tau_i); phi(kappa)]), tau_i = i / k, kappa = min(k, K) / K (k / K without clamp_budget);
+    phi = [sin(f x), cos(f x)], f = 2^j pi."""
 
-    def __init__(self, d_cond: int, n_freqs: int, **_: int) -> None:
+    def __init__(self, d_cond: int, n_freqs: int, clamp_budget: bool = True, **_: int) -> None:
         super().__init__()
-        self.n_freqs = n_freqs
+        self.n_freqs, self.clamp_budget = n_freqs, clamp_budget
         self.mlp = nn.Sequential(nn.Linear(4 * n_freqs, d_cond), nn.SiLU(), nn.Linear(d_cond, d_cond))
 
     def forward(self, loop: int, loops: int, max_loops: int) -> Tensor:
@@ -228,7 +229,8 @@ class ELRConditioner(nn.Module):
         def phi(x: float) -> Tensor:
             return torch.cat(((freqs * x).sin(), (freqs * x).cos()))
 
-        return self.mlp(torch.cat((phi(loop / loops), phi(loops / max_loops))).to(self.mlp[0].weight.dtype))
+        kappa = (min(loops, max_loops) if self.clamp_budget else loops) / max_loops
+        return self.mlp(torch.cat((phi(loop / loops), phi(kappa))).to(self.mlp[0].weight.dtype))
 
 
 class ELRCore(nn.Module):
