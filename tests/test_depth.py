@@ -125,7 +125,7 @@ def test_curriculum_raises_the_difficulty_to_its_maximum():
     [
         ({"task": "sorting"}, "data.task"),
         ({"task": "parity", "difficulty": 4}, "data.difficulty"),
-        ({"task": "root", "difficulty": 17}, "data.difficulty"),
+        ({"task": "root", "difficulty": 25}, "data.difficulty"),
         ({"batch_size": 0}, "data.batch_size"),
         ({"curriculum_steps": -1}, "data.curriculum_steps"),
         ({"task": "root", "difficulty": 4, "eval_difficulties": [0]}, "data.eval_difficulties"),
@@ -306,3 +306,20 @@ def test_quickstart_trains_then_eval_tables_and_generate_decodes_in_the_alphabet
     text = capsys.readouterr().out.strip()
     alphabet = get_task("root").alphabet
     assert text.startswith("A1B12") and len(text) == 8 and set(text) <= set(alphabet)
+
+
+def test_depth_targets_flag_dips_beyond_the_budget_and_the_longer_forests():
+    from elr_lightning.depth.report import checks
+
+    flat = {d: {k: [1.0, 1.0] for k in range(1, 5)} for d in (1, 2)}
+    elr = {**flat, 4: {k: [0.5 + 0.2 * (k == 3), 0.9] for k in range(1, 5)}}
+    table = {"elr": {d: {k: list(v) for k, v in row.items()} for d, row in elr.items()}}
+    table["elr"][2][1] = [0.0, 0.0]
+    status = {claim.split(":")[0]: (figure, verdict) for claim, figure, verdict in checks(table, 2, 2)}
+    assert status["trained difficulties"] == ("worst: difficulty 1, k = 3, 100.0 vs 100.0", "holds")
+    assert status["difficulty 4 (twice the trained)"] == ("best: k = 3, 80.0", "holds")
+    table["elr"][2][4] = [0.99, 0.96]  # 2.5 points below k = K at a trained difficulty
+    table["elr"][4][3] = [0.5, 0.9]
+    status = {claim.split(":")[0]: (figure, verdict) for claim, figure, verdict in checks(table, 2, 2)}
+    assert status["trained difficulties"] == ("worst: difficulty 2, k = 4, 97.5 vs 100.0", "does not hold")
+    assert status["difficulty 4 (twice the trained)"] == ("best: k = 1, 70.0", "does not hold")

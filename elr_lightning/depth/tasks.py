@@ -90,13 +90,15 @@ class FindRoot(DepthTask):
     deepest chain. One pass of attention reads a parent at a given distance, so a node of depth d
     needs d lookups in sequence; following pointers reaches a fixed point at the root, so more steps
     than needed change nothing. After a prompt, the next token a model generates is the colour of
-    the last node's root.
+    the last node's root. Difficulties go up to 24, four times the depth quickstart's training
+    depth; beyond it the interleavings whose gaps all fit in one digit get rare (a forest of depth
+    24 takes about 20 ms to draw, one of 32 over a second).
     """
 
     name = "root"
     alphabet = "123456789ABCD"
     roots = 4
-    max_difficulty = 16
+    max_difficulty = 24
     key_length = 8
     chance = 1.0 / 4
 
