@@ -87,7 +87,7 @@ def _cells(hit: torch.Tensor, labels: torch.Tensor, levels: torch.Tensor, diffic
     return {
         "exact": float((hit | (labels == IGNORE_INDEX)).all(dim=1).float().mean()),
         "deep": float(hit[deepest].float().mean()) if bool(deepest.any()) else 0.0,
-        "instances": float(hit.shape[0]),
+        "instances": hit.shape[0],
     }
 
 
