@@ -22,7 +22,7 @@ process and of its ``--prepare_workers`` worker processes (``ru_maxrss`` of itse
 children, in a fresh process per input) on one plain-text file and one ``.jsonl.zst`` of each
 ``--prepare_mb`` size (MB of text, of JSONL before compression), made of the standard library's
 sources repeated and deleted after their run. Target: the 2 GB inputs within 1.10x the 200 MB ones,
-since a worker holds one ``--shard-mb`` span whatever the file's size.
+since a worker holds one ``--shard_mb`` span whatever the file's size.
 
     OMP_NUM_THREADS=1 python bench/data.py                       # writes bench/results/data.json
     OMP_NUM_THREADS=1 python bench/data.py --mb 4 --big_tokens 200000000   # a quick look
@@ -457,7 +457,7 @@ def prepare_rss(args: argparse.Namespace, work: str) -> dict[str, Any]:
 
 def report_prepare(result: dict[str, Any]) -> None:
     """The RSS table: each input against the smallest of its kind."""
-    print(f"\nelr prepare --workers {result['workers']} --shard-mb {result['shard_mb']} (byte tokenizer), peak RSS")
+    print(f"\nelr prepare --workers {result['workers']} --shard_mb {result['shard_mb']} (byte tokenizer), peak RSS")
     print("| input | text MB | file MB | shards | main process MB | worker MB | worker / smallest | seconds |")
     print("|---|---|---|---|---|---|---|---|")
     for row in result["rows"]:
@@ -487,7 +487,7 @@ def main() -> None:
     parser.add_argument("--prepare_rss", action="store_true", help="measure only elr prepare's RSS against input size")
     parser.add_argument("--prepare_mb", type=float, nargs="+", default=[200.0, 2000.0], help="input sizes, MB of text")
     parser.add_argument("--prepare_workers", type=int, default=2)
-    parser.add_argument("--prepare_shard_mb", type=float, default=64.0, help="elr prepare --shard-mb")
+    parser.add_argument("--prepare_shard_mb", type=float, default=64.0, help="elr prepare --shard_mb")
     parser.add_argument("--prepare_worker", nargs=4, metavar=("SOURCE", "OUT", "WORKERS", "SHARD_MB"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.loader_worker:

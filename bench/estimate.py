@@ -8,7 +8,9 @@ Each case is measured in a fresh process two ways:
   reset through ``/proc/self/clear_refs`` right before it) less what the process held before the step
   besides its tensors (the resident set then, less the bytes of the parameters, buffers and AdamW
   state). The worker runs with ``MALLOC_MMAP_THRESHOLD_=65536``, so freed tensors leave the resident
-  set, and after a warm-up step on two tokens, so lazily made library state is not counted;
+  set (``--allocator default`` leaves glibc's default, which keeps freed blocks below its adaptive
+  mmap threshold in the heap: what ``elr estimate``'s default headroom covers), and after a warm-up
+  step on two tokens, so lazily made library state is not counted;
 * ``tracker``: torch's ``MemTracker`` on the real step (what ``tests/test_estimate.py`` checks at a
   small size).
 
@@ -17,6 +19,7 @@ the resting memory (parameters, buffers, optimizer state), the part a step adds.
 
     OMP_NUM_THREADS=1 python bench/estimate.py                       # writes bench/results/estimate.json
     python bench/estimate.py --configs config/quickstart.yaml --micro_batch 32 --seq_len 256
+    python bench/estimate.py --allocator default --out bench/results/estimate_default_allocator.json
 
 Target (issue 33): every estimate within 15% of the measured peak.
 """
@@ -96,6 +99,10 @@ def main() -> None:
     parser.add_argument("--micro_batch", type=int, default=None, help="default: the config's data.batch_size")
     parser.add_argument("--seq_len", type=int, default=None, help="default: the config's data.seq_len")
     parser.add_argument("--out", default="bench/results/estimate.json")
+    parser.add_argument(
+        "--allocator", choices=["tuned", "default"], default="tuned",
+        help="tuned: MALLOC_MMAP_THRESHOLD_=65536 in the workers; default: glibc's own thresholds",
+    )
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -124,7 +131,10 @@ def main() -> None:
         estimates = estimate_steps(lambda: build_module(config), target, settings)
         seconds = (time.process_time() - start) / len(settings)
         for (k, mode), estimate in zip(cases, estimates):
-            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": ROOT}
+            env = {**os.environ, "PYTHONPATH": ROOT}
+            env.pop("MALLOC_MMAP_THRESHOLD_", None)
+            if args.allocator == "tuned":
+                env["MALLOC_MMAP_THRESHOLD_"] = "65536"
             cmd = [sys.executable, __file__, "--worker", path, str(k), mode, str(batch), str(length)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
             measured = json.loads(out.strip().splitlines()[-1])

@@ -3,7 +3,7 @@
 Builds a ``LlamaForCausalLM`` (transformers ``LlamaConfig``, random weights) with the shapes of
 ``--shape`` (``1b``: Llama 3.2 1B's, 1.24B parameters; ``small`` for a quick look), saves it as
 bf16 shards of ``--shard_mb`` with their ``model.safetensors.index.json`` and a word-level
-``tokenizer.json`` of its vocabulary, then runs ``elr retrofit --verify false`` on it in a
+``tokenizer.json`` of its vocabulary, then runs ``elr retrofit --no_verify`` on it in a
 subprocess. The peak resident set is ``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss`` of a
 wrapper process that runs only that command. ``--baseline COMMIT`` runs the same command on that
 commit's package (``git archive``) first, in the same run. Target: peak RSS at most 1.5x the
@@ -83,7 +83,7 @@ def write_source(folder: Path, shape: str, shard_mb: int) -> int:
 def peak_rss(package_root: Path, source: Path, out: Path) -> dict[str, Any]:
     """Peak RSS, seconds and checkpoint bytes of ``elr retrofit`` run from ``package_root``."""
     command = [sys.executable, "-m", "elr_lightning.cli", "retrofit", "--hf", str(source), "--out", str(out),
-               "--verify", "false"]
+               "--no_verify"]
     env = {**os.environ, "PYTHONPATH": str(package_root), "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", WRAPPER, *command], env=env, cwd=package_root, capture_output=True,
@@ -137,7 +137,7 @@ def main() -> None:
     result = {
         "shape": args.shape, "config": SHAPES[args.shape], "parameters": params, "safetensors_bytes": size,
         "shards": shards, "target_ratio": target, "runs": runs, "python": platform.python_version(),
-        "note": "peak RSS of `elr retrofit --verify false` (ru_maxrss of a wrapper's only child)",
+        "note": "peak RSS of `elr retrofit --no_verify` (ru_maxrss of a wrapper's only child)",
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:

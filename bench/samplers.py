@@ -145,16 +145,17 @@ def run_rank(args: argparse.Namespace) -> None:
             json.dump({"periods": periods, "deepest": deepest, "effective_depth": depth}, f)
 
 
-def launch(args: argparse.Namespace, raw_path: str) -> None:
-    """Start WORLD ranks of this script on this machine and wait for them."""
+def launch(args: argparse.Namespace, raw_path: str, world: int = WORLD, script: str = __file__) -> None:
+    """Start ``world`` ranks of ``script`` (this one by default) with this command line plus ``--worker raw_path``
+    on this machine and wait for them (killed after ``args.timeout`` seconds)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--worker", raw_path]
+    argv = [sys.executable, os.path.abspath(script), *sys.argv[1:], "--worker", raw_path]
     procs = []
-    for rank in range(WORLD):
+    for rank in range(world):
         env = dict(
-            os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0",
+            os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
             LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
         )
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL if rank else None))

@@ -11,7 +11,7 @@ synthetic reasoning tasks (:func:`reasoning_scores`) and the report gains their 
 difficulty and k. With ``--depth N``, a config that trains on a depth task
 (:class:`~elr_lightning.depth.DepthDataModule`) has each run scored on N held-out instances per
 difficulty (:func:`depth_scores`): the report gains the exact match by arm, difficulty and k, the
-issue's targets and ``depth_heatmaps.png``.
+targets of a depth task and ``depth_heatmaps.png``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from elr_lightning.ablate_report import write_report
+from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
+from elr_lightning.checkpoint_io import write_file
 
 #: An arm's change to a config dict (edited in place), given the loop budget K.
 ArmEdit = Callable[[dict[str, Any], int], None]
@@ -251,7 +253,7 @@ def reasoning_scores(config: dict[str, Any], n: int) -> dict[str, dict[str, dict
     from elr_lightning.trust import named_packages, trust_modules
 
     # The checkpoint's plug-ins and layers come from the user's own config, which trained it.
-    trust_modules(*named_packages(config.get("model"), class_paths_only=False))
+    trust_modules(*named_packages(config.get("model")))
     model, module = load_model(os.path.join(config["trainer"]["default_root_dir"], "checkpoints", "last.ckpt"))
     data_args = (config.get("data") or {}).get("init_args") or {}
     tasks = data_args.get("reasoning_tasks") or dict.fromkeys(GENERATORS)
@@ -287,9 +289,7 @@ def depth_scores(config: dict[str, Any], n: int) -> dict[str, Any]:
 
 
 def _write_result(path: str, result: dict[str, Any]) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_file(path, json.dumps(result, indent=1))
 
 
 def _fit_in_process(config_path: str, ckpt_path: Optional[str], callbacks: list[Any]) -> None:
@@ -318,6 +318,7 @@ def run_ablation(
     log: Callable[[str], None] = functools.partial(print, flush=True),
     reasoning: Optional[int] = None,
     depth: Optional[int] = None,
+    loops: Optional[list[int]] = None,
 ) -> list[dict[str, Any]]:
     """Train every ``(arm, seed)`` not finished yet, then write the report; return every run's result.
 
@@ -335,6 +336,8 @@ def run_ablation(
             (:func:`reasoning_scores`; also runs that finished earlier without scores); ``None`` skips it.
         depth: Score each run on this many held-out depth-task instances per difficulty
             (:func:`depth_scores`; also runs that finished earlier without scores); ``None`` skips it.
+        loops: The loop counts every arm validates at (``model.init_args.val_loops``; the baseline
+            runs k = 1 only); default: the config's.
 
     Raises:
         ValueError: An unknown arm, an empty arm or seed list, or a run that ended before its last step.
@@ -352,14 +355,15 @@ def run_ablation(
         from elr_lightning.cost import merged_config
 
         base = merged_config(config_path)
+    if loops is not None:
+        _set(base, "val_loops", loops)
     configs = {(arm, seed): arm_config(base, arm, seed, out, steps) for arm in arms for seed in seeds}
     os.makedirs(os.path.join(out, "configs"), exist_ok=True)
     results = []
     for index, ((arm, seed), config) in enumerate(configs.items(), start=1):
         name = run_name(arm, seed)
         path = os.path.join(out, "configs", f"{name}.yaml")
-        with open(path, "w") as f:
-            yaml.safe_dump(config, f, sort_keys=False)
+        write_file(path, yaml.safe_dump(config, sort_keys=False))
         root = config["trainer"]["default_root_dir"]
         result_path = os.path.join(root, "result.json")
         prefix = f"[ablate {index}/{len(configs)}] {name}"
@@ -410,14 +414,12 @@ def run_ablation(
     return results
 
 
-def main(argv: list[str]) -> None:
-    """``elr ablate --config F --out DIR [--arms a,b] [--steps N] [--seeds 0,1] [--subprocess true] [--reasoning N]``."""
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser(
-        prog="elr ablate",
-        description="Train the paper's ablation arms on one config (same data order and seed); write a "
-        "Markdown table with the paper's checks, a loss-vs-k plot and one TensorBoard run per arm.",
+def ablate_parser() -> CommandParser:
+    """The parser of ``elr ablate``."""
+    parser = command_parser(
+        "ablate",
+        "Train the paper's ablation arms on one config (same data order and seed); write a Markdown table with the "
+        "paper's checks, a loss-vs-k plot and one TensorBoard run per arm.",
     )
     parser.add_argument(
         "--config",
@@ -430,7 +432,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--arms", type=Optional[str], default=None, help=f"Comma-separated subset of: {', '.join(ARMS)}.")
     parser.add_argument("--steps", type=Optional[int], default=None, help="trainer.max_steps of every arm.")
     parser.add_argument("--seeds", type=str, default="0", help="Comma-separated seeds; each arm runs once per seed.")
-    parser.add_argument("--subprocess", type=bool, default=False, help="Run each arm as its own `elr fit` process.")
+    add_loops(parser, "Loop counts every arm validates at (the baseline: k = 1); default the config's val_loops")
+    add_switch(parser, "--subprocess", False, "Run each arm as its own `elr fit` process.", was_bool=True)
     parser.add_argument(
         "--reasoning",
         type=Optional[int],
@@ -443,7 +446,12 @@ def main(argv: list[str]) -> None:
         default=None,
         help="Depth-task configs: score each arm's exact match on this many held-out instances per difficulty.",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    """``elr ablate --config F --out DIR [--arms a,b] [--steps N] [--seeds 0,1] [--loops 1-3] [--subprocess] [--reasoning N]``."""
+    args = ablate_parser().parse_args(argv)
     arms = None if args.arms is None else [a.strip() for a in args.arms.split(",") if a.strip()]
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -456,5 +464,6 @@ def main(argv: list[str]) -> None:
     if args.depth is not None and args.depth < 1:
         raise ValueError(f"--depth={args.depth} must be >= 1 held-out instances per difficulty")
     config = args.config[0] if len(args.config) == 1 else args.config
+    loops = None if args.loops is None else list(args.loops.counts)
     run_ablation(config, args.out, arms, args.steps, seeds, subprocesses=args.subprocess, reasoning=args.reasoning,
-                 depth=args.depth)  # fmt: skip
+                 depth=args.depth, loops=loops)  # fmt: skip

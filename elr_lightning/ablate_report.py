@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from statistics import mean
 from typing import Any, Mapping, Optional
 
+from elr_lightning.checkpoint_io import save_figure, write_file
 from elr_lightning.depth import report as depth_report
 from elr_lightning.reasoning.report import ablation_panels, ablation_section, plot_panels
 
@@ -245,7 +246,7 @@ def plot(arms: dict[str, ArmSummary], path: str) -> None:
     ax.set_ylabel("final validation loss")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
 
 
 def write_report(results: list[dict[str, Any]], out: str, k_max: int, descriptions: Mapping[str, str]) -> str:
@@ -257,8 +258,7 @@ def write_report(results: list[dict[str, Any]], out: str, k_max: int, descriptio
     """
     arms = summarise(results)
     checks = paper_checks(arms, k_max)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"runs": results, "checks": [c.__dict__ for c in checks]}, f, indent=1)
+    write_file(os.path.join(out, "results.json"), json.dumps({"runs": results, "checks": [c.__dict__ for c in checks]}, indent=1))
     plot(arms, os.path.join(out, "loss_vs_k.png"))
     reasoning = ablation_section(results, k_max)
     if reasoning:
@@ -267,6 +267,5 @@ def write_report(results: list[dict[str, Any]], out: str, k_max: int, descriptio
     if depth:
         depth_report.plot_heatmaps(results, k_max, os.path.join(out, "depth_heatmaps.png"))
     path = os.path.join(out, "ablate.md")
-    with open(path, "w") as f:
-        f.write(markdown(arms, checks, k_max, descriptions) + "".join("\n" + s for s in (reasoning, depth) if s))
+    write_file(path, markdown(arms, checks, k_max, descriptions) + "".join("\n" + s for s in (reasoning, depth) if s))
     return path

@@ -37,6 +37,7 @@ INPUT_KEY, LABEL_KEY = "input_ids", "labels"
 #: Keys a labelled batch may not carry: the model would silently ignore them.
 UNSUPPORTED_KEYS = ("attention_mask",)
 
+#: How labels line up with the inputs, quoted by the errors about a labelled batch.
 ALIGNMENT = (
     "labels are position-aligned: labels[b, t] is the target of position t (for next-token targets, "
     f"labels[:, t] = input_ids[:, t + 1] and {IGNORE_INDEX} at the last position)"

@@ -43,6 +43,7 @@ class LastLoopCache(KVCache):
 #: Cache policies by the name ``elr generate --kv_cache`` accepts.
 CACHE_POLICIES: dict[str, type[KVCache]] = {"per_loop": PerLoopCache, "last_loop": LastLoopCache}
 
+#: A cache policy: a name of :data:`CACHE_POLICIES` or a :class:`KVCache` subclass.
 PolicyLike = Union[str, type[KVCache]]
 
 

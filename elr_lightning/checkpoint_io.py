@@ -31,7 +31,14 @@ from torch import Tensor
 from typing_extensions import override
 
 from elr_lightning.plugin_config import plain_hyperparameters
-from elr_lightning.safe_load import check_sharded_index, load_weights_only, refused_global, refusing_pickles
+from elr_lightning.safe_load import (
+    UnsafeCheckpointError,
+    check_sharded_index,
+    load_sharded,
+    load_weights_only,
+    refused_global,
+    refusing_pickles,
+)
 
 def upgrade_checkpoint(src: str, dst: str, trust: bool = False) -> None:
     """Rewrite a checkpoint of an earlier version so that it loads with ``torch.load(..., weights_only=True)``.
@@ -190,8 +197,10 @@ def read_sharded_checkpoint(folder: str, weights: Union[bool, Literal["meta"]] =
     with ``weights``, the full ``state_dict`` gathered from every rank's shard. Optimizer state is
     left out: the result serves inference (``elr generate``, ``eval``, ``serve``, ``export``), not
     resuming. The index is checked before torch unpickles it
-    (:func:`~elr_lightning.safe_load.check_sharded_index`) and ``meta.pt`` is read with
-    ``weights_only=True``.
+    (:func:`~elr_lightning.safe_load.check_sharded_index`), ``meta.pt`` is read with
+    ``weights_only=True`` and its configuration checked against the schema
+    (:func:`~elr_lightning.checkpoint_schema.check_checkpoint_config`), and the shards are read as
+    data (:class:`~elr_lightning.safe_load.DataOnlyLoadPlanner`).
 
     Args:
         folder: The checkpoint folder.
@@ -199,17 +208,15 @@ def read_sharded_checkpoint(folder: str, weights: Union[bool, Literal["meta"]] =
             meta-device tensors of the saved shapes and dtypes, no weight read.
 
     Raises:
-        ValueError: ``folder`` is not a sharded Lightning checkpoint.
-        UnsafeCheckpointError: Its index or ``meta.pt`` would run code.
+        ValueError: ``folder`` is not a sharded Lightning checkpoint, or its ``meta.pt`` is not a checkpoint's.
+        UnsafeCheckpointError: Its index, ``meta.pt`` or a shard would run code.
+        UntrustedModuleError: ``meta.pt`` names a class of a module that is not trusted.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = os.path.join(folder, "meta.pt")
-    if not is_sharded_checkpoint(folder) or not os.path.isfile(meta):
-        raise ValueError(f"{folder!r} is not a sharded Lightning checkpoint (it needs .metadata and meta.pt)")
-    check_sharded_index(folder)
-    checkpoint = load_weights_only(meta)
+    check_sharded_folder(folder, "checkpoint folder")
+    checkpoint = read_sharded_meta(folder)
     if not weights:
         return checkpoint
     reader = dcp.FileSystemReader(folder)
@@ -223,8 +230,60 @@ def read_sharded_checkpoint(folder: str, weights: Union[bool, Literal["meta"]] =
     if weights != "meta":
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*assuming the intent is to load in a single process")
-            dcp.load({"state_dict": state_dict}, storage_reader=reader, no_dist=True)
+            load_sharded({"state_dict": state_dict}, folder, storage_reader=reader, no_dist=True)
     checkpoint["state_dict"] = state_dict
+    return checkpoint
+
+
+def check_sharded_folder(folder: str, field: str) -> None:
+    """Refuse a folder that is not a sharded Lightning checkpoint (``.metadata`` and ``meta.pt``), naming what it lacks.
+
+    Raises:
+        ValueError: One line naming ``field``, the folder and the missing file.
+    """
+    missing = [name for name in (".metadata", "meta.pt") if not os.path.isfile(os.path.join(folder, name))]
+    if missing:
+        raise ValueError(
+            f"{field} {folder!r} is a folder without {' and '.join(missing)}, so not a sharded checkpoint (written with "
+            "save_distributed_checkpoint, it holds both); give a .ckpt file or a complete sharded folder"
+        )
+    check_sharded_index(folder)
+
+
+def read_sharded_meta(folder: str, check_config: bool = True) -> dict[str, Any]:
+    """A sharded checkpoint folder's ``meta.pt`` (everything but the tensors), read as data and checked.
+
+    Args:
+        folder: The checkpoint folder.
+        check_config: Check its configuration against the schema
+            (:func:`~elr_lightning.checkpoint_schema.check_checkpoint_config`); a resumed ``fit`` builds
+            its model from its own config instead, and needs no trust in the modules it names.
+
+    Raises:
+        ValueError: ``meta.pt`` is empty, damaged or not a checkpoint's dictionary, in one line.
+        UnsafeCheckpointError: It holds a pickled object.
+        UntrustedModuleError: It names a class of a module that is not trusted.
+    """
+    from elr_lightning.checkpoint_schema import check_checkpoint_config
+
+    meta = os.path.join(folder, "meta.pt")
+    try:
+        checkpoint = load_weights_only(meta, mmap=False)
+    except UnsafeCheckpointError:
+        raise
+    except Exception as err:  # torch.load raises many types (EOF, zip, pickle) for a damaged file
+        size = os.path.getsize(meta)
+        raise ValueError(
+            f"checkpoint folder {folder!r}: its meta.pt ({size} bytes) is {'empty' if size == 0 else 'damaged'} "
+            f"({type(err).__name__}); use another checkpoint"
+        ) from None
+    if not isinstance(checkpoint, dict):
+        raise ValueError(
+            f"checkpoint folder {folder!r}: its meta.pt holds a {type(checkpoint).__name__}, not a checkpoint's "
+            "dictionary; use a folder written by save_distributed_checkpoint"
+        )
+    if check_config:
+        check_checkpoint_config(checkpoint, meta)
     return checkpoint
 
 
@@ -234,8 +293,9 @@ def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
     A local file written by ``torch.save`` is a zip archive with a CRC-32 per record: every CRC is
     checked (one read of the file). A file that is not a zip archive is refused unless it is the
     legacy pickle format, which has no checksum: then a warning says so, once. A folder must be a
-    sharded (``torch.distributed.checkpoint``) checkpoint, which has a ``.metadata`` file that names
-    nothing but an index's own classes (:func:`~elr_lightning.safe_load.check_sharded_index`). Remote
+    sharded (``torch.distributed.checkpoint``) checkpoint: a ``.metadata`` file that names nothing but
+    an index's own classes (:func:`~elr_lightning.safe_load.check_sharded_index`) and a readable
+    ``meta.pt`` that holds no pickled object (:func:`read_sharded_meta`). Remote
     URLs and Lightning's keywords (``last``, ``best``, ``hpc``, ``registry``) are left to Lightning.
 
     Args:
@@ -244,21 +304,16 @@ def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
 
     Raises:
         FileNotFoundError: Nothing is at ``path``.
-        ValueError: ``path`` is a folder that is not a sharded checkpoint.
-        UnsafeCheckpointError: A sharded checkpoint's index would run code.
+        ValueError: ``path`` is a folder that is not a sharded checkpoint, or its ``meta.pt`` is damaged.
+        UnsafeCheckpointError: A sharded checkpoint's index or ``meta.pt`` would run code.
         CorruptCheckpointError: The file is truncated, damaged or not a checkpoint.
     """
     keyword = path in ("last", "best", "hpc") or path.startswith("registry")
     if "://" in path or (keyword and not os.path.exists(path)):
         return
     if os.path.isdir(path):
-        if not any(os.path.isfile(os.path.join(path, name)) for name in (".metadata", "meta.pt")):
-            raise ValueError(
-                f"{field} {path!r} is a folder but not a sharded checkpoint (it has no .metadata file); "
-                "give a .ckpt file or a folder written with save_distributed_checkpoint"
-            )
-        if is_sharded_checkpoint(path):
-            check_sharded_index(path)
+        check_sharded_folder(path, field)
+        read_sharded_meta(path, check_config=False)
         return
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{field} {path!r} does not exist; fix the path")
@@ -294,6 +349,34 @@ def write_atomically(path: str, write: Callable[[IO[bytes]], None], overwrite: b
         os.chmod(tmp, 0o644)
 
     replace_atomically(path, fill, overwrite)
+
+
+def write_file(path: Union[str, os.PathLike], data: Union[str, bytes], overwrite: bool = True) -> None:
+    """Write ``data`` (text as UTF-8) to ``path`` through a temporary file and a rename (:func:`write_atomically`).
+
+    What a command writes into its output folder goes through here: a kill leaves the old file or
+    the new one, and a symbolic link at ``path`` is replaced by the new file, never followed (its
+    target is left as it was).
+
+    Args:
+        path: The destination file.
+        data: The contents.
+        overwrite: Replace an existing ``path``; when false, an existing one raises ``FileExistsError``.
+    """
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    write_atomically(os.fspath(path), lambda f: f.write(raw), overwrite=overwrite)
+
+
+def save_figure(figure: Any, path: Union[str, os.PathLike], **kwargs: Any) -> None:
+    """``figure.savefig`` into ``path`` as :func:`write_file` writes: atomically, replacing a symbolic link, not following it.
+
+    Args:
+        figure: A matplotlib figure.
+        path: The image file; its suffix gives the format (``.png``).
+        kwargs: For ``savefig`` (``dpi``).
+    """
+    fmt = os.path.splitext(os.fspath(path))[1].lstrip(".") or "png"
+    write_atomically(os.fspath(path), lambda f: figure.savefig(f, format=fmt, **kwargs))
 
 
 def is_intact(path: str) -> bool:

@@ -1,64 +1,136 @@
-"""The ``elr`` command: LightningCLI's ``fit | validate | test | predict`` plus ELR's own tools."""
+"""The ``elr`` command: ELR's own tools (:data:`EXTRA_COMMANDS`) and LightningCLI's ``fit | validate | test``.
+
+Every subcommand follows one convention (:mod:`elr_lightning.arguments`) and reports a mistake in
+one line, ``elr <command>: error: ...``, with exit status 1 (:mod:`elr_lightning.errors`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import sys
 import warnings
 from typing import Any, Callable, Optional
 
 import torch
 
-from elr_lightning.ablate import main as ablate_main
-from elr_lightning.cost import main as cost_main
-from elr_lightning.data.prepare import prepare_command
+from elr_lightning.arguments import nearest
 from elr_lightning.errors import DEBUG_ENV, DEBUG_FLAG, debug_requested, report_errors
-from elr_lightning.generate_cli import generate_command
-from elr_lightning.hf.export import export_command, import_command
-from elr_lightning.hf.retrofit import retrofit_command
-from elr_lightning.lightning_cli import ELRCLI, make_cli
-from elr_lightning.serve.command import serve_command
-from elr_lightning.upgrade import upgrade_command
 
 
-def _eval_module() -> Any:
-    try:  # lm-eval is an optional extra: imported when used
-        from elr_lightning.eval import command
-    except ImportError as err:
-        raise SystemExit(f"elr eval: error: {err}") from None
-    return command
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One of ELR's own subcommands, imported when it runs (some need an optional extra).
+
+    Attributes:
+        summary: Its line in ``elr --help``.
+        module: The module that holds it.
+        run: The name of its function of the arguments after the subcommand.
+        parser: The name of its function that builds its parser (a
+            :func:`~elr_lightning.arguments.command_parser`).
+        needs: What to install when the module cannot be imported and its own error does not say
+            (``elr_lightning.eval`` names its extra itself).
+    """
+
+    summary: str
+    module: str
+    run: str
+    parser: str
+    needs: str = ""
+
+    def load(self, name: str) -> Any:
+        """The command's module.
+
+        Raises:
+            ImportError: It needs something not installed, naming what to install.
+        """
+        try:
+            return importlib.import_module(self.module)
+        except ImportError as err:
+            raise ImportError(f"{err}; elr {name} needs {self.needs}" if self.needs else str(err)) from None
+
+    def make_parser(self, name: str) -> Any:
+        """The command's parser, as it parses the command line."""
+        return getattr(self.load(name), self.parser)()
 
 
-def _estimate(argv: list[str]) -> None:
-    try:  # torch's memory tools (torch.distributed._tools) are newer than the oldest torch we run on
-        from elr_lightning.estimate_report import main as estimate_main
-    except ImportError as err:
-        raise SystemExit(f"elr estimate: error: {err}; it needs torch >= 2.6") from None
-    estimate_main(argv)
+#: ELR's subcommands, in the order ``elr --help`` lists them.
+EXTRA_COMMANDS: dict[str, Command] = {
+    "generate": Command(
+        "stream a continuation of a prompt at any loop count k, or auto (depth per token)",
+        "elr_lightning.generate_cli", "generate_command", "generate_parser",
+    ),
+    "eval": Command(
+        "accuracy at every k: lm-evaluation-harness tasks, or a depth task's exact match",
+        "elr_lightning.eval.command", "eval_command", "eval_parser",
+    ),
+    "eval-tasks": Command(
+        "build the offline data of elr eval's local tasks",
+        "elr_lightning.eval.command", "eval_tasks_command", "eval_tasks_parser",
+    ),
+    "cost": Command(
+        "parameters, FLOPs and KV memory per k of a config (eq. 1, 3 and 5)",
+        "elr_lightning.cost", "main", "cost_parser",
+    ),
+    "estimate": Command(
+        "per-rank peak training memory per k, and the largest micro-batch that fits",
+        "elr_lightning.estimate_report", "main", "estimate_parser", "torch >= 2.6 (torch.distributed._tools)",
+    ),
+    "serve": Command(
+        "OpenAI-compatible completions server, k (or auto) per request",
+        "elr_lightning.serve.command", "serve_command", "serve_parser",
+    ),
+    "ablate": Command(
+        "train the paper's ablation arms on a config and check its claims",
+        "elr_lightning.ablate", "main", "ablate_parser",
+    ),
+    "prepare": Command(
+        "tokenise a corpus into a prepared folder, in parallel",
+        "elr_lightning.data.prepare", "prepare_command", "prepare_parser",
+    ),
+    "export": Command(
+        "write a checkpoint as a Hugging Face folder (safetensors + remote code)",
+        "elr_lightning.hf.export", "export_command", "export_parser",
+    ),
+    "import": Command(
+        "turn an elr export folder back into a checkpoint",
+        "elr_lightning.hf.export", "import_command", "import_parser",
+    ),
+    "retrofit": Command(
+        "turn a pretrained Llama, Mistral or Qwen model into an ELR checkpoint and config",
+        "elr_lightning.hf.retrofit", "retrofit_command", "retrofit_parser",
+    ),
+    "upgrade-checkpoint": Command(
+        "convert a checkpoint of an earlier version (pickled plug-ins), once",
+        "elr_lightning.upgrade", "upgrade_command", "upgrade_parser",
+    ),
+}  # fmt: skip
 
-
-def _eval(argv: list[str]) -> None:
-    _eval_module().eval_command(argv)
-
-
-def _eval_tasks(argv: list[str]) -> None:
-    _eval_module().eval_tasks_command(argv)
-
-
-#: Subcommands that are not Lightning's; each takes the remaining arguments.
-EXTRA_COMMANDS: dict[str, Callable[[list[str]], None]] = {
-    "ablate": ablate_main,
-    "cost": cost_main,
-    "estimate": _estimate,
-    "eval": _eval,
-    "eval-tasks": _eval_tasks,
-    "export": export_command,
-    "generate": generate_command,
-    "import": import_command,
-    "prepare": prepare_command,
-    "retrofit": retrofit_command,
-    "serve": serve_command,
-    "upgrade-checkpoint": upgrade_command,
+#: LightningCLI's subcommands that ``elr`` runs, each with its line in ``elr --help``.
+LIGHTNING_COMMANDS: dict[str, str] = {
+    "fit": "train from a config: --config FILE, --section.field overrides, --ckpt_path to resume",
+    "validate": "validation loss and bits per byte at every k of val_loops, from --ckpt_path",
+    "test": "the same as validate, on the data module's test split (the text data modules: the held-out split)",
 }
+
+
+def help_text() -> str:
+    """``elr --help``: ELR's commands first, one line each, then Lightning's."""
+    width = max(map(len, [*EXTRA_COMMANDS, *LIGHTNING_COMMANDS])) + 2
+    lines = [
+        "usage: elr COMMAND [options]      elr COMMAND --help lists a command's options",
+        "",
+        "Elastic Latent Recurrence: a looped language model trained once, run at any loop count k.",
+        "",
+        "ELR commands:",
+        *(f"  {name:<{width}}{command.summary}" for name, command in EXTRA_COMMANDS.items()),
+        "",
+        "Lightning commands (LightningCLI):",
+        *(f"  {name:<{width}}{summary}" for name, summary in LIGHTNING_COMMANDS.items()),
+        "",
+        f"{DEBUG_FLAG} (or {DEBUG_ENV}=1) shows the traceback of a failure.",
+    ]
+    return "\n".join(lines)
 
 
 def main(args: Optional[list[str]] = None) -> None:
@@ -70,22 +142,40 @@ def main(args: Optional[list[str]] = None) -> None:
     debug, argv = debug_requested(sys.argv[1:] if args is None else list(args))
     if args is None:
         sys.argv[1:] = argv  # Lightning's launchers re-run sys.argv for the other ranks
-    with report_errors(debug):
+    command = argv[0] if argv and (argv[0] in EXTRA_COMMANDS or argv[0] in LIGHTNING_COMMANDS) else None
+    with report_errors(debug, command=command):
         run(argv if args is not None else None)
 
 
 def run(args: Optional[list[str]] = None) -> None:
-    """Run one ``elr`` command (``args``, else ``sys.argv[1:]``); exceptions propagate to ``main``."""
+    """Run one ``elr`` command (``args``, else ``sys.argv[1:]``); exceptions propagate to ``main``.
+
+    Raises:
+        ValueError: No command, or one that is neither ELR's nor Lightning's (naming the nearest).
+    """
+    from elr_lightning.lightning_cli import ELRCLI, make_cli
+
     argv = sys.argv[1:] if args is None else list(args)
     torch.set_flush_denormal(True)  # subnormals slowed CPU backward passes several-fold mid-run
     # Lightning's own use of a deprecated torch pytree API; nothing a user can act on.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    if argv and argv[0] in EXTRA_COMMANDS:
-        EXTRA_COMMANDS[argv[0]](argv[1:])
+    name = argv[0] if argv else None
+    if name in EXTRA_COMMANDS:
+        command = EXTRA_COMMANDS[name]
+        runner: Callable[[list[str]], None] = getattr(command.load(name), command.run)
+        runner(argv[1:])
         return
-    if not argv or argv[0] in ("-h", "--help"):
-        print(f"ELR commands besides Lightning's: {', '.join(sorted(EXTRA_COMMANDS))} (elr COMMAND --help)")
-        print(f"{DEBUG_FLAG} (or {DEBUG_ENV}=1) shows the traceback of a failure")
+    if name in ("-h", "--help"):
+        print(help_text())
+        return
+    if name not in LIGHTNING_COMMANDS:
+        known = [*EXTRA_COMMANDS, *LIGHTNING_COMMANDS]
+        found = nearest(name, known) if name else None
+        what = "no command given" if name is None else f"{name!r} is not a command"
+        hint = f"; did you mean {found}?" if found else "; elr --help lists them"
+        if name is None:
+            print(help_text(), file=sys.stderr)
+        raise ValueError(what + hint)
     make_cli(ELRCLI, args)
 
 

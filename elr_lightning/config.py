@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Union
+from typing import Any, ClassVar, Iterator, Optional, TypedDict, Union
 
 #: Mixer names every config knows; ``arch.mixers`` adds more or overrides these.
 BUILTIN_MIXERS: dict[str, str] = {
@@ -50,6 +50,23 @@ def check_rope_scaling(scaling: Optional[dict[str, Any]]) -> None:
         )
     if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ValueError(f"arch.rope_scaling={scaling!r}: high_freq_factor must exceed low_freq_factor")
+
+
+class MixerSpec(TypedDict, total=False):
+    """A layer of one's own in ``arch.mixers``: its class and its constructor's arguments after the config.
+
+    The arguments are plain data (``None``, booleans, numbers, strings or lists of them), so a
+    checkpoint that records them builds nothing but the mixer (:mod:`elr_lightning.checkpoint_schema`).
+    """
+
+    class_path: str
+    init_args: dict[str, Any]
+
+
+def _is_plain_leaf(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(map(_is_plain_leaf, value))
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 #: The three blocks of a looped LM, in stack order.
@@ -103,6 +120,11 @@ class ModelConfig:
             :mod:`elr_lightning.mixers.moe`); ``None`` leaves each mixer's own (default ``dynamic``).
             Refused on a model without a routed channel mixer.
     """
+
+    #: Types that a checkpoint's ``arch`` is checked against where they are narrower than the field's
+    #: annotation (which the command line parses by): a mixer entry is a class path or a :class:`MixerSpec`
+    #: (see :mod:`elr_lightning.checkpoint_schema`).
+    SCHEMA_HINTS: ClassVar[dict[str, Any]] = {"mixers": dict[str, Union[str, MixerSpec]]}
 
     vocab_size: int = 256
     d_model: int = 128
@@ -221,6 +243,31 @@ class ModelConfig:
                         f"name a {base.__name__} subclass there"
                     )
 
+    @classmethod
+    def schema_classes(cls, arch: dict[str, Any]) -> Iterator[tuple[str, Any, tuple[type, ...], dict[str, Any], int]]:
+        """The classes an ``arch`` mapping names, for :mod:`elr_lightning.checkpoint_schema` to resolve as trusted.
+
+        Every entry of ``mixers`` (used or not, a token or channel mixer) and every pattern entry
+        (of its pattern's kind), as ``(field, class path, bases, init_args, leading)``: ``field``
+        below ``arch``, and ``leading`` the constructor's positional arguments before ``init_args``
+        (the config).
+        """
+        from elr_lightning.mixers.base import ChannelMixer, TokenMixer
+
+        mixers = arch.get("mixers") or {}
+        bases: dict[str, tuple[type, ...]] = {name: (TokenMixer, ChannelMixer) for name in mixers}
+        for pattern_field, base in (("token_pattern", TokenMixer), ("channel_pattern", ChannelMixer)):
+            pattern = arch.get(pattern_field) or []
+            for block in pattern.values() if isinstance(pattern, dict) else [pattern]:
+                bases.update((name, (base,)) for name in block)
+        for name, base in sorted(bases.items()):
+            spec = mixers.get(name, BUILTIN_MIXERS.get(name, name))
+            where = f"mixers.{name}" if name in mixers else "token_pattern/channel_pattern"
+            if isinstance(spec, dict):
+                yield f"{where}.class_path", spec.get("class_path"), base, dict(spec.get("init_args") or {}), 2
+            else:
+                yield where, spec, base, {}, 2
+
     def mixer_spec(self, name: str) -> tuple[type, dict[str, Any]]:
         """The class and ``init_args`` a pattern entry ``name`` stands for.
 
@@ -241,6 +288,12 @@ class ModelConfig:
                 f"arch.mixers.{name}={spec!r} must be a class path or {{class_path: ..., init_args: {{...}}}}"
             )
         path, init_args = spec["class_path"], dict(spec.get("init_args") or {})
+        bad = sorted(key for key, value in init_args.items() if not _is_plain_leaf(value))
+        if bad:
+            raise ValueError(
+                f"arch.mixers.{name}.init_args.{bad[0]}={init_args[bad[0]]!r}: a mixer's arguments are plain data "
+                "(null, booleans, numbers, strings or lists of them), so that a checkpoint can record them"
+            )
         module_name, _, attr = str(path).rpartition(".")
         try:
             cls = getattr(importlib.import_module(module_name), attr) if module_name else None

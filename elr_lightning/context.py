@@ -69,6 +69,12 @@ class _Stores:
         self.scratch: dict[tuple[int, int], dict[str, Any]] = {}
         self.aux: dict[str, Tensor] = {}
 
+    def sharing_scratch(self) -> "_Stores":
+        """Stores that share this one's scratch and keep auxiliary losses of their own (dropped by the caller)."""
+        stores = _Stores()
+        stores.scratch = self.scratch
+        return stores
+
 
 @dataclass
 class LoopContext:
@@ -97,6 +103,11 @@ class LoopContext:
             layers save for the backward pass belongs to the checkpoint, which keeps none of it
             across the forward, so a mixer installs no saved-tensor hooks of its own there
             (:meth:`~elr_lightning.mixers.TokenMixer.modulated`).
+        passes: How many passes the recurrent block makes (>= ``loops``; ``None``: ``loops``). The
+            passes after loop k run every recurrent layer on zero rows (:meth:`idle`), so that a
+            strategy sharding each layer on its own issues the collectives of a forward at this
+            many loops, whatever k this rank runs (:meth:`RecurrentCore.forward
+            <elr_lightning.core.RecurrentCore.forward>`).
     """
 
     positions: Positions
@@ -108,11 +119,23 @@ class LoopContext:
     cache: Optional["KVCache"] = None
     rows: Optional[Union[slice, Tensor]] = None
     checkpointed: bool = False
+    passes: Optional[int] = None
     _stores: "_Stores" = field(default_factory=lambda: _Stores(), repr=False)
 
     def at(self, loop: int, cond: Optional[Tensor], modulations: Optional[dict[int, Any]] = None) -> "LoopContext":
         """The view of this context at loop ``loop`` with context ``cond`` (and its ``modulations``); stores are shared."""
         return dataclasses.replace(self, loop=loop, cond=cond, modulations=modulations)
+
+    def idle(self, loop: int, cond: Optional[Tensor]) -> "LoopContext":
+        """The view of an idle pass at loop ``loop`` (> k): no rows of the batch, ``cond`` as c_i.
+
+        It reads the scratch of this forward pass (a mixture of experts replays loop 1's routes for
+        no tokens) and writes its own auxiliary losses, which nobody collects: a loss over zero
+        tokens is 0/0.
+        """
+        return dataclasses.replace(
+            self, loop=loop, cond=cond, modulations=None, rows=slice(0, 0), _stores=self._stores.sharing_scratch()
+        )
 
     def under_checkpoint(self) -> "LoopContext":
         """This view marked :attr:`checkpointed`, for a pass that runs inside activation checkpointing."""

@@ -29,7 +29,9 @@ class RecurrentCore(nn.Module):
     """The shared block R_theta with its state update and conditioner; ``forward`` runs all k loops.
 
     Keeping the whole k-loop inside one module's ``forward`` lets a sharding strategy wrap it as a
-    single unit, so ranks running different k issue the same collectives (DESIGN §6).
+    single unit, so ranks running different k issue the same collectives (DESIGN §6). A strategy
+    that shards each recurrent layer on its own instead gives every forward the same number of
+    passes (``LoopContext.passes``): the passes after loop k call every layer on zero rows.
     """
 
     def __init__(
@@ -44,6 +46,14 @@ class RecurrentCore(nn.Module):
         self.checkpointing = "none"
         #: Backpropagate through the last this many loops only (``None``: all).
         self.backprop_loops: Optional[int] = None
+        #: Compute eq. 4's terms of all the layers of a loop at once, in the loop (one matmul for their heads).
+        #: A strategy that shards each layer on its own turns it off: a layer's heads are then gathered only
+        #: inside its own ``forward``, which computes its terms there (the same values).
+        self.batch_modulations = True
+
+    def tracked_loops(self, loops: int) -> int:
+        """How many of a forward's ``loops`` loops keep a graph: the last :attr:`backprop_loops` of them, else all."""
+        return loops if self.backprop_loops is None else min(loops, self.backprop_loops)
 
     def forward(self, h_in: Tensor, ctx: LoopContext) -> tuple[Tensor, Optional[Tensor]]:
         """Run ``ctx.loops`` passes (DESIGN §2); return the final state s_k and the last context c_k.
@@ -53,12 +63,13 @@ class RecurrentCore(nn.Module):
         injected input h_in still gets the later loops' gradients), and under ``loop``
         checkpointing each tracked loop keeps only its input state and recomputes the rest in the
         backward pass. c_k is returned as a fresh tensor, not a view, since sharding wrappers refuse
-        views as outputs.
+        views as outputs. Where ``ctx.passes`` exceeds k, :meth:`idle_passes` follow the loops; s_k
+        is unchanged (its zero rows are concatenated to it).
         """
         s = self.update.init(h_in)
         c = None
         tracked = torch.is_grad_enabled()
-        first = 1 if self.backprop_loops is None else ctx.loops - self.backprop_loops + 1
+        first = ctx.loops - self.tracked_loops(ctx.loops) + 1
         for i in range(1, ctx.loops + 1):
             truncated = tracked and i < first
             with torch.no_grad() if truncated else nullcontext():  # a truncated loop keeps nothing, its context neither
@@ -71,22 +82,52 @@ class RecurrentCore(nn.Module):
                     )
                 else:
                     s = self.loop(s, h_in, loop_ctx)
+        if ctx.passes is not None and ctx.passes > ctx.loops:
+            s = torch.cat([s, self.idle_passes(h_in, ctx, None if c is None else c.detach()).to(s.dtype)])
         return s, None if c is None else c.clone()
+
+    def idle_passes(self, h_in: Tensor, ctx: LoopContext, cond: Optional[Tensor]) -> Tensor:
+        """Loops k + 1 .. ``ctx.passes`` on zero rows; their output, of zero rows.
+
+        Each idle pass calls every recurrent layer as loop i of a forward at ``ctx.passes`` loops
+        would (:meth:`LoopContext.idle <elr_lightning.context.LoopContext.idle>`, under c_k), on a
+        tensor of no rows: no arithmetic, but a layer sharded on its own gathers its weights, and in
+        the backward pass gathers them again and reduce-scatters its (zero) gradient, as at a real
+        loop. So ranks at different k issue the same collectives. The passes that a forward at
+        ``ctx.passes`` loops would run without a graph (truncated backpropagation) run without one,
+        and the others are checkpointed as real loops are. The state update and the conditioner,
+        which belong to the core's own unit, are not called.
+        """
+        tracked = torch.is_grad_enabled()
+        x = h_in.new_zeros((0, *h_in.shape[1:])).requires_grad_(tracked)
+        with_graph = self.tracked_loops(ctx.passes) - self.tracked_loops(ctx.loops)  # the last idle passes keep one
+        for i in range(ctx.loops + 1, ctx.passes + 1):
+            keeps = tracked and i > ctx.passes - with_graph
+            with nullcontext() if keeps or not tracked else torch.no_grad():
+                idle = ctx.idle(i, cond)
+                if keeps and self.checkpointing == "loop":
+                    x = checkpoint(self.run_layers, x, idle.under_checkpoint(), use_reentrant=False, preserve_rng_state=False)
+                else:
+                    x = self.run_layers(x, idle)
+        return x
 
     def loop(self, s: Tensor, h_in: Tensor, ctx: LoopContext) -> Tensor:
         """One pass of loop ``ctx.loop``: inject h_in into s_{i-1}, run the layers, update to s_i.
 
         Eq. 4's terms of all the loop's layers under c_i are computed here at once (one matmul for the
-        heads), inside the loop, so that ``loop`` checkpointing recomputes them rather than keeping
-        weight-sized terms for every loop.
+        heads, while :attr:`batch_modulations`), inside the loop, so that ``loop`` checkpointing
+        recomputes them rather than keeping weight-sized terms for every loop.
         """
-        if ctx.cond is not None and ctx.modulations is None:
+        if ctx.cond is not None and ctx.modulations is None and self.batch_modulations:
             ctx = ctx.at(ctx.loop, ctx.cond, layer_modulations(self.layers_at(ctx.loop), ctx.cond))
         s_tilde = self.update.inject(s, h_in)
-        r = s_tilde
+        return self.update(s, self.run_layers(s_tilde, ctx), s_tilde)
+
+    def run_layers(self, x: Tensor, ctx: LoopContext) -> Tensor:
+        """The layers of loop ``ctx.loop`` applied to ``x`` in turn (``layer`` checkpointing recomputes each)."""
         for layer in self.layers_at(ctx.loop):
-            r = run_layer(layer, r, ctx, self.checkpointing == "layer")
-        return self.update(s, r, s_tilde)
+            x = run_layer(layer, x, ctx, self.checkpointing == "layer")
+        return x
 
     def layers_at(self, loop: int) -> nn.ModuleList:
         """The layers loop ``loop`` runs: the same shared ones at every loop."""
@@ -187,6 +228,7 @@ class LoopedForward(nn.Module):
         attention_mask: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
         aux_losses: Optional[MutableMapping[str, Tensor]] = None,
+        passes: Optional[int] = None,
     ) -> Tensor:
         """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]`` at loop count ``loops``.
 
@@ -201,9 +243,19 @@ class LoopedForward(nn.Module):
             cache: A cache policy for incremental decoding; its offset is advanced here.
             aux_losses: A mapping that receives the auxiliary losses the mixers added (by name). Under
                 FSDP2 pass a ``collections.UserDict``: the sharded root copies a plain dict argument.
+            passes: Passes of the recurrent block, >= ``loops`` (``None``: ``loops``); those after loop
+                k call its layers on zero rows and change no value (``LoopContext.passes``). A
+                strategy that shards each recurrent layer on its own asks for the deepest k of the
+                shard's peers on the other ranks.
+
+        Raises:
+            ValueError: ``loops`` is not an integer >= 1, or ``passes`` is below it.
         """
         check_loops(loops)
+        if passes is not None and (isinstance(passes, bool) or not isinstance(passes, int) or passes < loops):
+            raise ValueError(f"passes={passes!r} must be an integer >= loops={loops} (or None)")
         ctx = self.loop_context(input_ids, loops, attention_mask, cache)
+        ctx.passes = passes
         x = self.embed(input_ids)
         per_layer = self.core.checkpointing == "layer"
         for layer in self.input_layers:

@@ -17,6 +17,7 @@ import yaml
 from jsonargparse import ArgumentParser
 from torch import nn
 
+from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
 from elr_lightning.callbacks.switch import DEFAULT_SWITCH_FRACTION
 from elr_lightning.flops import compute_multiplier, forward_flops_per_token
 from elr_lightning.cache import CACHE_POLICIES, kv_cache_bytes, recurrent_state_bytes
@@ -179,17 +180,20 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
-    """``elr cost --config FILE [--json]``."""
-    parser = ArgumentParser(
-        prog="elr cost", description="Parameters and compute per loop count of a config.", exit_on_error=False
-    )
+def cost_parser() -> CommandParser:
+    """The parser of ``elr cost``."""
+    parser = command_parser("cost", "Parameters and compute per loop count of a config.")
     parser.add_argument(
         "--config", type=str, action="append", required=True,
         help="An `elr fit` YAML file; repeat to merge several, as `elr fit` does.",
-    )
-    parser.add_argument("--loops", type=Optional[list[int]], default=None, help="Loop counts to report.")
-    parser.add_argument("--json", type=bool, default=False, help="Print JSON instead of a table.")
-    args = parser.parse_args(argv)
-    report = cost_report(args.config, args.loops)
+    )  # fmt: skip
+    add_loops(parser, "Loop counts to report; default 1..K")
+    add_switch(parser, "--json", False, "Print JSON instead of a table.", was_bool=True)
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    """``elr cost --config FILE [--loops 1-4] [--json]``."""
+    args = cost_parser().parse_args(argv)
+    report = cost_report(args.config, None if args.loops is None else list(args.loops.counts))
     print(json.dumps(report, indent=2) if args.json else format_report(report))

@@ -1,8 +1,8 @@
 """How the ``elr`` command reports a failure: one readable line, the traceback only on request.
 
 Every ``elr`` subcommand runs inside :func:`report_errors`. A mistake (a bad value, a missing or
-damaged file, a diverged run) prints ``elr: error: <message>`` on stderr and exits with status 1;
-the message names the field or file and the fix. An exception that is not one of
+damaged file, a diverged run) prints ``elr <command>: error: <message>`` on stderr and exits with
+status 1; the message names the field or file and the fix. An exception that is not one of
 :data:`USER_ERRORS` is most likely a bug: it prints its type and message and a second line that
 says how to see the traceback. ``--debug`` anywhere on the command line, or ``ELR_DEBUG=1`` in the
 environment, lets every exception through with its full traceback.
@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Optional
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
 #: The environment variable that, set to anything but ``""`` or ``"0"``, shows tracebacks.
 DEBUG_ENV = "ELR_DEBUG"
 
@@ -28,7 +30,10 @@ DEBUG_ENV = "ELR_DEBUG"
 DEBUG_FLAG = "--debug"
 
 #: Exception types that describe a user's mistake; they are printed without a "bug" hint.
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, FloatingPointError, ArgumentError, LookupError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, OSError, FloatingPointError, ArgumentError, LookupError, ImportError,
+    MisconfigurationException,  # Lightning's own: e.g. `elr test` with a data module that has no test split
+)  # fmt: skip
 
 
 def is_integer(value: object, minimum: int = 1) -> bool:
@@ -90,6 +95,8 @@ def root_cause(err: BaseException) -> BaseException:
 
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)":\s*(.*)')
 _NOISE = ("Does not validate against", "Subtypes:", "Errors:", "Given value", "Problem with given class_path")
+#: A registered type's own message, which names the flag: jsonargparse's ``Not of type X:`` before it is dropped.
+_OWN_MESSAGE = re.compile(r"^Not of type \w+: (--\S+ .*)$")
 
 
 def summarise_parser_error(message: str) -> str:
@@ -119,26 +126,36 @@ def summarise_parser_error(message: str) -> str:
             break
     if not keys:
         return " ".join(line.strip() for line in message.splitlines() if line.strip())
+    own = _OWN_MESSAGE.match(detail)
+    if own:
+        return own.group(1)
     return f"{'.'.join(keys)}: {detail}" if detail else ".".join(keys)
 
 
-def error_lines(err: BaseException) -> list[str]:
-    """What ``elr`` prints for ``err``: one line for a user's mistake, two for a likely bug."""
+def error_lines(err: BaseException, command: Optional[str] = None) -> list[str]:
+    """What ``elr`` prints for ``err``: one line for a user's mistake, two for a likely bug.
+
+    Args:
+        err: The exception.
+        command: The subcommand that raised it, named in the prefix: ``elr <command>: error: ...``.
+    """
+    prefix = f"elr {command}:" if command else "elr:"
     cause = root_cause(err)
     if isinstance(cause, ArgumentError) or (cause is err and _raised_by_jsonargparse(err)):
         message = summarise_parser_error(str(cause))
     else:
-        message = " ".join(part.strip() for part in str(cause).splitlines() if part.strip())
+        text = cause.args[0] if isinstance(cause, KeyError) and cause.args else cause  # str(KeyError) adds quotes
+        message = " ".join(part.strip() for part in str(text).splitlines() if part.strip())
     if isinstance(cause, USER_ERRORS):
-        return [f"elr: error: {message or type(cause).__name__}"]
+        return [f"{prefix} error: {message or type(cause).__name__}"]
     return [
-        f"elr: error: {type(cause).__name__}: {message}",
-        f"elr: this looks like a bug; rerun with {DEBUG_FLAG} (or {DEBUG_ENV}=1) for the traceback and report it",
+        f"{prefix} error: {type(cause).__name__}: {message}",
+        f"{prefix} this looks like a bug; rerun with {DEBUG_FLAG} (or {DEBUG_ENV}=1) for the traceback and report it",
     ]
 
 
 @contextmanager
-def report_errors(debug: bool, stream: Optional[object] = None) -> Iterator[None]:
+def report_errors(debug: bool, stream: Optional[object] = None, command: Optional[str] = None) -> Iterator[None]:
     """Turn an exception escaping the block into :func:`error_lines` on stderr and exit status 1.
 
     ``KeyboardInterrupt`` exits with status 130 and one line. ``SystemExit`` (``--help``, parser
@@ -147,6 +164,7 @@ def report_errors(debug: bool, stream: Optional[object] = None) -> Iterator[None
     Args:
         debug: Let every exception through with its traceback instead.
         stream: Where to print; ``sys.stderr`` by default.
+        command: The subcommand running in the block, named in each line's prefix.
     """
     if debug:
         yield
@@ -155,8 +173,8 @@ def report_errors(debug: bool, stream: Optional[object] = None) -> Iterator[None
     try:
         yield
     except KeyboardInterrupt:
-        print("elr: interrupted", file=out)  # type: ignore[call-overload]
+        print(f"elr {command}: interrupted" if command else "elr: interrupted", file=out)  # type: ignore[call-overload]
         sys.exit(130)
     except Exception as err:
-        print("\n".join(error_lines(err)), file=out)  # type: ignore[call-overload]
+        print("\n".join(error_lines(err, command)), file=out)  # type: ignore[call-overload]
         sys.exit(1)

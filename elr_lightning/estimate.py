@@ -11,11 +11,16 @@ Its peak is the estimate: whatever the model does (eq. 4's terms, the per-loop s
 checkpointing's recomputation) is measured, not modelled.
 
 Not traced, hence not counted: the CUDA context, the caching allocator's fragmentation and reserve,
-NCCL's buffers. Two pieces of a GPU run cannot run on fake tensors and are stood in for by hand:
-fla's Triton kernels of the GDP layers (:mod:`elr_lightning.estimate_fla` allocates what they
-allocate, with ``Target(fla_kernels=True)``; else the layers run the PyTorch chunked path), and
-torch's DDP reducer (it reads parameter data), whose gradient buckets are added as one
-gradient-sized buffer per rank (the gradients live in them with ``gradient_as_bucket_view``).
+NCCL's buffers, and on the CPU what the C allocator keeps of freed memory (the headroom of
+``elr estimate`` and ``elr fit`` holds memory back for them). Two pieces of a GPU run cannot run on
+fake tensors and are stood in for by hand: fla's Triton kernels of the GDP layers
+(:mod:`elr_lightning.estimate_fla` allocates what they allocate, with ``Target(fla_kernels=True)``,
+which :func:`gdp_path` decides as the GDP layers do at run time; else the layers run the PyTorch
+chunked path), and torch's DDP reducer (it reads parameter data), whose gradient buckets are added
+as one gradient-sized buffer per rank (the gradients live in them with ``gradient_as_bucket_view``).
+Gradient accumulation is traced (two micro-batches, the gradients of the first alive through the
+second); ``compile_model`` is not: the eager step is traced, and a compiled step keeps what the
+compiler's partitioner chooses.
 ``elr estimate`` (:mod:`elr_lightning.estimate_report`) prints the table.
 """
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
@@ -36,10 +42,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elr_lightning.core import CHECKPOINTING
 from elr_lightning.estimate_fla import fla_stand_in
-from elr_lightning.mixers.delta_rule import FLA_STAND_IN
+from elr_lightning.mixers.delta_rule import FLA_STAND_IN, _fla_kernel
 from elr_lightning.module import ELRModule
 from elr_lightning.optim import adamw, param_groups
-from elr_lightning.strategies.fsdp import mixed_precision_policy, shard_looped_lm
+from elr_lightning.strategies.fsdp import RECURRENT_UNITS, mixed_precision_policy, shard_looped_lm
 
 #: How the step is distributed: one device, DDP (a full replica per rank) or FSDP2 (sharded over all ranks).
 STRATEGIES = ("single", "ddp", "fsdp")
@@ -52,17 +58,87 @@ PRECISIONS: dict[str, tuple[Optional[torch.dtype], torch.dtype]] = {
     "bf16-true": (None, torch.bfloat16),
 }
 
+#: Fraction of the CPU's memory that ``elr estimate`` holds back for what the trace does not see, for a run on the CPU.
+#: That is mostly what the C allocator keeps of freed memory: with glibc's default thresholds a real run's resident
+#: set reached 1/0.79 = 1.27x the traced peak (``elr fit`` on a hybrid config the estimate had not been tuned on, in
+#: the code audit of issue 40), against 1.06x with ``MALLOC_MMAP_THRESHOLD_=65536``; ``bench/estimate.py --allocator
+#: default`` measures the step alone (0.45-0.88x, the lower where the step is small; docs/memory.md). A quarter held
+#: back keeps a traced peak within the budget at no more than 0.75 / 0.79 = 95% of the memory there. The host memory
+#: of an offloaded run is CPU memory too, and is held to the same fraction.
+CPU_HEADROOM = 0.25
+
+#: Fraction of an accelerator's memory held back, for a run on a GPU: 8 GB of 80. No CPU allocator is involved:
+#: tensors come from torch's caching allocator, whose blocks the trace counts at their tensors' sizes. What the
+#: trace does not see is the CUDA context and the kernels' modules (about 0.5 GB with lazy loading), cuBLAS's
+#: workspaces (tens of MiB), NCCL's buffers (some hundreds of MiB per communicator) and the caching allocator's
+#: reserve above what is allocated (rounding to its block sizes and fragmentation; ``expandable_segments`` lowers
+#: it). These are priors, not measured here (no GPU was lent to this work): compare the estimate ``elr fit`` logs
+#: with ``torch.cuda.max_memory_reserved()`` of the first steps, and set ``--headroom`` from that ratio.
+ACCELERATOR_HEADROOM = 0.10
+
+
+def default_headroom(device_type: str) -> tuple[float, str]:
+    """The fraction of a device's memory ``elr estimate`` and ``elr fit`` hold back by default, and why in words.
+
+    :data:`CPU_HEADROOM` on the CPU (what glibc keeps of freed memory), :data:`ACCELERATOR_HEADROOM`
+    on any accelerator (its context, communication buffers and caching allocator's reserve).
+
+    Args:
+        device_type: ``cpu``, ``cuda``, ...
+    """
+    if device_type == "cpu":
+        return CPU_HEADROOM, "the default for CPU RAM: what glibc keeps of freed memory, up to 1.27x the traced peak"
+    return ACCELERATOR_HEADROOM, (
+        f"the default for a {device_type} device: its context, NCCL's buffers and the caching allocator's reserve"
+    )
+
 #: Tracker categories summed into each column of :class:`StepMemory`; every other category (buffers,
 #: inputs, activations, temporaries) is ``activations``.
 _PARAMS = {_MemRefType.PARAM, _FSDPRefType.SHARDED_PARAM, _FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER}
 _GRADS = {_MemRefType.GRAD, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.UNSHARDED_GRAD, _FSDPRefType.REDUCE_SCATTER}
 _OPTIMIZER = {_MemRefType.OPT, _FSDPRefType.OPT}
+#: What FSDP2's CPU offload keeps in host memory: the rank's parameter and gradient shards, and the optimizer's state
+#: (AdamW allocates it beside its parameters).
+_HOST = {_FSDPRefType.SHARDED_PARAM, _FSDPRefType.SHARDED_GRAD, _FSDPRefType.OPT}
+#: What stays on the device of an offloaded step while the host runs the update (clipping, the optimizer step):
+#: gathered units, unsharded gradients, their collectives' buffers, the module buffers and the batch.
+_DEVICE_RESIDENT = {
+    _FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER, _FSDPRefType.UNSHARDED_GRAD, _FSDPRefType.REDUCE_SCATTER,
+    _FSDPRefType.BUFFER, _FSDPRefType.INP,
+}  # fmt: skip
 
 
 def half_precision(precision: str) -> bool:
     """Whether a precision computes in bf16 or fp16 (where fla's kernels run)."""
     autocast, params = PRECISIONS[precision]
     return (autocast or params) in (torch.bfloat16, torch.float16)
+
+
+def gdp_path(precision: str, device_type: str) -> tuple[bool, str]:
+    """Whether a run's GDP layers run fla's kernels, by the test they apply at run time, and the path in words.
+
+    :func:`~elr_lightning.mixers.delta_rule.delta_product` runs fla's kernels where the tensors are on
+    CUDA in bf16 or fp16 and fla imports; else the PyTorch chunked path. ``elr fit`` asks this of its
+    own device, ``elr estimate`` of the device the config's ``trainer.accelerator`` gives here.
+
+    Args:
+        precision: A key of :data:`PRECISIONS`.
+        device_type: ``cuda``, ``cpu``, ...
+    """
+    if not half_precision(precision):
+        return False, f"the PyTorch chunked path ({precision}: fla's kernels need bf16 or fp16)"
+    if device_type != "cuda":
+        return False, f"the PyTorch chunked path (on {device_type}: fla's kernels run on CUDA only)"
+    if _fla_kernel() is None:
+        return False, "the PyTorch chunked path (fla does not import here)"
+    return True, "fla's kernels (CUDA, half precision, fla imports)"
+
+
+def has_gdp_layers(model: nn.Module) -> bool:
+    """Whether ``model`` holds Gated DeltaProduct layers (whose memory depends on :func:`gdp_path`)."""
+    from elr_lightning.mixers import GatedDeltaProduct
+
+    return any(isinstance(m, GatedDeltaProduct) for m in model.modules())
 
 
 def lightning_precision(precision: Any) -> str:
@@ -92,9 +168,19 @@ class Target:
         gradient_clip_val: ``trainer.gradient_clip_val`` (the step clips the gradients' norm when set).
         gradient_as_bucket_view: DDP's option: the gradients live in its buckets instead of beside them.
         reshard_after_forward: FSDP2's option (:func:`~elr_lightning.strategies.shard_looped_lm`).
+        cpu_offload: FSDP2's CPU offload (:func:`~elr_lightning.strategies.shard_looped_lm`): the shards,
+            their gradients and the optimizer's state are the host's, the rest the device's
+            (:class:`StepMemory`).
+        accelerator: The device type the run trains on (``cpu``, ``cuda``, ...). On an accelerator an
+            offloaded run pins its host shards and gradient shards, in blocks rounded up to a power
+            of two (torch's pinned-memory allocator), which :attr:`StepMemory.host` counts.
         fla_kernels: The GDP layers run fla's kernels, as on a CUDA device with fla installed and
             half-precision activations (traced with :func:`~elr_lightning.estimate_fla.fla_stand_in`);
-            else the PyTorch chunked path.
+            else the PyTorch chunked path (:func:`gdp_path` decides it as a run does).
+        recurrent_units: FSDP2's units of the recurrent block, ``layer`` or ``core``
+            (:func:`~elr_lightning.strategies.shard_looped_lm`).
+        accumulate_grad_batches: Micro-batches per optimizer step; above 1 the step traces two, so the
+            first one's gradients are alive through the second's forward and backward passes.
     """
 
     strategy: str = "single"
@@ -104,6 +190,10 @@ class Target:
     gradient_as_bucket_view: bool = False
     reshard_after_forward: bool = True
     fla_kernels: bool = False
+    recurrent_units: str = "layer"
+    accumulate_grad_batches: int = 1
+    cpu_offload: bool = False
+    accelerator: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -112,6 +202,13 @@ class Target:
             raise ValueError(f"world_size={self.world_size!r} must be an integer >= 1 (devices x nodes)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} must be one of {tuple(PRECISIONS)} (see lightning_precision)")
+        if self.recurrent_units not in RECURRENT_UNITS:
+            raise ValueError(f"recurrent_units={self.recurrent_units!r} must be one of {', '.join(RECURRENT_UNITS)}")
+        accumulate = self.accumulate_grad_batches
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate_grad_batches={accumulate!r} must be an integer >= 1")
+        if self.cpu_offload and self.strategy != "fsdp":
+            raise ValueError(f"cpu_offload is FSDP2's (strategy 'fsdp'); strategy={self.strategy!r} has none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,19 +248,31 @@ class Setting:
 
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
-    """What is alive on one rank at the peak of a training step, in bytes; the columns sum to :attr:`peak`.
+    """What is alive on one rank's device at the peak of a training step, in bytes; the columns sum to
+    :attr:`peak`, and :attr:`host` is what the rank keeps in host memory.
+
+    Under FSDP2's CPU offload (``Target(cpu_offload=True)``) the device holds the gathered units,
+    the unsharded gradients with their collectives' buffers, the activations and the batch; the
+    shards, their gradients, the optimizer's state and the update's temporaries (clipping and the
+    optimizer step run on the host) are :attr:`host`'s. Each is the peak of its own memory, which may
+    come at different moments of the step.
 
     Attributes:
-        params: Parameters (FSDP2: the rank's shards plus the gathered units alive at the peak).
+        params: Parameters (FSDP2: the rank's shards, unless offloaded, plus the gathered units alive
+            at the peak; offloaded, also one unit's shards copied to the device for its all-gather,
+            which the trace on the CPU does not see).
         grads: Gradients, DDP's gradient buckets and FSDP2's reduce-scatter buffers.
-        optimizer: AdamW's state.
+        optimizer: AdamW's state (0 when offloaded).
         activations: Activations saved for the backward pass, temporaries, buffers and the batch.
+        host: Host memory of the step's offloaded state at its peak (0 without offload), with the
+            power-of-two rounding of pinned memory where the run pins it.
     """
 
     params: int
     grads: int
     optimizer: int
     activations: int
+    host: int = 0
 
     @property
     def peak(self) -> int:
@@ -180,17 +289,44 @@ class _PeakOnly:
 
     ``MemTracker`` updates the peak of every module it has seen after every operation, a cost that
     grows with the model's size times its operation count; the estimate reads the global peak only.
+
+    With :attr:`offloaded` set, every snapshot is split as FSDP2's CPU offload places it: the peak
+    kept is the device's part (every category but the shards, their gradients and the optimizer's
+    state; while :attr:`updating`, the categories that stay on the device only, since clipping and
+    the optimizer step then run on the host), and :attr:`host_peak` the largest host part.
     """
 
     _curr_mem_snap: dict[torch.device, dict[Any, int]]
     _peak_mem: dict[torch.device, int]
     _peak_mem_snap: dict[torch.device, dict[Any, int]]
+    offloaded: bool = False
+    updating: bool = False
+    host_peak: int = 0
+
+    def __enter__(self) -> Any:
+        # the trackers start the peak from the snapshot on entry, which holds the host's part too
+        entered = super().__enter__()  # type: ignore[misc]
+        if self.offloaded:
+            self._peak_mem_snap = {device: self._device_part(snap) for device, snap in self._curr_mem_snap.items()}
+            self._peak_mem = {device: snap[_TOTAL_KEY] for device, snap in self._peak_mem_snap.items()}
+        return entered
 
     def _update_peak_stats(self, peak_state: _State) -> None:
         for device, snapshot in self._curr_mem_snap.items():
+            if self.offloaded:
+                snapshot = self._device_part(snapshot)
             if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
                 self._peak_mem[device] = snapshot[_TOTAL_KEY]
                 self._peak_mem_snap[device] = dict(snapshot)
+
+    def _device_part(self, snapshot: dict[Any, int]) -> dict[Any, int]:
+        kinds = {kind: n for kind, n in snapshot.items() if isinstance(kind, _RefType)}
+        if self.updating:
+            device = {kind: n for kind, n in kinds.items() if kind in _DEVICE_RESIDENT}
+        else:
+            device = {kind: n for kind, n in kinds.items() if kind not in _HOST}
+        self.host_peak = max(self.host_peak, sum(kinds.values()) - sum(device.values()))
+        return {**device, _TOTAL_KEY: sum(device.values())}
 
 
 class StepTracker(_PeakOnly, MemTracker):
@@ -268,23 +404,34 @@ def step_batch(module: ELRModule, setting: Setting) -> Tensor:
 
 
 def training_step(
-    module: ELRModule, optimizer: torch.optim.Optimizer, target: Target, setting: Setting, batch: Tensor
+    module: ELRModule,
+    optimizer: torch.optim.Optimizer,
+    target: Target,
+    setting: Setting,
+    batch: Tensor,
+    before_update: Optional[Callable[[], None]] = None,
 ) -> None:
     """One optimizer step of ``module`` on ``batch`` as Lightning runs it: the loss under the precision's autocast,
     backward, gradient clipping, ``optimizer.step()``, ``zero_grad(set_to_none=True)``.
 
     Every local shard runs ``setting.loops`` under ``setting``'s backward setting (set on the model).
+    With gradient accumulation two micro-batches run before the optimizer step (the memory of any
+    later one is the second's). ``before_update`` is called after the last backward pass, before
+    clipping.
     """
     model = module.model
     model.set_backprop(setting.checkpointing, setting.backprop_loops)
     autocast_dtype, _ = PRECISIONS[target.precision]
-    autocast = (
-        torch.autocast(batch.device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
-    )
-    with autocast:
-        loss = TrainingStep(module)(batch, [setting.loops] * module.virtual_ranks)
-    loss.backward()
-    del loss
+    for _ in range(min(target.accumulate_grad_batches, 2)):
+        autocast = (
+            torch.autocast(batch.device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+        )
+        with autocast:
+            loss = TrainingStep(module)(batch, [setting.loops] * module.virtual_ranks)
+        loss.backward()
+        del loss
+    if before_update is not None:
+        before_update()
     if target.gradient_clip_val:
         torch.nn.utils.clip_grad_norm_(model.parameters(), target.gradient_clip_val)
     optimizer.step()
@@ -307,17 +454,73 @@ def traced_step(module: ELRModule, optimizer: torch.optim.Optimizer, target: Tar
     else:
         tracker = StepTracker()
         tracker.track_external(model, optimizer, batch)
+    tracker.offloaded = target.cpu_offload
+
+    def updating() -> None:
+        tracker.updating = True
+
     with tracker, warnings.catch_warnings():
         # torch's module tracker notes the modules it cannot see in the backward pass (a mixer called through
         # functional_call); the peak does not depend on them
         warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
-        training_step(module, optimizer, target, setting, batch)
+        training_step(module, optimizer, target, setting, batch, before_update=updating)
     memory = _columns(tracker.get_tracker_snapshot("peak").get(batch.device, {}))
+    if target.cpu_offload:
+        pinned = target.accelerator != "cpu"
+        memory = dataclasses.replace(
+            memory,
+            params=memory.params + offload_copy_bytes(model),
+            host=tracker.host_peak + (pinned_rounding_bytes(model) if pinned else 0),
+        )
     if target.strategy == "ddp":
         buckets = ddp_bucket_bytes(model)
         grads = buckets if target.gradient_as_bucket_view else memory.grads + buckets
         memory = dataclasses.replace(memory, grads=grads)
     return memory
+
+
+def _fsdp_params(model: nn.Module) -> list[list[Any]]:
+    """FSDP2's per-parameter records (``FSDPParam``) of each unit of ``model``."""
+    units = []
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        group = getattr(state, "_fsdp_param_group", None)
+        if group is not None:
+            units.append(list(group.fsdp_params))
+    return units
+
+
+def offload_copy_bytes(model: nn.Module) -> int:
+    """Device bytes an offloaded all-gather adds that a trace on the CPU does not see: the largest unit's shards.
+
+    Under CPU offload FSDP2 copies a unit's shards from the host to the device before it casts them
+    and gathers (``FSDPParam.all_gather_inputs``); on a CPU mesh that copy is the shard itself. At
+    most a unit's shards are alive at once (with mixed precision each is freed once cast).
+    """
+    sizes = [sum(p._sharded_param_data.numel() * p._sharded_param_data.element_size() for p in unit) for unit in _fsdp_params(model)]
+    return max(sizes, default=0)
+
+
+def _power_of_two_ceil(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
+def pinned_rounding_bytes(model: nn.Module) -> int:
+    """Host bytes that pinning adds to an offloaded rank's shards and gradient shards, which the trace does not see.
+
+    On an accelerator FSDP2 pins each parameter's shard (``pin_memory()``) and copies each gradient
+    shard to pinned memory; torch's pinned-memory allocator (``CachingHostAllocator``) rounds every
+    block up to the next power of two. Optimizer state is allocated like its parameter but not
+    pinned (``zeros_like``), so it is not rounded.
+    """
+    extra = 0
+    for unit in _fsdp_params(model):
+        for p in unit:
+            element = p._sharded_param_data.element_size()
+            shard = p._sharded_param_data.numel() * element
+            grad = math.prod(p.sharded_size) * element
+            extra += _power_of_two_ceil(shard) - shard + _power_of_two_ceil(grad) - grad
+    return extra
 
 
 def _columns(snapshot: dict[Any, int]) -> StepMemory:
@@ -389,7 +592,10 @@ def _fake_steps(
     with fake_mode():
         if target.strategy == "fsdp":
             policy = mixed_precision_policy(target.precision)
-            shard_looped_lm(model, mesh, reshard_after_forward=target.reshard_after_forward, mp_policy=policy)
+            shard_looped_lm(
+                model, mesh, reshard_after_forward=target.reshard_after_forward, mp_policy=policy,
+                recurrent_units=target.recurrent_units, cpu_offload=target.cpu_offload,
+            )
         model.to_empty(device="cpu")
         model.train()
         optimizer = primed_optimizer(module, target.gradient_clip_val)
@@ -413,44 +619,53 @@ def fake_mode() -> contextlib.AbstractContextManager:
 def largest_fitting(peak: Callable[[int], int], budget: int, start: int, minimum: int = 1, limit: int = 1 << 16) -> Optional[int]:
     """The largest integer ``b`` in ``[minimum, limit]`` with ``peak(b) <= budget``, or ``None`` if none fits.
 
-    ``peak`` must grow with ``b`` (a step's memory grows with its micro-batch). Each probe after
-    the first two is placed where the straight line through the nearest known peaks below and above
-    the budget crosses it (a step's memory is close to affine in its micro-batch), so a search
-    usually needs three or four calls.
+    ``peak`` must grow with ``b`` (a step's memory grows with its micro-batch). The search is
+    logarithmic: a probe is placed where the straight line through the nearest known peaks crosses
+    the budget (just past it while no size is known not to fit, to close the range at once: a step's
+    memory is close to affine in its micro-batch, so the search usually takes three probes), except
+    after two such probes in a row that moved the same end of the range, when it doubles the largest
+    fitting size (no size is known not to fit yet) or takes the geometric middle of the range. So a
+    peak that is far from a line (where the line alone would creep towards the answer a few sizes
+    at a time) still needs at most about ``3 log2(limit)`` probes.
     """
     known: dict[int, int] = {}
 
-    def probe(b: int) -> int:
+    def fits(b: int) -> bool:
         if b not in known:
             known[b] = peak(b)
-        return known[b]
+        return known[b] <= budget
 
     b = max(minimum, min(start, limit))
-    if probe(b) > budget:
-        if b == minimum or probe(minimum) > budget:
+    if not fits(b):
+        if b == minimum or not fits(minimum):
             return None
         lo, hi = minimum, b
     else:
         lo, hi = b, None
+    last_moved, in_a_row = "", 0  # the end the line's probes moved, and how many times in a row
     while hi is None or hi - lo > 1:
+        if hi is None and lo == limit:
+            return lo
+        geometric = in_a_row >= 2
         if hi is None:
-            if lo == limit:
-                return lo
             nxt = min(limit, 2 * lo)
             below = [x for x in known if x < lo]
-            if below:  # extrapolate along the last two fitting probes
-                x0 = max(below)
-                slope = (known[lo] - known[x0]) / (lo - x0)
-                if slope > 0:
-                    nxt = min(limit, max(lo + 1, int(lo + (budget - known[lo]) / slope)))
+            slope = (known[lo] - known[max(below)]) / (lo - max(below)) if below else 0.0
+            if slope > 0 and not geometric:  # just past where the line through the last two fitting probes crosses
+                nxt = min(limit, max(lo + 1, int(lo + (budget - known[lo]) / slope) + 1))
+            else:
+                geometric = True
         else:
             slope = (known[hi] - known[lo]) / (hi - lo)
-            guess = lo + (budget - known[lo]) / slope if slope > 0 else (lo + hi) / 2
-            nxt = min(hi - 1, max(lo + 1, int(guess)))
-        if probe(nxt) <= budget:
-            lo = nxt
-        else:
-            hi = nxt
+            if slope > 0 and not geometric:
+                nxt = int(lo + (budget - known[lo]) / slope)
+            else:
+                nxt, geometric = round(math.sqrt(lo * hi)), True
+            nxt = min(hi - 1, max(lo + 1, nxt))
+        moved = "lo" if fits(nxt) else "hi"
+        lo, hi = (nxt, hi) if moved == "lo" else (lo, nxt)
+        in_a_row = 0 if geometric else (in_a_row + 1 if moved == last_moved else 1)
+        last_moved = "" if geometric else moved
     return lo
 
 
@@ -469,6 +684,8 @@ def measured_steps(module: ELRModule, target: Target, settings: Sequence[Setting
 
 
 __all__ = [
+    "ACCELERATOR_HEADROOM",
+    "CPU_HEADROOM",
     "PRECISIONS",
     "STRATEGIES",
     "FSDPStepTracker",
@@ -478,14 +695,19 @@ __all__ = [
     "Target",
     "TrainingStep",
     "ddp_bucket_bytes",
+    "default_headroom",
     "estimate_steps",
     "fake_mode",
     "fake_process_group",
     "fake_training",
+    "gdp_path",
     "half_precision",
+    "has_gdp_layers",
     "largest_fitting",
     "lightning_precision",
     "measured_steps",
+    "offload_copy_bytes",
+    "pinned_rounding_bytes",
     "primed_optimizer",
     "step_batch",
     "traced_step",

@@ -42,14 +42,15 @@ def target_of_trainer(trainer: "pl.Trainer") -> "Target":
     """
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-    from elr_lightning.estimate import Target, half_precision, lightning_precision
-    from elr_lightning.mixers.delta_rule import _fla_kernel
+    from elr_lightning.estimate import Target, gdp_path, lightning_precision
 
     strategy = trainer.strategy
     options: dict[str, Any] = {}
     if isinstance(strategy, ModelParallelStrategy):
         kind = "fsdp"
         options["reshard_after_forward"] = bool(getattr(strategy, "reshard_after_forward", True))
+        options["recurrent_units"] = str(getattr(strategy, "recurrent_units", "core"))
+        options["cpu_offload"] = bool(getattr(strategy, "cpu_offload", False))
     elif isinstance(strategy, DDPStrategy):
         kind = "ddp"
         options["gradient_as_bucket_view"] = bool(getattr(strategy, "_ddp_kwargs", {}).get("gradient_as_bucket_view"))
@@ -64,7 +65,9 @@ def target_of_trainer(trainer: "pl.Trainer") -> "Target":
         world_size=trainer.num_nodes * trainer.num_devices,
         precision=precision,
         gradient_clip_val=float(clip) if clip else None,
-        fla_kernels=half_precision(precision) and trainer.strategy.root_device.type == "cuda" and _fla_kernel() is not None,
+        fla_kernels=gdp_path(precision, trainer.strategy.root_device.type)[0],
+        accumulate_grad_batches=int(trainer.accumulate_grad_batches),
+        accelerator=trainer.strategy.root_device.type,
         **options,
     )
 
@@ -74,7 +77,7 @@ def log_fit_estimate(
     module: ELRModule,
     datamodule: Any,
     total_memory: Optional[Callable[[torch.device], Optional[int]]] = None,
-    headroom: float = 0.1,
+    headroom: Optional[float] = None,
     stream: Optional[TextIO] = None,
 ) -> Optional["StepMemory"]:
     """At the start of ``elr fit`` on a GPU: estimate the run's worst step once and say whether it fits.
@@ -82,9 +85,12 @@ def log_fit_estimate(
     Only global rank 0, and only where ``total_memory`` (default :func:`cuda_total_memory`) knows
     the root device's memory, so on a CPU nothing is traced. The step is the run's own: its
     strategy, ranks, precision and clipping, every local shard at k = K under the module's
-    ``activation_checkpointing``, at the data module's ``batch_size`` x ``seq_len``. Prints one
-    line, and a second, a warning, when the peak exceeds the memory less ``headroom``. A run the
-    estimate cannot cover logs why in one line and trains on.
+    ``activation_checkpointing``, at the data module's ``batch_size`` x ``seq_len``, with its gradient
+    accumulation. Prints one line (with the GDP layers' path where the model has some, and a note
+    under ``compile_model``, which is not modelled), and a second, a warning, when the peak exceeds
+    the memory less ``headroom`` (default: :func:`~elr_lightning.estimate.default_headroom` of the device). Under
+    FSDP2's ``cpu_offload`` the line adds the host memory per rank. A run
+    the estimate cannot cover logs why in one line and trains on.
 
     Returns:
         The estimate, or ``None`` where none was made.
@@ -95,8 +101,10 @@ def log_fit_estimate(
     out = sys.stderr if stream is None else stream
     model = module.model
     try:
-        from elr_lightning.estimate import Setting, fake_training  # torch's memory tools: imported on a GPU only
+        # torch's memory tools: imported on a GPU only
+        from elr_lightning.estimate import Setting, default_headroom, fake_training, gdp_path, has_gdp_layers
 
+        headroom = default_headroom(trainer.strategy.root_device.type)[0] if headroom is None else headroom
         target = target_of_trainer(trainer)
         setting = Setting(
             model.config.max_loops,
@@ -119,11 +127,18 @@ def log_fit_estimate(
         print(f"elr: no memory estimate for this run: {err}", file=out)
         return None
     budget = memory * (1 - headroom)
+    notes = ""
+    if has_gdp_layers(model):
+        notes += f"; GDP layers: {gdp_path(target.precision, trainer.strategy.root_device.type)[1]}"
+    if module.hparams.get("compile_model", False):
+        notes += "; compile_model is not modelled: the eager step was traced"
+    if target.cpu_offload:
+        notes += f"; offloaded to host memory: {estimate.host / _GIB:.1f} GiB per rank"
     print(
         f"elr: estimated peak memory per rank {estimate.peak / _GIB:.1f} GiB of {memory / _GIB:.1f} GiB "
         f"(k = {setting.loops}, {setting.label}, micro-batch {setting.micro_batch} x {setting.seq_len}: params "
         f"{estimate.params / _GIB:.1f}, grads {estimate.grads / _GIB:.1f}, optimizer {estimate.optimizer / _GIB:.1f}, "
-        f"activations {estimate.activations / _GIB:.1f} GiB; traced in {time.perf_counter() - start:.0f} s)",
+        f"activations {estimate.activations / _GIB:.1f} GiB; traced in {time.perf_counter() - start:.0f} s{notes})",
         file=out,
     )
     if estimate.peak > budget:

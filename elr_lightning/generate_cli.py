@@ -9,10 +9,11 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional
 
 import torch
 
+from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
 from elr_lightning.cache import (
     CACHE_POLICIES,
     KVCache,
@@ -30,20 +31,13 @@ from elr_lightning.tokenizers import IncrementalDecoder
 from elr_lightning.trust import add_trust_argument, apply_trust_argument
 
 
-def _command_parser() -> Any:
-    from jsonargparse import ActionYesNo, ArgumentParser
-
-    parser = ArgumentParser(
-        prog="elr generate",
-        description="Stream a continuation of a prompt from an ELR checkpoint at any loop count.",
-        exit_on_error=False,  # `elr` reports the error in one line
-    )
+def generate_parser() -> CommandParser:
+    """The parser of ``elr generate``."""
+    parser = command_parser("generate", "Stream a continuation of a prompt from an ELR checkpoint at any loop count.")
     parser.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
     parser.add_argument("--prompt", type=Optional[str], default=None, help="Prompt text.")
     parser.add_argument("--prompt_file", type=Optional[str], default=None, help="Read the prompt from this file.")
-    parser.add_argument(
-        "--loops", type=Union[int, Literal["auto"]], default=1, help="Loop count k, or 'auto' for depth per token."
-    )
+    add_loops(parser, "Loop count k, or auto for depth per token", default="1", several=False, auto=True)
     parser.add_argument("--max_loops", type=Optional[int], default=None, help="Budget of --loops auto (arch.max_loops).")
     parser.add_argument(
         "--threshold", type=Optional[float], default=None, help="Exit threshold of --loops auto; default 0.001."
@@ -71,28 +65,19 @@ def _command_parser() -> Any:
         default=None,
         help="'byte' or a tokenizer.json path; default: the one saved in the checkpoint (bytes if none).",
     )
-    parser.add_argument(
-        "--allow_extrapolation",
-        action=ActionYesNo,
-        default=False,
-        help="Allow --loops above the checkpoint's max_loops (with a warning).",
-    )
-    parser.add_argument(
-        "--fold",
-        action=ActionYesNo,
-        default=None,
-        help="Decode with the conditioning constants of --loops computed once (default, the model's serve_folded); "
+    add_switch(parser, "--allow_extrapolation", False, "Allow --loops above the checkpoint's max_loops (with a warning).")
+    add_switch(
+        parser, "--fold", None,
+        "Decode with the conditioning constants of --loops computed once (default, the model's serve_folded); "
         "--no_fold runs the conditioner per token.",
-    )
-    parser.add_argument("--stats", action=ActionYesNo, default=False, help="Print KV memory and tokens/s to stderr.")
+    )  # fmt: skip
+    add_switch(parser, "--stats", False, "Print KV memory and tokens/s to stderr.")
     parser.add_argument("--device", type=str, default="cpu", help="Device to run on, e.g. cpu or cuda.")
     add_trust_argument(parser)
     parser.add_argument(
         "--dtype", type=Literal["float32", "bfloat16"], default="float32", help="bfloat16 runs under autocast."
     )
-    parser.add_argument(
-        "--echo_prompt", action=ActionYesNo, default=True, help="Print the prompt before the continuation."
-    )
+    add_switch(parser, "--echo_prompt", True, "Print the prompt before the continuation.")
     return parser
 
 
@@ -128,8 +113,9 @@ def generate_command(argv: list[str]) -> None:
             without ``--allow_extrapolation``, a bad checkpoint, or a too-long request.
         FileNotFoundError: A missing checkpoint, prompt file or tokenizer file.
     """
-    args = _command_parser().parse_args(argv)
-    if args.loops != "auto":
+    args = generate_parser().parse_args(argv)
+    loops = args.loops.single
+    if loops != "auto":
         flags = {"--max_loops": args.max_loops, "--threshold": args.threshold, "--exit_criterion": args.exit_criterion}
         refuse_unread_flags(flags, "--loops auto", "pass --loops auto")
     if (args.prompt is None) == (args.prompt_file is None):
@@ -143,12 +129,12 @@ def generate_command(argv: list[str]) -> None:
     model, module = load_model(args.ckpt_path, map_location=device)
     config = model.config
     tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, config.vocab_size)
-    budget = args.loops if args.loops != "auto" else args.max_loops or config.max_loops
+    budget = loops if loops != "auto" else args.max_loops or config.max_loops
     if budget < 1:
-        raise ValueError(f"--{'loops' if args.loops != 'auto' else 'max_loops'} {budget} must be >= 1")
+        raise ValueError(f"--max_loops {budget} must be >= 1")
     if budget > config.max_loops:
         message = (
-            f"--loops {args.loops} (budget {budget}) is above the checkpoint's arch.max_loops={config.max_loops}, the loop budget "
+            f"--loops {loops} (budget {budget}) is above the checkpoint's arch.max_loops={config.max_loops}, the loop budget "
             "it was trained for"
         )
         if not args.allow_extrapolation:
@@ -191,7 +177,7 @@ def generate_command(argv: list[str]) -> None:
     out = generate(
         model,
         torch.tensor([ids]),
-        loops=args.loops,
+        loops=loops,
         max_loops=args.max_loops,
         threshold=args.threshold,
         exit_criterion=args.exit_criterion,

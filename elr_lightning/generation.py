@@ -37,6 +37,7 @@ from torch import Tensor
 from elr_lightning.cache import KVCache, PolicyLike
 from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
 from elr_lightning.decode import AdaptiveDepth, Decoder, Depth, budget
+from elr_lightning.checkpoint_schema import CheckpointConfigError
 from elr_lightning.safe_load import UnsafeCheckpointError, read_checkpoint
 from elr_lightning.serving import FoldedLM
 from elr_lightning.model import LoopedLM
@@ -257,43 +258,7 @@ def stream_generate(
     ``bench/last_loop.py``), and a continuation depends on where a prompt is split between prefill
     and decoding. This function always prefills the whole prompt; ``per_loop`` is exact.
 
-    Args:
-        model: The model (an :class:`ELRModule` is unwrapped to its ``LoopedLM``), or one already
-            folded for ``loops`` by :func:`~elr_lightning.serving.fold_conditioning`.
-        prompt: ``[B, T]`` (or ``[T]``) token ids, left-padded when ``attention_mask`` marks padding,
-            or a list of token-id lists, left-padded here.
-        loops: The loop count k (any k >= 1; above ``arch.max_loops`` extrapolates), ``"auto"`` for
-            adaptive depth per new token, or an :class:`~elr_lightning.decode.AdaptiveDepth`.
-        max_loops: Budget of ``"auto"`` (``None``: ``arch.max_loops``); the prompt runs at it.
-        threshold: Exit threshold of ``"auto"``: a token leaves once its change is below it
-            (``None``: 0.001).
-        exit_criterion: ``"kl"`` (Huginn's, the default) or ``"delta"`` (relative state change); see
-            :data:`~elr_lightning.decode.EXIT_CRITERIA`. ``max_loops``, ``threshold`` and
-            ``exit_criterion`` are refused with another ``loops`` (they would be ignored).
-        attention_mask: ``[B, T]`` with 1 on real tokens, 0 on (left) padding; honoured in every
-            loop of prefill and decode.
-        max_new_tokens: Most tokens to generate per sequence.
-        kv_cache: ``"per_loop"``, ``"last_loop"``, a :class:`KVCache` subclass, or a fresh instance
-            with ``max_len >= T + max_new_tokens - 1`` (to inspect it afterwards).
-        temperature: Softmax temperature; 0 is greedy.
-        top_k: Sample among the ``top_k`` most likely tokens only.
-        top_p: Sample from the nucleus of mass ``top_p`` only.
-        greedy: Always take the most likely token.
-        eos_id: End-of-sequence id, or ``None`` to always run ``max_new_tokens`` steps.
-        pad_id: Id for padding and for the positions after a sequence's EOS.
-        seed: Seed of a fresh ``torch.Generator`` on the model's device (ignored with ``generator``).
-        generator: Random source for sampling, on the model's device (``ValueError`` otherwise).
-        autocast_dtype: Run the model under ``torch.autocast(device.type, dtype)``, e.g.
-            ``torch.bfloat16``; ``None`` runs in the weights' dtype.
-        fold: Whether to decode with each loop's conditioning constants computed once for this
-            ``loops`` and the weights shared (:func:`~elr_lightning.serving.serving_model`, built
-            anew in every call from the weights as they are, so no change of the weights between
-            calls is missed): the same logits to fp32 round-off, without running the conditioner
-            per token. ``None`` (default) follows
-            ``model.serve_folded`` (on), and a model whose conditioning has no constant form decodes
-            as it is, with one warning; ``True`` asks for it (``NotImplementedError`` if impossible);
-            ``False`` decodes with the model as it is. A model already folded
-            (:func:`~elr_lightning.serving.fold_conditioning`) is used as it is.
+    Takes the arguments of :func:`generate` but ``callback`` and ``output_logits``.
 
     Returns:
         An iterator over ``[B]`` int64 tokens, one tensor per step. The arguments are checked
@@ -351,11 +316,49 @@ def generate(
     output_logits: bool = False,
     fold: Optional[bool] = None,
 ) -> GenerationOutput:
-    """Generate continuations of a batch of prompts; :func:`stream_generate` describes the other arguments.
+    """Generate continuations of a batch of prompts at any loop count k, or with adaptive depth per token.
+
+    Runs as :func:`stream_generate` (prefill, then one cached decode step per token) and collects its tokens.
 
     Args:
+        model: The model (an :class:`ELRModule` is unwrapped to its ``LoopedLM``), or one already
+            folded for ``loops`` by :func:`~elr_lightning.serving.fold_conditioning`.
+        prompt: ``[B, T]`` (or ``[T]``) token ids, left-padded when ``attention_mask`` marks padding,
+            or a list of token-id lists, left-padded here.
+        loops: The loop count k (any k >= 1; above ``arch.max_loops`` extrapolates), ``"auto"`` for
+            adaptive depth per new token, or an :class:`~elr_lightning.decode.AdaptiveDepth`.
+        max_loops: Budget of ``"auto"`` (``None``: ``arch.max_loops``); the prompt runs at it.
+        threshold: Exit threshold of ``"auto"``: a token leaves once its change is below it
+            (``None``: 0.001).
+        exit_criterion: ``"kl"`` (Huginn's, the default) or ``"delta"`` (relative state change); see
+            :data:`~elr_lightning.decode.EXIT_CRITERIA`. ``max_loops``, ``threshold`` and
+            ``exit_criterion`` are refused with another ``loops`` (they would be ignored).
+        attention_mask: ``[B, T]`` with 1 on real tokens, 0 on (left) padding; honoured in every
+            loop of prefill and decode.
+        max_new_tokens: Most tokens to generate per sequence.
+        kv_cache: ``"per_loop"``, ``"last_loop"``, a :class:`KVCache` subclass, or a fresh instance
+            with ``max_len >= T + max_new_tokens - 1`` (to inspect it afterwards).
+        temperature: Softmax temperature; 0 is greedy.
+        top_k: Sample among the ``top_k`` most likely tokens only.
+        top_p: Sample from the nucleus of mass ``top_p`` only.
+        greedy: Always take the most likely token.
+        eos_id: End-of-sequence id, or ``None`` to always run ``max_new_tokens`` steps.
+        pad_id: Id for padding and for the positions after a sequence's EOS.
+        seed: Seed of a fresh ``torch.Generator`` on the model's device (ignored with ``generator``).
+        generator: Random source for sampling, on the model's device (``ValueError`` otherwise).
+        autocast_dtype: Run the model under ``torch.autocast(device.type, dtype)``, e.g.
+            ``torch.bfloat16``; ``None`` runs in the weights' dtype.
         callback: Called with each step's ``[B]`` tokens, in order, as they are produced.
         output_logits: Keep every step's next-token logits in :attr:`GenerationOutput.logits`.
+        fold: Whether to decode with each loop's conditioning constants computed once for this
+            ``loops`` and the weights shared (:func:`~elr_lightning.serving.serving_model`, built
+            anew in every call from the weights as they are, so no change of the weights between
+            calls is missed): the same logits to fp32 round-off, without running the conditioner
+            per token. ``None`` (default) follows
+            ``model.serve_folded`` (on), and a model whose conditioning has no constant form decodes
+            as it is, with one warning; ``True`` asks for it (``NotImplementedError`` if impossible);
+            ``False`` decodes with the model as it is. A model already folded
+            (:func:`~elr_lightning.serving.fold_conditioning`) is used as it is.
 
     Returns:
         The prompt with its continuations, the new tokens, optionally the logits, and the cache.
@@ -406,11 +409,12 @@ def load_model(
 
     The file is data, never code: it is read with ``torch.load(..., weights_only=True)`` and a file
     that holds a pickled object is refused (:mod:`elr_lightning.safe_load`; a checkpoint of an
-    earlier version is converted once with ``elr upgrade-checkpoint OLD NEW --trust``). The modules
-    its hyperparameters name (plug-ins, layers) are checked before anything is imported: only the
-    library's own, modules already imported and those you trust (``--trust_module``,
-    ``ELR_TRUST_MODULES`` or :func:`~elr_lightning.trust.trust_modules`) are accepted. Then the
-    plug-ins (subclasses of the seams' base classes) are built as they describe.
+    earlier version is converted once with ``elr upgrade-checkpoint OLD NEW --trust``). What it says
+    about the model is checked against the schema of :mod:`elr_lightning.checkpoint_schema` before
+    anything is imported: plain data everywhere, and classes (plug-ins, layers) only in the seams'
+    fields, only from the library and the modules you trust (``--trust_module``, ``ELR_TRUST_MODULES``
+    or :func:`~elr_lightning.trust.trust_modules`); a module already imported is not trusted for
+    that. Then the plug-ins are built as they describe.
 
     Args:
         ckpt_path: Path of a ``.ckpt`` file written by ``elr fit`` or ``Trainer.save_checkpoint``, or of a
@@ -427,6 +431,7 @@ def load_model(
         FileNotFoundError: No file at ``ckpt_path``.
         UnsafeCheckpointError: The file holds a pickled object.
         UntrustedModuleError: The checkpoint names a module that is not trusted.
+        CheckpointConfigError: Its configuration breaks the schema, naming the field.
         ValueError: The file is not a readable ELR Lightning checkpoint.
     """
     if is_sharded_checkpoint(ckpt_path):  # written under FSDP with save_distributed_checkpoint
@@ -439,8 +444,8 @@ def load_model(
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"checkpoint {ckpt_path!r} does not exist")
     try:
-        raw = read_checkpoint(ckpt_path, "meta" if meta else "cpu")
-    except (UnsafeCheckpointError, UntrustedModuleError):
+        raw = read_checkpoint(ckpt_path, "meta" if meta else "cpu", ELRModule)
+    except (UnsafeCheckpointError, UntrustedModuleError, CheckpointConfigError):
         raise
     except Exception as err:  # torch.load raises many types (pickle, zip, EOF) for a bad file
         raise ValueError(f"checkpoint {ckpt_path!r} is not a readable PyTorch checkpoint ({err})") from err

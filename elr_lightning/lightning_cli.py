@@ -10,9 +10,10 @@ import warnings
 from typing import Any, Optional
 
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
+from elr_lightning.arguments import SuggestingParser
 from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
 from elr_lightning.checkpoint_io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
@@ -28,14 +29,31 @@ from elr_lightning.tokenizers import load_tokenizer
 OPTIMIZER_FIELDS = ("lr", "weight_decay", "betas", "warmup_steps", "min_lr_ratio")
 
 
+class ELRArgumentParser(SuggestingParser, LightningArgumentParser):
+    """LightningCLI's parser, with an unknown option's error naming the nearest valid one (:class:`SuggestingParser`)."""
+
+
 class ELRCLI(LightningCLI):
     """LightningCLI with ELR's defaults: subclassable model and data by ``class_path``, seed 0.
 
     ``--ckpt_path`` is checked before anything loads it (:func:`verify_checkpoint_path`), and the
     checkpoint's hyperparameters never silently replace the command line's: an architecture that
     differs from the checkpoint's is refused naming the fields, as ``load_from_checkpoint`` does,
-    and so is an optimizer setting that differs when resuming ``fit``.
+    and so is an optimizer setting that differs when resuming ``fit``. No option is taken for a
+    longer one it begins (``--trainer.max_step`` is an error naming ``--trainer.max_steps``), and
+    ``predict`` is not a subcommand: nothing would write its per-sequence losses.
     """
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        """``fit``, ``validate`` and ``test``, as LightningCLI defines them."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
+    @override
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """Each parser (the main one and every subcommand's) raises its errors and matches no prefixes."""
+        return super().init_parser(**{"exit_on_error": False, "allow_abbrev": False, **kwargs})
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -217,7 +235,7 @@ def make_cli(
             seed_everything_default=0,
             save_config_callback=ExclusiveSaveConfig,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"exit_on_error": False},
+            parser_class=ELRArgumentParser,
             run=run,
             trainer_defaults=trainer_defaults,
             args=args,

@@ -1,10 +1,51 @@
-"""The loop counts and adaptive-depth points that ``elr eval`` and the depth scorer take on the command line."""
+"""The ``--loops`` grammar of every ``elr`` command, and the adaptive-depth points of ``elr eval``.
+
+One grammar, :class:`LoopSpec`: a loop count ``3``, a list ``1,2,3``, a range ``1-4``, ``auto``
+(depth per token), or a mix such as ``1-3,auto``. Each command says which forms it takes
+(:func:`elr_lightning.arguments.add_loops`).
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Literal, Union
 
-__all__ = ["auto_label", "parse_loops", "parse_points", "parse_thresholds"]
+__all__ = ["LoopSpec", "auto_label", "parse_loops", "parse_points", "parse_thresholds"]
+
+
+class LoopSpec(str):
+    """A value of ``--loops``: the loop counts and whether adaptive depth (``auto``) is asked for.
+
+    ``LoopSpec("1-3,auto")`` reads the grammar; the string itself is the normal form (``"1,2,3,auto"``),
+    which :func:`parse_points` reads again.
+
+    Attributes:
+        counts: Distinct loop counts, sorted.
+        auto: ``auto`` was given: depth chosen per token.
+
+    Raises:
+        ValueError: A part that is neither a loop count >= 1, a range nor ``auto``, naming it.
+    """
+
+    counts: tuple[int, ...]
+    auto: bool
+
+    def __new__(cls, text: Union[str, int]) -> LoopSpec:
+        counts, auto = parse_points(str(text))
+        spec = super().__new__(cls, ",".join([*map(str, counts), *(["auto"] if auto else [])]))
+        spec.counts, spec.auto = tuple(counts), auto
+        return spec
+
+    @property
+    def single(self) -> Union[int, Literal["auto"]]:
+        """The one loop count, or ``"auto"``, of a spec that holds one of them.
+
+        Raises:
+            ValueError: The spec holds several.
+        """
+        if len(self.counts) + self.auto != 1:
+            raise ValueError(f"--loops {self}: give one loop count or auto, e.g. --loops 2")
+        return "auto" if self.auto else self.counts[0]
 
 
 def parse_loops(spec: str) -> list[int]:

@@ -11,12 +11,15 @@ from typing import Any, Mapping, MutableMapping, Optional
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.fabric.utilities.cloud_io import _load as pl_load
+from lightning.pytorch.core.saving import _default_map_location, _load_state, load_hparams_from_yaml
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from elr_lightning.batches import IGNORE_INDEX, Batch, TokenBatch
+from elr_lightning.checkpoint_schema import LEGACY_HPARAMS_KEYS, build_plugin, module_arguments
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
@@ -24,11 +27,11 @@ from elr_lightning.module_checkpoint import check_loaded_checkpoint, record_chec
 from elr_lightning.module_checks import check_data_fits, check_meta_init, check_module_args, checked_sampler
 from elr_lightning.optim import adamw, param_groups, warmup_cosine
 from elr_lightning.parameter_usage import check_plain_ddp
-from elr_lightning.plugin_config import PluginConfigError, build_plugin, plain_hyperparameters
+from elr_lightning.plugin_config import PluginConfigError, plain_hyperparameters
 from elr_lightning.roles import copy_with_roles
-from elr_lightning.safe_load import check_checkpoint, refusing_pickles
+from elr_lightning.safe_load import refusing_pickles, source_name
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
-from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats, loop_gains
+from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats, loop_gains, rank_utilisation
 from elr_lightning.tokenizers import Tokenizer
 from elr_lightning.updates import StateUpdate
 
@@ -64,7 +67,7 @@ class ELRModule(LightningModule):
             each plug-in as ``{"class_path": ..., "init_args": {...}}``
             (:func:`~elr_lightning.plugin_config.plugin_config`), so checkpoints load with
             ``torch.load(..., weights_only=True)``; these four arguments accept that form too
-            (:func:`~elr_lightning.plugin_config.build_plugin`). A plug-in that cannot be described
+            (:func:`~elr_lightning.checkpoint_schema.build_plugin`). A plug-in that cannot be described
             (its class defined in ``__main__``, a tensor argument, ...) is warned about here and
             refused, naming the field and the fix, when a checkpoint is saved.
         virtual_ranks: Shards per local batch, each with its own k (>= 1).
@@ -93,6 +96,16 @@ class ELRModule(LightningModule):
             :meth:`~elr_lightning.model.LoopedLM.set_backprop`. Gradients are the same.
         backprop_loops: Truncated backpropagation through the last n loops of each forward; the
             earlier loops run without a graph. ``None``: through all loops.
+        depth_layout: Which shards of an optimizer step share a loop count. ``ranks`` (eq. 3 as the
+            paper runs it): each of the ``ranks x virtual_ranks`` shards runs its own k, which every
+            gradient-accumulation micro-batch of the step repeats, so ranks run different k at once
+            and the step waits for the deepest. ``micro_batches``: the sampler draws one k per slot
+            of the step's ``accumulate_grad_batches x virtual_ranks`` slots, and slot ``(m, v)``
+            (micro-batch m, virtual rank v) runs it on every rank: depths mix across micro-batches
+            and virtual ranks instead of ranks, every rank does the same work
+            (``train/rank_utilisation`` 1) and no rank pads its passes. Eq. 3's p_1 and mean k hold
+            over the slots (each slot is one shard on every rank); depths mix within a step only
+            where there are at least two slots.
     """
 
     def __init__(
@@ -115,6 +128,7 @@ class ELRModule(LightningModule):
         meta_init: bool = False,
         activation_checkpointing: str = "none",
         backprop_loops: Optional[int] = None,
+        depth_layout: str = "ranks",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -129,10 +143,11 @@ class ELRModule(LightningModule):
         check_module_args(
             virtual_ranks=virtual_ranks, val_loops=val_loops, lr=lr, lr_scale=lr_scale, weight_decay=weight_decay,
             warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, compile_layers=compile_layers,
-            compile_model=compile_model,
+            compile_model=compile_model, depth_layout=depth_layout,
         )
         self.sampler = checked_sampler(OneLoopOverride(arch.max_loops, 0.15) if sampler is None else sampler, arch)
         self.virtual_ranks = virtual_ranks
+        self.depth_layout = depth_layout
         self.val_loops = list(range(1, arch.max_loops + 1)) if val_loops is None else sorted(set(val_loops))
         # Plug-in objects are copied: the caller's (or an old checkpoint's unpickled) instances may share
         # storage with other tensors, and the model's init routine writes into what it owns.
@@ -175,8 +190,9 @@ class ELRModule(LightningModule):
         loops: int = 1,
         attention_mask: Optional[Tensor] = None,
         aux_losses: Optional[MutableMapping[str, Tensor]] = None,
+        passes: Optional[int] = None,
     ) -> Tensor:
-        return self.model(input_ids, loops, attention_mask, aux_losses=aux_losses)
+        return self.model(input_ids, loops, attention_mask, aux_losses=aux_losses, passes=passes)
 
     # ---- shards and loop counts -------------------------------------------------------------
     def data_parallel_layout(self) -> tuple[int, int]:
@@ -208,10 +224,53 @@ class ELRModule(LightningModule):
         """
         self.sampler = checked_sampler(sampler, self.arch)
 
-    def step_schedule(self, step: Optional[int] = None) -> list[int]:
-        """The k of every shard (all ranks) at optimizer step ``step`` (default: the current one)."""
+    def micro_batch_index(self) -> int:
+        """This micro-batch's index among the ``accumulate_grad_batches`` of its optimizer step (0 outside a fit)."""
+        accumulate = self._accumulation()
+        fit_loop = getattr(self._trainer, "fit_loop", None)
+        if accumulate == 1 or fit_loop is None:
+            return 0
+        return max(fit_loop.epoch_loop.batch_progress.current.ready - 1, 0) % accumulate
+
+    def _accumulation(self) -> int:
+        return int(getattr(self._trainer, "accumulate_grad_batches", 1)) if self._trainer is not None else 1
+
+    def step_schedule(self, step: Optional[int] = None, micro_batch: Optional[int] = None) -> list[int]:
+        """The k of every shard (all ranks) of one micro-batch of optimizer step ``step``.
+
+        Defaults: the current step and micro-batch. Under ``depth_layout: ranks`` it is the
+        sampler's schedule over ``num_shards()`` shards, the same for every micro-batch of the step;
+        under ``micro_batches`` the sampler schedules the step's slots (:meth:`step_slots`) and shard
+        ``r * virtual_ranks + v`` of micro-batch m runs slot ``m * virtual_ranks + v``'s k on every rank r.
+        """
         step = self.trainer.global_step if step is None else step
-        return self.sampler.schedule(self.seed, step, self.num_shards())
+        if self.depth_layout == "ranks":
+            return self.sampler.schedule(self.seed, step, self.num_shards())
+        m = self.micro_batch_index() if micro_batch is None else micro_batch
+        slots = self.step_slots(step)[m * self.virtual_ranks : (m + 1) * self.virtual_ranks]
+        return slots * self.data_parallel_layout()[1]
+
+    def step_slots(self, step: int) -> list[int]:
+        """Under ``depth_layout: micro_batches``, the k of each of the step's ``accumulate_grad_batches x virtual_ranks`` slots."""
+        return self.sampler.schedule(self.seed, step, self._accumulation() * self.virtual_ranks)
+
+    def step_schedules(self, step: Optional[int] = None) -> list[list[int]]:
+        """:meth:`step_schedule` of each distinct micro-batch of optimizer step ``step`` (one under ``ranks``)."""
+        if self.depth_layout == "ranks":
+            return [self.step_schedule(step)]
+        return [self.step_schedule(step, m) for m in range(self._accumulation())]
+
+    def collective_passes(self) -> Optional[list[int]]:
+        """Recurrent passes of each local shard's forward where the strategy needs every rank to make as many.
+
+        A strategy that shards each recurrent layer on its own says so with a true
+        ``pads_recurrent_passes``; then shard ``v`` of every rank makes as many passes as the deepest
+        of them runs loops (``LoopedLM.forward(..., passes=...)``). ``None`` otherwise (no padding).
+        """
+        if self._trainer is None or not getattr(self.trainer.strategy, "pads_recurrent_passes", False):
+            return None
+        schedule = self.step_schedule()
+        return [max(schedule[v :: self.virtual_ranks]) for v in range(self.virtual_ranks)]
 
     def local_shards(self) -> slice:
         """This rank's shards among all ``num_shards()`` of a step."""
@@ -225,6 +284,8 @@ class ELRModule(LightningModule):
     # ---- lifecycle ---------------------------------------------------------------------------
     @override
     def setup(self, stage: str) -> None:
+        """Check the run before it starts (meta init, DDP, the data's fit to the model) and take the data
+        module's tokenizer and bytes per token (for bits per byte)."""
         check_meta_init(self)
         if stage == "fit":
             check_plain_ddp(self.trainer.strategy, self.model)
@@ -262,6 +323,7 @@ class ELRModule(LightningModule):
         loops: list[int],
         aux_losses: Optional[dict[str, Tensor]] = None,
         update_stats: Optional[dict[str, Tensor]] = None,
+        passes: Optional[list[int]] = None,
     ) -> Tensor:
         """Cross-entropy of ``batch`` split into ``len(loops)`` shards, the mean over its labelled tokens.
 
@@ -275,6 +337,7 @@ class ELRModule(LightningModule):
         the shards' mean weighted by their sequences. ``update_stats``, if given, receives the
         state-update rule's ``metrics()`` read right after each shard's forward (activation
         checkpointing recomputes the loops in backward, after the read), weighted the same way.
+        ``passes``, if given, are the recurrent passes of each shard's forward (:meth:`collective_passes`).
         """
         tokens = TokenBatch.of(batch)
         if tokens.rows < len(loops):
@@ -283,10 +346,10 @@ class ELRModule(LightningModule):
                 "raise data.batch_size or lower virtual_ranks"
             )
         total = tokens.inputs.new_zeros((), dtype=torch.float32)
-        for shard, k in zip(tokens.shards(len(loops)), loops):
+        for shard, k, n in zip(tokens.shards(len(loops)), loops, passes or [None] * len(loops)):
             # Not a dict: FSDP2's root copies dict arguments when it moves the inputs to the device.
             aux: UserDict[str, Tensor] = UserDict()
-            logits = self(shard.inputs, k, aux_losses=aux)
+            logits = self(shard.inputs, k, aux_losses=aux, passes=n)
             total = total + F.cross_entropy(
                 logits.flatten(0, 1).float(), shard.labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
             )
@@ -299,12 +362,18 @@ class ELRModule(LightningModule):
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        """The step's loss: each local shard of ``batch`` at its k of :meth:`step_schedule`, plus the mixers'
+        auxiliary losses; logs them, the mean k and p_1.
+
+        Raises:
+            FloatingPointError: The loss is not finite on some rank (checked on logging steps).
+        """
         schedule = self.step_schedule()
         loops = schedule[self.local_shards()]
         aux: dict[str, Tensor] = {}
         # Compiled, the update rule keeps no statistics (updates.py): log none rather than a stale one.
         stats: Optional[dict[str, Tensor]] = None if self.hparams.get("compile_model", False) else {}
-        loss = self.shard_loss(batch, loops, aux, stats)
+        loss = self.shard_loss(batch, loops, aux, stats, self.collective_passes())
         loss = loss + sum(aux.values(), start=torch.zeros_like(loss))
         for name, value in aux.items():  # a copy: syncing under some strategies reduces in place
             self.log(f"train/{name}", self._step_means(name, value, self.trainer.global_step), sync_dist=True)
@@ -319,8 +388,12 @@ class ELRModule(LightningModule):
                     "lower model.init_args.lr, raise warmup_steps, or set trainer.gradient_clip_val"
                 )
         self.log("train/loss", self._step_means("loss", loss, self.trainer.global_step), prog_bar=True, sync_dist=True)
-        self.log("train/loops_mean", sum(schedule) / len(schedule))
-        self.log("train/p1", sum(k == 1 for k in schedule) / len(schedule))
+        schedules = self.step_schedules()
+        shards = [k for micro_batch in schedules for k in micro_batch]
+        self.log("train/loops_mean", sum(shards) / len(shards))
+        self.log("train/p1", sum(k == 1 for k in shards) / len(shards))
+        ranks = self.data_parallel_layout()[1]
+        self.log("train/rank_utilisation", rank_utilisation(schedules, ranks, self.arch.effective_depth))
         log_update_stats(self, stats or {}, self._step_means)
         return loss
 
@@ -444,17 +517,31 @@ class ELRModule(LightningModule):
     ) -> Any:  # fmt: skip
         """Lightning's ``load_from_checkpoint``, the file read as data (:mod:`elr_lightning.safe_load`).
 
-        ``weights_only`` is ``True`` unless given: a pickled object is refused in one line, and the
-        modules the hyperparameters name are checked before any is imported (trust your own with
-        ``ELR_TRUST_MODULES`` or :func:`~elr_lightning.trust.trust_modules`). An explicit
-        ``weights_only=False`` trusts the file whole, as in Lightning.
+        Unless ``weights_only=False`` is given, the file is read once with ``torch.load(...,
+        weights_only=True)`` (a pickled object is refused in one line), and what it says about the
+        model is checked against the constructor's schema before anything is built
+        (:func:`~elr_lightning.checkpoint_schema.module_arguments`): plain data everywhere, classes only
+        in the plug-ins' fields, and only from ``elr_lightning`` and the modules you trust
+        (``ELR_TRUST_MODULES`` or :func:`~elr_lightning.trust.trust_modules`). Lightning then builds the
+        module (its ``_load_state``: ``configure_model``, ``on_load_checkpoint``, the strict state-dict
+        load) from those checked arguments alone: the file's own hyperparameters never reach it, and
+        its ``_instantiator`` is never called. A ``hparams_file`` replaces the checkpoint's
+        hyperparameters, checked the same way. An explicit ``weights_only=False`` trusts the file whole,
+        as in Lightning.
         """
-        if weights_only is not False and hparams_file is None:  # else the hyperparameters are the user's file
-            check_checkpoint(checkpoint_path)
-        with refusing_pickles(str(getattr(checkpoint_path, "name", checkpoint_path))):
-            return super().load_from_checkpoint(
-                checkpoint_path, map_location, hparams_file, strict, weights_only=weights_only is not False, **kwargs
-            )
+        if weights_only is False:
+            return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, False, **kwargs)
+        name = source_name(checkpoint_path)
+        with refusing_pickles(name):
+            checkpoint = pl_load(checkpoint_path, map_location=map_location or _default_map_location, weights_only=True)
+        overrides = load_hparams_from_yaml(hparams_file) if hparams_file is not None else None
+        target, arguments = module_arguments(checkpoint, cls, name, overrides)
+        for key in (*LEGACY_HPARAMS_KEYS, "hparams_name"):
+            checkpoint.pop(key, None)
+        checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = dict(arguments)  # what hooks read is what was checked
+        module = _load_state(target, checkpoint, strict=strict, **{**arguments, **kwargs})
+        tensors = (t for t in checkpoint.get("state_dict", {}).values() if isinstance(t, Tensor))
+        return module.to(next(tensors, torch.tensor(0)).device)  # as Lightning: where the weights were mapped
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -4,14 +4,18 @@ when one is saved or loaded."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import os
+import posixpath
+from typing import Any, Mapping, Optional
 
 from lightning.pytorch import LightningModule
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
 from elr_lightning.plugin_config import plain_hyperparameters
 from elr_lightning.resume import check_resumed_schedule, planned_steps
 from elr_lightning.tokenizer_checkpoint import checkpoint_tokenizer, tokenizer_state
+from elr_lightning.trust import shown
 
 #: ``arch`` fields that a checkpoint may differ in: they set the init, the RoPE table's length or route replay only.
 ARCH_FREE_FIELDS = ("init_std", "max_seq_len", "route_replay")
@@ -20,6 +24,61 @@ ARCH_FREE_FIELDS = ("init_std", "max_seq_len", "route_replay")
 def changed_arch_fields(saved_arch: Mapping[str, Any], arch: Mapping[str, Any]) -> list[str]:
     """The ``arch`` fields that both hold and that differ, :data:`ARCH_FREE_FIELDS` excepted, in ``arch``'s order."""
     return [key for key in arch if key in saved_arch and key not in ARCH_FREE_FIELDS and saved_arch[key] != arch[key]]
+
+
+#: The fields of ``ModelCheckpoint``'s state that name files it may later delete or load.
+CHECKPOINT_PATH_FIELDS = ("best_model_path", "kth_best_model_path", "last_model_path")
+
+
+def _inside(path: str, folder: Optional[str]) -> bool:
+    if folder is None or not path:
+        return not path
+    if "://" in folder or "://" in path:  # remote: compared as normalised strings
+        return posixpath.normpath(path).startswith(posixpath.normpath(folder).rstrip("/") + "/")
+    root = os.path.realpath(folder)
+    return os.path.commonpath([os.path.realpath(path), root]) == root and os.path.realpath(path) != root
+
+
+def drop_foreign_paths(trainer: Any, checkpoint: dict[str, Any]) -> list[str]:
+    """Drop, from the checkpoint callbacks' saved state, every path outside the callback's own folder.
+
+    ``ModelCheckpoint`` restores ``last_model_path``, ``best_model_path``, ``kth_best_model_path`` and
+    ``best_k_models`` from a checkpoint and later deletes the files they name when it replaces them,
+    so a checkpoint whose state named ``runs/x/checkpoints/../../../victim.txt`` would delete a
+    user's file at the end of a resumed run. A path is kept only if it resolves (symbolic links
+    followed) inside the ``dirpath`` of the callback that restores it; every other one is removed
+    from ``checkpoint`` in place, with one warning line. Called by
+    :meth:`~elr_lightning.module.ELRModule.on_load_checkpoint`, before Lightning restores the
+    callbacks' state.
+
+    Returns:
+        The paths dropped.
+    """
+    dropped = []
+    states = checkpoint.get("callbacks")
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        state = states.get(callback.state_key) if isinstance(states, dict) else None
+        if not isinstance(state, dict):
+            continue
+        folder = None if callback.dirpath is None else str(callback.dirpath)
+        for field in CHECKPOINT_PATH_FIELDS:
+            path = state.get(field)
+            if isinstance(path, str) and not _inside(path, folder):
+                dropped.append(path)
+                state[field] = ""
+        best = state.get("best_k_models")
+        if isinstance(best, dict):
+            foreign = [path for path in best if not (isinstance(path, str) and _inside(path, folder))]
+            dropped += [str(path) for path in foreign]
+            state["best_k_models"] = {path: score for path, score in best.items() if path not in foreign}
+    dropped = list(dict.fromkeys(dropped))
+    if dropped:
+        rank_zero_warn(
+            f"the checkpoint's callback state names {len(dropped)} file(s) outside the run's checkpoint folder "
+            f"({shown(dropped[0])}{', ...' if len(dropped) > 1 else ''}); ignored: a checkpoint never names a file "
+            "outside the run's own folder"
+        )
+    return dropped
 
 
 def record_checkpoint(module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -67,7 +126,8 @@ def check_loaded_checkpoint(module: LightningModule, checkpoint: dict[str, Any])
     field by field, and (unless ``strict_loading`` is off) the names and shapes of the checkpoint's
     tensors with the module's, before Lightning's strict load; a resumed fit must keep its loop
     schedule's inputs. Restores the saved tokenizer unless :meth:`~elr_lightning.module.ELRModule.setup` already took one
-    from the data module (a resumed run keeps the data's tokenizer).
+    from the data module (a resumed run keeps the data's tokenizer). Paths in the checkpoint callbacks'
+    saved state that lie outside their folders are dropped (:func:`drop_foreign_paths`).
 
     Raises:
         ValueError: Naming every difference and the fix.
@@ -89,6 +149,8 @@ def check_loaded_checkpoint(module: LightningModule, checkpoint: dict[str, Any])
             "with the checkpoint's model.init_args (its hyper_parameters), or start a new run from it with "
             "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
         )
+    if module._trainer is not None:
+        drop_foreign_paths(module.trainer, checkpoint)
     if module._trainer is not None and module.trainer.state.fn == "fit":
         check_resumed_schedule(
             checkpoint.get("elr", {}).get("schedule"),

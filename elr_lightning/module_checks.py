@@ -24,6 +24,10 @@ def checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:
     return sampler
 
 
+#: ``ELRModule(depth_layout=...)``: which shards of a step share a loop count (see its docstring).
+DEPTH_LAYOUTS = ("ranks", "micro_batches")
+
+
 def check_module_args(
     *,
     virtual_ranks: Any,
@@ -35,6 +39,7 @@ def check_module_args(
     min_lr_ratio: float,
     compile_layers: bool,
     compile_model: bool,
+    depth_layout: str = "ranks",
 ) -> None:
     """Refuse ``ELRModule`` arguments out of range, each named as ``model.init_args.<field>``.
 
@@ -59,6 +64,8 @@ def check_module_args(
             raise ValueError(f"model.init_args.{name}={value} must be {rule}")
     if compile_layers and compile_model:
         raise ValueError("model.init_args.compile_layers and compile_model are both true; set one of them")
+    if depth_layout not in DEPTH_LAYOUTS:
+        raise ValueError(f"model.init_args.depth_layout={depth_layout!r} must be one of {', '.join(DEPTH_LAYOUTS)}")
     check_lr_scale(lr_scale)
 
 

@@ -8,8 +8,9 @@ the way LightningCLI's config already describes it::
     {"class_path": "elr_lightning.updates.FixedDelta", "init_args": {"beta": 0.3}}
 
 recursively where a plug-in takes another plug-in, so the file loads with ``weights_only=True``.
-:func:`build_plugin` rebuilds such a description with jsonargparse (as LightningCLI instantiates
-``class_path`` configs); it instantiates only subclasses of the seam's base class.
+:func:`~elr_lightning.checkpoint_schema.build_plugin` rebuilds such a description through the
+checkpoint schema: only a trusted subclass of the seam's base class, with arguments that fit its
+constructor.
 
 The description holds a plug-in's constructor arguments, not its state: the weights are in the
 ``state_dict``, and state that is neither (an attribute set by hand after construction) is not
@@ -26,11 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Mapping, Optional, TypeVar
+from typing import Any, Mapping
 
 from torch import Tensor
-
-T = TypeVar("T")
 
 _RECORD = "_elr_init_args"
 _PLAIN = (type(None), bool, int, float, str)
@@ -174,32 +173,3 @@ def plugin_config(obj: Any, field: str) -> dict[str, Any]:
     args = _recorded_args(obj, field)
     init_args = {name: plain_value(value, f"{field}.init_args.{name}") for name, value in args.items()}
     return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}
-
-
-def build_plugin(value: Optional[T | Mapping[str, Any]], base: type[T], field: str) -> Optional[T]:
-    """The plug-in that ``value`` describes: itself if it is an object or ``None``, else built by jsonargparse.
-
-    A ``{"class_path": ..., "init_args": {...}}`` dict (as :func:`plugin_config` writes it and
-    LightningCLI's config holds it) is parsed and instantiated by jsonargparse against ``base``:
-    only a subclass of ``base`` is built, and nested plug-ins are built where the constructor's
-    type hints name their base class. Resolving ``class_path`` imports that (installed) module, as
-    a YAML config does: a checkpoint names code, it does not carry any.
-
-    Raises:
-        ValueError: The dict does not describe a subclass of ``base``, naming ``field``.
-    """
-    if not isinstance(value, Mapping):
-        return value
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_argument("--plugin", type=Optional[base])
-    try:
-        config = parser.parse_object({"plugin": dict(value)})
-        # ``instantiate`` replaced ``instantiate_classes`` in jsonargparse 4.49; the project allows >= 4.32.
-        return getattr(parser, "instantiate", parser.instantiate_classes)(config).plugin
-    except Exception as err:  # jsonargparse raises its own error types for bad paths and arguments
-        raise ValueError(
-            f"{field}: {dict(value)!r} does not describe a {base.__qualname__} ({err}); give a class_path of a "
-            f"{base.__qualname__} subclass and its init_args"
-        ) from err

@@ -22,6 +22,7 @@ from elr_lightning.serving import FoldedLM
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 
+#: A prompt: ``[B, T]`` (or ``[T]``) token ids, or a list of token-id lists.
 PromptLike = Union[Tensor, Sequence[Sequence[int]]]
 
 #: The value of ``loops`` that asks for adaptive depth per token.

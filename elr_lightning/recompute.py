@@ -69,17 +69,40 @@ class _Rebuild:
             return self.fn(*self.args).as_strided(self.size, self.stride, self.offset)
 
 
+class _Kept:
+    """A saved tensor kept as it is, with its version: unpacking checks it was not modified in place since.
+
+    Saved-tensor hooks take over what autograd otherwise checks itself when it unpacks a saved tensor
+    (its ``_version``, which every in-place op bumps and a ``detach`` shares), so the check is made
+    here, with autograd's own words: a mixer that modifies a tensor its forward saved (``s =
+    sigmoid(g); s.mul_(2)``) raises as it does without conditioning, instead of a wrong gradient.
+    """
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor.detach()
+        self.version = tensor._version
+
+    def __call__(self) -> Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{self.tensor.type()} {list(self.tensor.shape)}] is at version {self.tensor._version}; expected "
+                f"version {self.version} instead (saved inside eq. 4's conditioned mixer). Use an out-of-place op there"
+            )
+        return self.tensor
+
+
 def _unpack(packed: Any) -> Tensor:
-    """A kept tensor as it is, or a :class:`_Rebuild` rebuilt."""
-    return packed() if isinstance(packed, _Rebuild) else packed
+    """A :class:`_Kept` tensor checked and returned, or a :class:`_Rebuild` rebuilt."""
+    return packed()
 
 
 class RecomputedTensors:
     """Saved-tensor hooks under which autograd keeps how to rebuild the tensors :meth:`add` made, not the tensors.
 
-    Every other tensor saved inside the context is kept as usual, and the function and gradients
-    are unchanged: the backward pass calls the same function on the same inputs (it checks that
-    none was modified in place since). With ``create_graph=True`` the rebuild is itself
+    Every other tensor saved inside the context is kept as usual, checked on unpacking as autograd
+    checks it (:class:`_Kept`), and the function and gradients are unchanged: the backward pass
+    calls the same function on the same inputs (it checks that none was modified in place since). With ``create_graph=True`` the rebuild is itself
     differentiable.
 
     Inside the context these hooks are the innermost, so other saved-tensor hooks (torch's
@@ -114,7 +137,7 @@ class RecomputedTensors:
         base = tensor if tensor._base is None else tensor._base
         made = self._made.get(id(base))
         if made is None or made.out is not base:
-            return tensor.detach()
+            return _Kept(tensor)
         return _Rebuild(made, tensor)
 
     def __enter__(self) -> "RecomputedTensors":

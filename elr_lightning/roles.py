@@ -15,6 +15,7 @@ from typing import Optional, TypeVar
 
 from torch import nn
 
+#: A module, or ``None``, as :func:`set_role` returns what it was given.
 ModuleT = TypeVar("ModuleT", bound=Optional[nn.Module])
 
 _INIT_ATTR = "_elr_init"

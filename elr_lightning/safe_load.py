@@ -12,12 +12,17 @@ A sharded checkpoint folder's ``.metadata`` (the index of ``torch.distributed.ch
 plain pickle that torch reads with ``pickle.load``: :func:`check_sharded_index` reads it first with
 an unpickler that builds only the index's own classes.
 
-The modules a checkpoint names by class path are checked by :mod:`elr_lightning.trust`
-(:func:`read_checkpoint` does both).
+Its tensor shards are read with :class:`DataOnlyLoadPlanner`, since torch's own planner unpickles
+the non-tensor entries (``torch.load(..., weights_only=False)``) it is asked for.
+
+What the checkpoint says about its model is then checked against the schema of
+:mod:`elr_lightning.checkpoint_schema` (plain data; classes only in a seam's fields, and only from
+trusted modules, :mod:`elr_lightning.trust`); :func:`read_checkpoint` does both.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
@@ -28,8 +33,10 @@ from contextlib import contextmanager
 from typing import IO, Any, Optional, Union
 
 import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from typing_extensions import override
 
-from elr_lightning.trust import check_checkpoint_names
+from elr_lightning.checkpoint_schema import check_checkpoint_config
 
 
 class UnsafeCheckpointError(ValueError):
@@ -100,74 +107,118 @@ def load_weights_only(path: Union[str, os.PathLike], map_location: Any = "cpu", 
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
-def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = "cpu") -> Any:
-    """A checkpoint file that is data only: :func:`load_weights_only`, then the modules it names checked.
+def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = "cpu", cls: Optional[type] = None) -> Any:
+    """A checkpoint file that is data only: :func:`load_weights_only`, then its configuration checked.
+
+    Args:
+        path: The file.
+        map_location: As for ``torch.load``.
+        cls: The module class its hyperparameters are checked against (``ELRModule``); ``None``
+            checks its ``elr`` entry only.
 
     Raises:
         UnsafeCheckpointError: The file holds a pickled object.
-        UntrustedModuleError: Its hyperparameters name a module that is not trusted
-            (:func:`~elr_lightning.trust.check_checkpoint_names`).
+        UntrustedModuleError: It names a class of a module that is not trusted.
+        CheckpointConfigError: Its configuration breaks the schema
+            (:func:`~elr_lightning.checkpoint_schema.check_checkpoint_config`).
     """
     raw = load_weights_only(path, map_location)
-    if isinstance(raw, dict):
-        check_checkpoint_names(raw, os.fspath(path))
+    check_checkpoint_config(raw, os.fspath(path), cls)
     return raw
 
 
-def check_checkpoint(source: Union[str, os.PathLike, IO[bytes]]) -> None:
-    """The checks of :func:`read_checkpoint` on a file, URL or open binary file, reading no tensor.
-
-    The tensors are mapped to the meta device, so only the pickled records are read; an open
-    file is left at the position it had.
-
-    Raises:
-        UnsafeCheckpointError: The checkpoint holds a pickled object.
-        UntrustedModuleError: It names a module that is not trusted.
-    """
-    if isinstance(source, (str, os.PathLike)) and "://" not in os.fspath(source):
-        read_checkpoint(source, "meta")
-        return
-    name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else str(getattr(source, "name", source))
-    with refusing_pickles(name):
-        if isinstance(source, (str, os.PathLike)):
-            from lightning.fabric.utilities.cloud_io import get_filesystem
-
-            with get_filesystem(name).open(name, "rb") as f:
-                raw = torch.load(f, map_location="meta", weights_only=True)
-        else:
-            position = source.tell()
-            raw = torch.load(source, map_location="meta", weights_only=True)
-            source.seek(position)
-    if isinstance(raw, dict):
-        check_checkpoint_names(raw, name)
+def source_name(source: Union[str, os.PathLike, IO[bytes]]) -> str:
+    """A checkpoint path, URL or open file's name, for messages."""
+    return os.fspath(source) if isinstance(source, (str, os.PathLike)) else str(getattr(source, "name", source))
 
 
-#: The globals a ``torch.distributed.checkpoint`` index may name: its own classes, tensor sizes,
-#: dtypes and layouts, and the paths it records.
-_INDEX_MODULES = ("torch.distributed.checkpoint.metadata",)
-_INDEX_GLOBALS = {
+#: The globals a ``torch.distributed.checkpoint`` index may name, by exact (module, name): its own
+#: classes, tensor sizes and layouts, and the paths it records. Dtypes are checked to be dtypes.
+INDEX_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("collections", "OrderedDict"),
     *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
-}
+})  # fmt: skip
 
 
 class _RefusedGlobal(Exception):
-    """A global outside :data:`_INDEX_GLOBALS`; its message is the global's name."""
+    """A global outside :data:`INDEX_GLOBALS`; its message is the global's name."""
 
 
 class _IndexUnpickler(pickle.Unpickler):
+    """Builds only :data:`INDEX_GLOBALS` and torch's dtypes, each named exactly (never a dotted attribute path)."""
+
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            module in _INDEX_MODULES
-            or (module, name) in _INDEX_GLOBALS
-            or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)))
-        )
-        if not allowed:
+        dtype = module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), torch.dtype)
+        if "." in name or not ((module, name) in INDEX_GLOBALS or dtype):
             raise _RefusedGlobal(f"{module}.{name}")
         return super().find_class(module, name)
+
+
+class DataOnlyLoadPlanner(DefaultLoadPlanner):
+    """torch's ``DefaultLoadPlanner``, reading the non-tensor entries of a sharded checkpoint as data.
+
+    torch's planner unpickles each non-tensor entry (an optimizer's ``param_groups``, a step count)
+    with ``torch.load(..., weights_only=False)``, which runs whatever a damaged or hostile shard
+    names; an index may even declare a tensor's key as such an entry. This planner reads each one
+    with ``weights_only=True`` first and refuses it in one line if it holds a pickled object;
+    one that passes is then handed to torch's planner, which builds the same plain values.
+    """
+
+    def __init__(self, folder: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.folder = folder
+
+    @override
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        """Read the non-tensor entry ``value`` as data, then hand it to torch's planner.
+
+        Raises:
+            UnsafeCheckpointError: The entry holds a pickled object, naming the entry and the object.
+        """
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as err:
+            refused = refused_global(err)
+            if refused is None:
+                raise
+            raise UnsafeCheckpointError(
+                f"checkpoint folder {self.folder!r}: its entry {read_item.dest_index.fqn!r} holds a pickled object "
+                f"({refused}), and elr-lightning reads a sharded checkpoint as data only; use a folder written by "
+                "save_distributed_checkpoint",
+                refused,
+            ) from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def load_sharded(state: dict[str, Any], folder: str, **kwargs: Any) -> None:
+    """``torch.distributed.checkpoint.load(state, checkpoint_id=folder)`` reading the shards as data.
+
+    Through :class:`DataOnlyLoadPlanner`; a refusal it raises on any rank reaches the caller as the
+    one-line :class:`UnsafeCheckpointError`, not wrapped in torch's ``CheckpointException``.
+
+    Args:
+        state: The state to load into, as for ``dcp.load``.
+        folder: The checkpoint folder.
+        kwargs: For ``dcp.load`` (``no_dist``, ``storage_reader``).
+    """
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        load(state, checkpoint_id=folder, planner=DataOnlyLoadPlanner(folder), **kwargs)
+    except CheckpointException as err:
+        refused = [exc for exc, _ in err.failures.values() if isinstance(exc, UnsafeCheckpointError)]
+        if refused:
+            raise refused[0] from None
+        raise
 
 
 def check_sharded_index(folder: str) -> None:
@@ -186,7 +237,7 @@ def check_sharded_index(folder: str) -> None:
         return  # nothing that torch would unpickle
     try:
         with open(index, "rb") as f:
-            _IndexUnpickler(f).load()
+            metadata = _IndexUnpickler(f).load()
     except _RefusedGlobal as err:
         raise UnsafeCheckpointError(
             f"checkpoint folder {folder!r}: its .metadata names {err}, which a torch.distributed.checkpoint index "
@@ -198,3 +249,10 @@ def check_sharded_index(folder: str) -> None:
             f"checkpoint folder {folder!r}: its .metadata is not a torch.distributed.checkpoint index "
             f"({type(err).__name__}: {err}); use a folder written by save_distributed_checkpoint"
         ) from None
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(metadata, Metadata):
+        raise ValueError(
+            f"checkpoint folder {folder!r}: its .metadata holds a {type(metadata).__name__}, not a "
+            "torch.distributed.checkpoint index; use a folder written by save_distributed_checkpoint"
+        )

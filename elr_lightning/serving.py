@@ -73,6 +73,8 @@ class _FoldedCore(nn.Module):
     #: The same k-loop as the source core (DESIGN §2), over :meth:`layers_at`.
     forward = RecurrentCore.forward
     loop = RecurrentCore.loop
+    run_layers = RecurrentCore.run_layers
+    tracked_loops = RecurrentCore.tracked_loops
 
     def __init__(self, source: RecurrentCore, per_loop: list[list[nn.Module]]) -> None:
         super().__init__()

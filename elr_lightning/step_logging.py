@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Mapping
 
 import math
@@ -59,6 +60,28 @@ def log_update_stats(module: Any, stats: Mapping[str, Tensor], means: StepMeans)
         if logs:
             mean = trainer.strategy.reduce(mean.to(module.device), reduce_op="mean")
         module.log(f"train/{name}", mean)
+
+
+def rank_utilisation(schedules: Sequence[Sequence[int]], ranks: int, depth: Callable[[int], int]) -> float:
+    """Load balance of an optimizer step: the layer applications the ranks did over ``ranks`` times the most any did.
+
+    Args:
+        schedules: The loop count of every shard of each micro-batch of the step, all ranks, rank
+            ``r`` owning the ``r``-th of ``ranks`` equal slices of each (``ELRModule.step_schedule``).
+        ranks: The data-parallel ranks.
+        depth: Layer applications of a shard at k: D_eff(k) = L_in + k L_rec + L_out (eq. 1).
+
+    Returns:
+        ``sum_r work_r / (ranks * max_r work_r)``: 1 when every rank does the same work, ``1 / ranks``
+        when one rank does all of it while the others wait.
+    """
+    work = [0] * ranks
+    for schedule in schedules:
+        per_rank = len(schedule) // ranks
+        for r in range(ranks):
+            work[r] += sum(depth(k) for k in schedule[r * per_rank : (r + 1) * per_rank])
+    most = max(work)
+    return sum(work) / (ranks * most) if most else 1.0
 
 
 def loop_gains(losses: dict[int, float], max_loops: int) -> dict[str, float]:

@@ -1,35 +1,35 @@
-"""Which modules a checkpoint may name: a checkpoint is data, and opening one never imports new code.
+"""Which code a checkpoint may name: the library's own classes and those of modules the user trusts, nothing else.
 
 A checkpoint names code by class path: each plug-in as ``{"class_path": ..., "init_args": ...}``
 (:mod:`elr_lightning.plugin_config`), a layer of one's own in ``arch.mixers`` or a pattern entry,
 an ``ELRModule`` subclass in Lightning's ``_class_path``. Resolving such a name imports its module,
-and an import runs the module's top-level code. So before anything is built from a checkpoint,
-every dotted name in its hyperparameters (any string that names an importable module, wherever it
-stands, since jsonargparse also resolves plain strings given to plug-in arguments, and reads a
-string as YAML: ``"class_path: a.B"``) is checked without importing anything
-(:func:`check_checkpoint_names`). A name may only lead to:
+and an import runs the module's top-level code; building the class runs its constructor. So a
+class path read from a checkpoint (or an export's ``config.json``) is resolved by
+:func:`trusted_class` alone, which accepts a name only if
 
-- the library's own modules (``elr_lightning`` and below);
-- modules already imported (in ``sys.modules``): importing them again runs nothing;
-- modules the user trusts by name, with everything below them: ``--trust_module my_lab`` on the
-  commands that open checkpoints, the :data:`TRUST_ENV` environment variable
-  (``ELR_TRUST_MODULES=my_lab,other``; processes started by the command inherit it), or
-  :func:`trust_modules` in Python.
+- it lies in a trusted module: ``elr_lightning`` and below, or a module the user trusts by name, with
+  everything below it: ``--trust_module my_lab`` on the commands that open checkpoints, the
+  :data:`TRUST_ENV` environment variable (``ELR_TRUST_MODULES=my_lab,other``; processes started by
+  the command inherit it), or :func:`trust_modules` in Python. That a module is already imported
+  is no trust: ``subprocess``, ``os`` and ``logging`` always are;
+- it is a class defined in a trusted module (not one a trusted module merely imported);
+- it is a subclass of the seam the field is for (a state update, a loop sampler, a conditioner, a
+  token or channel mixer, an ``ELRModule``).
 
-Any other importable module is refused in one line, naming the module, the field and the way out.
-A YAML config given to ``elr fit`` is the user's own and imports what it names, as in LightningCLI.
+The name is checked as a string before anything is imported, so an untrusted one imports nothing;
+it is refused in one line naming the module, the field and the way out. Which fields hold class
+paths, and that every other value is plain data, is the schema of
+:mod:`elr_lightning.checkpoint_schema`. A YAML config given to ``elr fit`` is the user's own and
+imports what it names, as in LightningCLI.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import re
-import sys
 from collections.abc import Iterator, Mapping
-from typing import Any, Optional
-
-import yaml
+from typing import Any, Optional, Union
 
 #: Environment variable: comma-separated modules (and everything below them) that checkpoints may name.
 TRUST_ENV = "ELR_TRUST_MODULES"
@@ -45,7 +45,6 @@ LIGHTNING_INSTANTIATORS = frozenset(
 _OWN = "elr_lightning"
 _trusted: set[str] = set()
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class UntrustedModuleError(ValueError):
@@ -65,7 +64,7 @@ def trust_modules(*names: str) -> None:
 
 
 def trusted_modules() -> list[str]:
-    """The modules (and everything below them) that checkpoints may name, besides those already imported."""
+    """The modules (and everything below them) that checkpoints may name: ``elr_lightning`` and the user's."""
     return sorted({_OWN, *_trusted, *_parse(os.environ.get(TRUST_ENV, ""), TRUST_ENV)})
 
 
@@ -77,116 +76,95 @@ def _parse(names: str, field: str) -> list[str]:
     return parsed
 
 
-def _is_trusted(module: str, trusted: list[str]) -> bool:
+def is_trusted(module: str, trusted: Optional[list[str]] = None) -> bool:
+    """Whether the dotted ``module`` is a trusted module or lies below one (:func:`trusted_modules` by default)."""
+    trusted = trusted_modules() if trusted is None else trusted
     return any(module == name or module.startswith(name + ".") for name in trusted)
 
 
-def untrusted_import(name: str, trusted: Optional[list[str]] = None) -> Optional[str]:
-    """The module that resolving the dotted ``name`` would import and run, if it is not trusted; else ``None``.
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for one-line messages about hostile values."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 15]}... ({len(text)} chars)"
 
-    Follows ``name`` prefix by prefix as an import does (``a``, then ``a.b``, ...): a prefix that is
-    trusted ends the walk (all below it is trusted), one already imported is passed, and the first
-    other one that an import would find (``importlib.util.find_spec``, which runs no module code:
-    its parent is already imported) is the answer. A prefix that no import would find ends the walk
-    too: nothing below it can be imported. Namespace packages (folders without ``__init__.py``) run
-    no code and are passed.
+
+def trusted_class(path: Any, base: Union[type, tuple[type, ...]], field: str, source: str) -> type:
+    """The class a checkpoint names by ``path``, imported only if its module is trusted.
 
     Args:
-        name: A dotted name such as ``my_lab.rules.MyUpdate``.
-        trusted: The trusted modules; :func:`trusted_modules` by default.
+        path: The class path, e.g. ``my_lab.rules.MyUpdate``.
+        base: The class it must be (a subclass of), or several.
+        field: Where the checkpoint names it, for messages (``hyper_parameters.update.class_path``).
+        source: The file, for messages.
+
+    Raises:
+        UntrustedModuleError: ``path`` lies outside the trusted modules; nothing was imported.
+        ValueError: ``path`` is not a class path, names nothing, or names something that is not a
+            subclass of ``base`` defined in a trusted module.
     """
-    trusted = trusted_modules() if trusted is None else trusted
-    parts = name.split(".")
-    for i in range(1, len(parts) + 1):
-        module = ".".join(parts[:i])
-        if _is_trusted(module, trusted):
-            return None
-        if module in sys.modules:
-            continue
+    if not isinstance(path, str) or not _DOTTED.fullmatch(path):
+        raise ValueError(f"{source!r}: {field}={shown(path)} is not a class path such as my_lab.rules.MyUpdate")
+    top = path.split(".")[0]
+    if not is_trusted(path):
+        raise UntrustedModuleError(
+            f"{source!r} names {shown(path)} ({field}), and resolving it would import the module {top!r}, running "
+            f"its code; a checkpoint may only name classes of elr_lightning and of modules you trust: if you trust "
+            f"{top!r}, add {TRUST_FLAG} {top} (or set {TRUST_ENV}={top})"
+        )
+    found = _resolve(path)
+    kinds = " or ".join(cls.__name__ for cls in (base if isinstance(base, tuple) else (base,)))
+    if not isinstance(found, type) or not issubclass(found, base):
+        what = (
+            "nothing importable" if found is None
+            else f"{found.__qualname__}, which is not a {kinds} subclass" if isinstance(found, type)
+            else f"a {type(found).__name__}, not a class"
+        )  # fmt: skip
+        raise ValueError(f"{source!r}: {field}={path!r} names {what}; give the class path of a {kinds}")
+    if not is_trusted(found.__module__):
+        raise UntrustedModuleError(
+            f"{source!r}: {field}={path!r} is a class of the module {found.__module__!r}, which a trusted module "
+            f"imported; a checkpoint names a class where it is defined, in a trusted module"
+        )
+    return found
+
+
+def _resolve(path: str) -> Any:
+    """The object at the dotted ``path`` (all of it in trusted modules), or ``None`` if nothing is there."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:i])
         try:
-            spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError, AttributeError):  # the parent is a plain module, not a package
-            return None
-        if spec is None:
-            return None
-        if spec.origin is None and spec.submodule_search_locations is not None:  # a namespace package
-            importlib.import_module(module)  # runs no code, and lets find_spec look inside it
-            continue
-        return module
+            found: Any = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is not None and module_name.startswith(err.name):
+                continue  # that prefix is no module: look for the class in its parent
+            raise
+        for attribute in parts[i:]:
+            found = getattr(found, attribute, None)
+        return found
     return None
 
 
-def _strings(
-    value: Any, field: str, parse: bool = False, seen: Optional[dict[int, Any]] = None
-) -> Iterator[tuple[str, str]]:
-    """Every string in ``value`` with its field; with ``parse``, also those of the YAML or JSON that a string holds.
-
-    jsonargparse reads a string given for a plug-in or a dict as YAML (``"class_path: a.B"``,
-    ``'{"class_path": "a.B"}'``), so a class path can hide inside a string. Containers are visited
-    once each (YAML aliases may share or nest them).
-    """
-    seen = {} if seen is None else seen  # id -> container, kept alive so that no id is reused
+def _class_paths(value: Any) -> Iterator[str]:
+    """Every ``class_path`` string in ``value`` and every dotted string a layer pattern may name, at any depth."""
     if isinstance(value, str):
-        yield field, value
-        if parse and not _DOTTED.fullmatch(value):
-            try:
-                parsed = yaml.load(value, Loader=_YAML_LOADER)
-            except yaml.YAMLError:
-                return
-            if parsed != value:
-                yield from _strings(parsed, field, parse, seen)
-    elif isinstance(value, (Mapping, list, tuple)) and id(value) not in seen:
-        seen[id(value)] = value
-        items = value.items() if isinstance(value, Mapping) else enumerate(value)
-        for key, item in items:
-            yield from _strings(item, f"{field}.{key}" if isinstance(value, Mapping) else f"{field}[{key}]", parse, seen)
+        if _DOTTED.fullmatch(value):
+            yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _class_paths(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _class_paths(item)
 
 
-def check_checkpoint_names(data: Mapping[str, Any], source: str, fields: tuple[str, ...] = ("hyper_parameters", "elr")) -> None:
-    """Refuse ``data`` (a loaded checkpoint) if any string in ``fields`` would import an untrusted module.
+def named_packages(value: Any) -> list[str]:
+    """The top-level packages, other than ``elr_lightning``, whose classes ``value`` (a config) may name.
 
-    Args:
-        data: The checkpoint's dictionary (or ``config.json`` of an export).
-        source: The file, for the message.
-        fields: The top-level entries to check.
-
-    Raises:
-        UntrustedModuleError: Naming the module, the field that names it and how to trust it.
+    Every dotted string counts: plug-ins' ``class_path`` entries, and layers in ``arch.mixers`` and
+    pattern entries, which are class paths written as plain strings.
     """
-    trusted = trusted_modules()
-    for top in fields:
-        # The ``elr`` entry is read by the library only (never by jsonargparse), and its tokenizer is a long JSON text.
-        for field, value in _strings(data.get(top), top, parse=top != "elr"):
-            if len(value) > 512 or not _DOTTED.fullmatch(value):
-                continue
-            if field.endswith("._instantiator") and value in LIGHTNING_INSTANTIATORS:
-                continue  # Lightning refuses any other instantiator itself
-            module = untrusted_import(value, trusted)
-            if module is not None:
-                raise UntrustedModuleError(
-                    f"{source!r} names {value!r} ({field}), and resolving it would import the module {module!r}, "
-                    f"running its code; a checkpoint may only name elr_lightning, modules already imported and "
-                    f"modules you trust: if you trust {module.split('.')[0]!r}, add {TRUST_FLAG} "
-                    f"{module.split('.')[0]} (or set {TRUST_ENV}={module.split('.')[0]})"
-                )
-
-
-def named_packages(value: Any, class_paths_only: bool = True) -> list[str]:
-    """The top-level packages, other than ``elr_lightning``, that ``value`` (a config) names.
-
-    Args:
-        value: A config or a checkpoint's hyperparameters.
-        class_paths_only: Only ``class_path`` entries; else every dotted name (layers in
-            ``arch.mixers`` and pattern entries are class paths written as plain strings).
-    """
-    found = {
-        text.split(".")[0]
-        for field, text in _strings(value, "")
-        if (field.endswith(".class_path") or not class_paths_only)
-        and _DOTTED.fullmatch(text)
-        and not _is_trusted(text, [_OWN])
-    }
-    return sorted(found)
+    return sorted({path.split(".")[0] for path in _class_paths(value) if not is_trusted(path, [_OWN])})
 
 
 def add_trust_argument(parser: Any) -> None:

@@ -11,9 +11,24 @@ from __future__ import annotations
 import os
 import sys
 
+from elr_lightning.arguments import CommandParser, add_switch, command_parser
 from elr_lightning.checkpoint_io import upgrade_checkpoint, verify_checkpoint_path
 from elr_lightning.safe_load import UnsafeCheckpointError, load_weights_only
 from elr_lightning.trust import TRUST_FLAG, named_packages
+
+
+def upgrade_parser() -> CommandParser:
+    """The parser of ``elr upgrade-checkpoint``."""
+    parser = command_parser(
+        "upgrade-checkpoint",
+        "Convert a checkpoint of an earlier elr-lightning (plug-ins pickled as objects) into one that "
+        "loads without running code. THIS RUNS CODE FROM OLD: unpickling calls whatever the file names, so use it "
+        "only on a file you made or trust, and say so with --trust. NEW is created, never replaced; OLD is kept.",
+    )
+    parser.add_argument("old", type=str, help="The checkpoint to convert; its code runs.")
+    parser.add_argument("new", type=str, help="The checkpoint to create; it must not exist.")
+    add_switch(parser, "--trust", False, "You made or trust OLD: run the code it names to convert it.")
+    return parser
 
 
 def upgrade_command(argv: list[str]) -> None:
@@ -23,21 +38,7 @@ def upgrade_command(argv: list[str]) -> None:
         UnsafeCheckpointError: OLD holds pickled objects and ``--trust`` is not given.
         FileExistsError: NEW exists.
     """
-    from jsonargparse import ActionYesNo, ArgumentParser
-
-    parser = ArgumentParser(
-        prog="elr upgrade-checkpoint",
-        description="Convert a checkpoint of an earlier elr-lightning (plug-ins pickled as objects) into one that "
-        "loads without running code. THIS RUNS CODE FROM OLD: unpickling calls whatever the file names, so use it "
-        "only on a file you made or trust, and say so with --trust. NEW is created, never replaced; OLD is kept.",
-    )
-    parser.add_argument("old", type=str, help="The checkpoint to convert; its code runs.")
-    parser.add_argument("new", type=str, help="The checkpoint to create; it must not exist.")
-    parser.add_argument(
-        "--trust", action=ActionYesNo(no_prefix=None), default=False,
-        help="You made or trust OLD: run the code it names to convert it.",
-    )  # fmt: skip
-    args = parser.parse_args(argv)
+    args = upgrade_parser().parse_args(argv)
     verify_checkpoint_path(args.old, "OLD")
     if os.path.lexists(args.new):
         raise FileExistsError(f"NEW {args.new!r} exists; elr upgrade-checkpoint never replaces a file, give a new path")

@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 from elr_lightning.batches import IGNORE_INDEX
 from elr_lightning.callbacks import DelayedMixedDepth, ZeroInitConditioning
@@ -51,6 +52,7 @@ class RecordLoops(Callback):
         self.loops: list[list[Any]] = []
         self.expert_loads: list[list[list[float]]] = []
         self.losses: list[float] = []
+        self.utilisation: list[float] = []
         self.initial: dict[str, torch.Tensor] = {}
         self.groups: dict[str, dict[str, Any]] = {}
 
@@ -75,6 +77,98 @@ class RecordLoops(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.losses.append(float(outputs["loss"]))
+        self.utilisation.append(float(trainer.callback_metrics["train/rank_utilisation"]))
+
+
+class SimulatedRanks(ELRModule):
+    """One process standing in for :attr:`ranks` data-parallel ranks: micro-batch m of each optimizer step
+    (of ``accumulate_grad_batches = ranks x accumulate``, ordered micro-batch-major) runs rank m's shards at rank
+    m's loop counts.
+
+    With ``batch_size`` B per micro-batch, micro-batch m of step t reads the rows rank m reads at step
+    t (:class:`~elr_lightning.data.StepIndexedLoader`), and gradient accumulation sums the micro-batches'
+    gradients, each computed alone, as the all-reduce sums the ranks'. So it is the reference that a
+    multi-process run equals bit for bit where the reduction adds the ranks' gradients in rank order
+    (two ranks: one addition, which commutes).
+    """
+
+    ranks = 1
+
+    def _position(self) -> int:
+        """This micro-batch's index among the ``accumulate_grad_batches`` (ranks x the run's) of its step."""
+        fit_loop = getattr(self._trainer, "fit_loop", None)
+        total = int(getattr(self._trainer, "accumulate_grad_batches", 1))
+        return 0 if fit_loop is None else max(fit_loop.epoch_loop.batch_progress.current.ready - 1, 0) % total
+
+    @override
+    def data_parallel_layout(self) -> tuple[int, int]:
+        return self._position() % self.ranks, self.ranks
+
+    @override
+    def micro_batch_index(self) -> int:
+        return self._position() // self.ranks
+
+    @override
+    def _accumulation(self) -> int:
+        return super()._accumulation() // self.ranks
+
+
+def _rank_ordered_sum(tensor: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:
+    """``tensor / W`` of every rank added in rank order, ``(t_0 / W + t_1 / W) + t_2 / W + ...`` over W ranks
+    (as gradient accumulation adds the micro-batches' gradients of a loss divided by W)."""
+    parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+    total = parts[0] / len(parts)
+    for part in parts[1:]:
+        total = total + part / len(parts)
+    return total
+
+
+def rank_ordered_mean_hook(state: Any, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook averaging the ranks' gradients in rank order (see :class:`RankOrderedReduceScatter`)."""
+    buffer = bucket.buffer()
+    buffer.copy_(_rank_ordered_sum(buffer))
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+# DDP compares the annotations with the classes themselves; this module's are strings (postponed evaluation).
+rank_ordered_mean_hook.__annotations__.update({"bucket": torch.distributed.GradBucket, "return": torch.futures.Future[torch.Tensor]})
+
+
+class RankOrderedReduceScatter:
+    """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) adding the ranks' gradients in rank order.
+
+    gloo adds more than two ranks' gradients in an order of its own (a ring, from a different rank
+    for each chunk), and fp32 addition does not associate; gradient accumulation over
+    :class:`SimulatedRanks` adds them in rank order. With this order on both sides, any difference
+    left between a multi-process run and its one-process reference is the library's. Two ranks need
+    it not: one addition commutes.
+    """
+
+    def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False) -> None:
+        if op != torch.distributed.ReduceOp.AVG:
+            raise NotImplementedError(f"RankOrderedReduceScatter averages; FSDP2 asked for {op}")
+        rank = torch.distributed.get_rank(group)
+        output_tensor.copy_(_rank_ordered_sum(input_tensor, group).chunk(torch.distributed.get_world_size(group))[rank])
+
+
+class RankOrderedReductions(Callback):
+    """Average the ranks' gradients in rank order once the strategy has wrapped the model: DDP's
+    communication hook (Lightning registers one on CUDA only), or :class:`RankOrderedReduceScatter` on
+    every FSDP2 unit."""
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        wrapper = trainer.strategy.model
+        if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel):
+            wrapper.register_comm_hook(None, rank_ordered_mean_hook)
+        for module in pl_module.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(RankOrderedReduceScatter())
 
 
 def probe_forward_dtypes(model: LoopedLM) -> dict[str, set[str]]:
@@ -130,16 +224,20 @@ def tiny_module(
     meta_init: bool = False,
     hybrid: bool = False,
     moe: bool = False,
+    depth_layout: str = "ranks",
+    simulated_ranks: int = 0,
     **backprop: Any,
 ) -> ELRModule:
     """d = 32, one layer per block, K = 3, conditioning, one-loop overrides with f = 0.5; GDP layers if
     ``hybrid``; MoE channel mixers if ``moe``.
 
+    ``simulated_ranks``: a :class:`SimulatedRanks` standing in for that many ranks (0: a plain module).
     ``backprop``: ``activation_checkpointing``, ``backprop_loops`` and ``compile_model`` of :class:`ELRModule`.
     """
     seed_everything(0)
     arch = dict(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_seq_len=32, max_loops=3)
-    module = ELRModule(
+    cls = type("SimulatedRanks", (SimulatedRanks,), {"ranks": simulated_ranks}) if simulated_ranks else ELRModule
+    module = cls(
         arch=ModelConfig(**arch, **(HYBRID_ARCH if hybrid else {}), **(MOE_ARCH if moe else {})),
         sampler=OneLoopOverride(max_loops=3, override_fraction=0.5),
         conditioner=LoopConditioner(d_cond=16, rank=4, n_freqs=4),
@@ -148,6 +246,7 @@ def tiny_module(
         warmup_steps=0,
         loop_seed=7,
         meta_init=meta_init,
+        depth_layout=depth_layout,
         **backprop,
     )
     if not conditioner_active:
@@ -172,12 +271,15 @@ class LabelledText(TextDataModule):
         return {"input_ids": ids, "labels": torch.where(keep, targets, IGNORE_INDEX)}
 
 
-def make_strategy(name: Optional[str], timeout: timedelta = COLLECTIVE_TIMEOUT) -> Any:
-    """The strategy under test: ``"ddp"``, ``"fsdp"`` or ``None`` (Lightning's single-device default)."""
+def make_strategy(name: Optional[str], timeout: timedelta = COLLECTIVE_TIMEOUT, **options: Any) -> Any:
+    """The strategy under test: ``"ddp"``, ``"fsdp"`` or ``None`` (Lightning's single-device default).
+
+    ``options``: more arguments of the strategy (``recurrent_units`` of the FSDP one).
+    """
     if name is None:
         return "auto"
     cls = {"ddp": OneLoopOverrideDDPStrategy, "fsdp": OneLoopOverrideFSDPStrategy}[name]
-    return cls(timeout=timeout, check_schedule_every_n_steps=1)
+    return cls(timeout=timeout, check_schedule_every_n_steps=1, **options)
 
 
 def full_state(module: ELRModule) -> dict[str, torch.Tensor]:
@@ -193,19 +295,23 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
     (micro-batches per step), ``conditioner_active``, ``meta_init``, ``hybrid``, ``moe``, ``labelled`` (labelled
     batches, :class:`LabelledText`), ``activation_checkpointing``,
     ``backprop_loops``, ``compile_model`` (``torch.compile`` of the whole model with :data:`COMPILE_BACKEND`),
-    ``strategy`` (instead of the spec's),
+    ``strategy`` (instead of the spec's), ``recurrent_units`` and ``cpu_offload`` (of the FSDP strategy), ``depth_layout`` (of the module),
+    ``simulated_ranks`` (a one-process reference, :class:`SimulatedRanks`), ``rank_ordered`` (gradients averaged in
+    rank order, :class:`RankOrderedReduceScatter`),
     ``timeout_s`` (the collective timeout, default :data:`COLLECTIVE_TIMEOUT`), ``precision`` (Lightning's,
     default ``32-true``), ``save_checkpoint`` (write
     ``<out>/<case>.ckpt`` after training), ``init_from`` (a weights file
     that ``DelayedMixedDepth`` starts the mixed phase from), and ``nan_rank``/``nan_step``
     (that rank's loss is NaN at that step; the result is then ``{"rank", "error", "step"}``). The result also holds the
-    per-micro-batch ``losses`` and, from the start of training, the ``initial`` state and the
+    per-micro-batch ``losses`` and ``utilisation`` (the logged ``train/rank_utilisation``) and, from the start of training, the ``initial`` state and the
     optimizer ``groups`` (``{name: {"weight_decay", "params"}}``) and this rank's ``expert_loads``
     per step and MoE layer, ``placement``: this process' ``global_rank``, ``node_rank``,
     ``local_rank``, ``num_nodes`` and ``data_parallel_rank`` as the trainer and strategy saw them,
     ``dtypes``: what :func:`probe_forward_dtypes` saw (sorted lists),
     ``betas`` (``[step, beta_mean]`` after each training forward) and ``beta_logged`` (the last step's
-    ``train/beta_mean``; the last step is a logging step; NaN under ``compile_model``, which does not log it).
+    ``train/beta_mean``; the last step is a logging step; NaN under ``compile_model``, which does not log it),
+    ``optimizer``: its ``fused`` and ``foreach`` choice and the devices of its parameters' local tensors and state,
+    ``fsdp_offloaded``: the values of FSDP2's ``offload_to_cpu`` over every sharded parameter (``[]`` without FSDP2).
     """
     backprop = {key: case[key] for key in ("activation_checkpointing", "backprop_loops", "compile_model") if key in case}
     module = tiny_module(
@@ -214,6 +320,8 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
         case.get("meta_init", False),
         case.get("hybrid", False),
         case.get("moe", False),
+        case.get("depth_layout", "ranks"),
+        case.get("simulated_ranks", 0),
         **backprop,
     )
     if case.get("compile_model"):  # the module's own compile call, with a backend that skips code generation
@@ -223,15 +331,22 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
     )
     record = RecordLoops(probe_forward_dtypes(module.model))
     callbacks: list[Callback] = [record]
+    strategy_options = {key: case[key] for key in ("recurrent_units", "cpu_offload") if key in case}
+    if case.get("rank_ordered"):  # the ranks' gradients added in rank order, as SimulatedRanks accumulates them
+        callbacks.append(RankOrderedReductions())
     if "init_from" in case:  # start the mixed phase from these weights, at step 0
         callbacks += [DelayedMixedDepth(init_from=case["init_from"]), ZeroInitConditioning()]
     trainer = Trainer(
         accelerator="cpu",
         devices=devices,
         num_nodes=num_nodes,
-        strategy=make_strategy(case.get("strategy", spec.get("strategy")), timedelta(seconds=case.get("timeout_s", COLLECTIVE_TIMEOUT.seconds))),
+        strategy=make_strategy(
+            case.get("strategy", spec.get("strategy")),
+            timedelta(seconds=case.get("timeout_s", COLLECTIVE_TIMEOUT.seconds)),
+            **strategy_options,
+        ),
         max_steps=spec["steps"],
-        accumulate_grad_batches=case.get("accumulate", 1),
+        accumulate_grad_batches=case.get("accumulate", 1) * max(1, case.get("simulated_ranks", 0)),
         precision=case.get("precision", "32-true"),
         # the loss is checked on logging steps; the last step logs, so train/beta_mean is reduced there
         log_every_n_steps=1 if "nan_rank" in case else spec["steps"],
@@ -268,10 +383,16 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
     if case.get("save_checkpoint") and "out" in spec:  # every rank calls it; the strategy picks the writer
         trainer.save_checkpoint(os.path.join(spec["out"], f"{case['name']}.ckpt"))
     units = [name for name, m in module.model.named_modules() if isinstance(m, FSDPModule)]
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in module.model.modules() if isinstance(m, FSDPModule)]
+    offloaded = sorted({p.offload_to_cpu for group in groups if group is not None for p in group.fsdp_params})
+    optimizer = trainer.optimizers[0]
+    local = [p.to_local() if isinstance(p, DTensor) else p for g in optimizer.param_groups for p in g["params"]]
+    state = [v.to_local() if isinstance(v, DTensor) else v for s in optimizer.state.values() for v in s.values()]
     return {
         "state": full_state(module),
         "loops": record.loops,
         "losses": record.losses,
+        "utilisation": record.utilisation,
         "initial": record.initial,
         "groups": record.groups,
         "expert_loads": record.expert_loads,
@@ -286,6 +407,12 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
             "data_parallel_rank": getattr(trainer.strategy, "data_parallel_rank", trainer.global_rank),
         },
         "fsdp_units": units,
+        "fsdp_offloaded": offloaded,
+        "optimizer": {
+            "fused": optimizer.defaults.get("fused"),
+            "foreach": optimizer.defaults.get("foreach"),
+            "devices": sorted({str(t.device) for t in local + state if isinstance(t, torch.Tensor)}),
+        },
         "dtypes": {key: sorted(value) for key, value in record.dtypes.items()},
     }
 
@@ -296,6 +423,7 @@ def main(spec_path: str) -> None:
         spec = json.load(f)
     faulthandler.dump_traceback_later(spec["watchdog_s"], exit=True)
     torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # as conftest.py does for the one-process references the tests compare with
     # torchrun says how many processes run on this node (LOCAL_WORLD_SIZE); a plain launch runs one node
     world = int(os.environ.get("WORLD_SIZE", "1"))
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", world))

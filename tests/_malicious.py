@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from elr_lightning.config import ModelConfig
 from elr_lightning.hf.export import save_module_checkpoint
@@ -27,6 +28,9 @@ MARKER_ENV = "ELR_MARKER"
 
 #: What the payloads run: create the marker file (a shell command would run the same way).
 PAYLOAD = f"import os; open(os.environ.get({MARKER_ENV!r}, 'MARKER'), 'w').write('code from the file ran')"
+
+#: The same as a shell command, for payloads that name ``subprocess.Popen`` or ``os.system``.
+SHELL_PAYLOAD = f'echo "code from the file ran" > "${{{MARKER_ENV}:-MARKER}}"'
 
 #: A module whose import runs code; the class-path variants name it. Its folder must be on ``sys.path``.
 EVIL_MODULE = "elr_evil_plugin"
@@ -147,4 +151,104 @@ def hf_export_naming_untrusted_mixer(folder: Path, export: Path) -> Path:
     config = json.loads((folder / "config.json").read_text())
     config["elr_arch"]["mixers"] = {"attention": f"{EVIL_MODULE}.Mixer"}
     (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def cli_checkpoint(path: Path) -> dict[str, Any]:
+    """A good checkpoint shaped as ``elr fit`` writes it: Lightning's instantiator and the module's class path."""
+    raw = good_checkpoint(path)
+    raw["hyper_parameters"]["_instantiator"] = "lightning.pytorch.cli.instantiate_module"
+    raw["hyper_parameters"]["_class_path"] = "elr_lightning.ELRModule"
+    return raw
+
+
+def any_typed(path: Path, slot: str, spec: dict[str, Any]) -> Path:
+    """A CLI checkpoint whose ``arch.<slot>`` (``mixers`` or ``rope_scaling``, typed ``Any`` inside) holds ``spec``.
+
+    jsonargparse built class specifications found in such values, and a module already imported
+    (``subprocess``, ``logging``) counted as trusted, so ``subprocess.Popen`` ran a shell command.
+    The payload is in both ``hyper_parameters.arch`` and ``elr.arch``, so no architecture check stops it.
+    """
+    raw = cli_checkpoint(path)
+    for arch in (raw["hyper_parameters"]["arch"], raw["elr"]["arch"]):
+        arch[slot] = {"payload": spec}
+    torch.save(raw, path)
+    return path
+
+
+def popen(shell: str = SHELL_PAYLOAD) -> dict[str, Any]:
+    """A class specification that runs ``shell`` when built."""
+    return {"class_path": "subprocess.Popen", "init_args": {"args": shell, "shell": True}}
+
+
+def file_handler(victim: Path) -> dict[str, Any]:
+    """A class specification that empties ``victim`` when built."""
+    return {"class_path": "logging.FileHandler", "init_args": {"filename": str(victim), "mode": "w"}}
+
+
+def long_class_path(path: Path) -> Path:
+    """A checkpoint whose update rule's class path is over 512 characters (the trust check once skipped those)."""
+    raw = good_checkpoint(path)
+    raw["hyper_parameters"]["update"] = {"class_path": f"{EVIL_MODULE}." + "A" * 600, "init_args": {}}
+    torch.save(raw, path)
+    return path
+
+
+def legacy_key(path: Path, key: str) -> Path:
+    """A checkpoint naming ``elr_evil_plugin.Update`` under Lightning's legacy key ``key`` (``hparams`` or
+    ``module_arguments``), which Lightning merges into the hyperparameters."""
+    raw = good_checkpoint(path)
+    del raw["hyper_parameters"]["update"]
+    raw[key] = {"update": {"class_path": f"{EVIL_MODULE}.Update", "init_args": {"beta": 0.5}}}
+    torch.save(raw, path)
+    return path
+
+
+def os_system_index(shell: str = SHELL_PAYLOAD) -> bytes:
+    """A protocol-4 pickle of about 100 bytes: ``("torch.distributed.checkpoint.metadata", "os.system")(shell)``.
+
+    Python's unpickler resolves a dotted name from the module it is given, and that module imports ``os``.
+    """
+    def text(value: str) -> bytes:
+        raw = value.encode()
+        return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
+
+    return b"\x80\x04" + text("torch.distributed.checkpoint.metadata") + text("os.system") + b"\x93" + text(shell) + b"\x85R."
+
+
+def _sharded_base(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    folder.mkdir(parents=True)
+    raw = good_checkpoint(folder / "full.ckpt")
+    (folder / "full.ckpt").unlink()
+    return raw, raw.pop("state_dict")
+
+
+def sharded_os_system(folder: Path) -> Path:
+    """A sharded checkpoint folder whose DCP index is :func:`os_system_index`."""
+    raw, state = _sharded_base(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"state_dict": state}, checkpoint_id=str(folder), no_dist=True)
+    (folder / ".metadata").write_bytes(os_system_index())
+    torch.save(raw, folder / "meta.pt")
+    return folder
+
+
+def sharded_bytes_entry(folder: Path) -> Path:
+    """A sharded folder whose index declares a weight's key as a non-tensor entry, which a shard holds as a pickle.
+
+    torch's own load planner unpickles such an entry with ``torch.load(..., weights_only=False)``.
+    """
+    raw, state = _sharded_base(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"state_dict": state, "evil": Payload()}, checkpoint_id=str(folder), no_dist=True)  # torch.save'd
+    with open(folder / ".metadata", "rb") as f:
+        index = pickle.load(f)  # our own, just written
+    key = f"state_dict.{next(iter(state))}"
+    index.state_dict_metadata[key] = index.state_dict_metadata.pop("evil")
+    index.storage_data[MetadataIndex(key)] = index.storage_data.pop(MetadataIndex("evil"))
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(index, f)
+    torch.save(raw, folder / "meta.pt")
     return folder

@@ -63,7 +63,7 @@ data:
 class Case(NamedTuple):
     args: list[str]
     names: str  # a string the message must contain: the field, flag or file
-    lines: int = 1  # lines on stderr that start with "elr:"
+    lines: int = 1  # lines on stderr that start with "elr <command>:"
 
 
 FIT = ["fit", "--config", "tiny.yaml"]
@@ -160,7 +160,7 @@ def results(workdir: Path) -> dict[str, subprocess.CompletedProcess]:
 
 
 def _check(case: Case, returncode: int, stdout: str, stderr: str) -> None:
-    said = [line for line in stderr.splitlines() if line.startswith("elr:")]
+    said = [line for line in stderr.splitlines() if line.startswith(f"elr {case.args[0]}: ")]
     assert returncode == 1, stderr[-3000:]
     assert "Traceback" not in stderr + stdout
     assert len(said) == case.lines, stderr[-3000:]

@@ -69,7 +69,7 @@ def test_cost_report_reproduces_the_paper_figures_for_4b(capsys):
     assert round(report["eq5_multiplier"][0.25], 2) == 1.16  # paper §3.4
     flops = report["forward_gflops_per_token"]
     assert flops[1] < flops[2] < flops[3] < flops[4]
-    run(["cost", "--config", os.path.join(ROOT, "config", "4b.yaml"), "--json", "true"])
+    run(["cost", "--config", os.path.join(ROOT, "config", "4b.yaml"), "--json"])
     assert '"eq5_multiplier"' in capsys.readouterr().out
 
 

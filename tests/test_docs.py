@@ -7,6 +7,9 @@
 * The code blocks of the guides run: the sampler of the extending guide trains from its YAML,
   the Python of the generation and checkpoints guides runs on a checkpoint, and the troubleshooting
   page's example prints the line it shows.
+* Every figure a page quotes agrees with the results file it names (``docs/_tools/results.py``).
+* Every public name of the package has a docstring, as the API reference shows it (which renders
+  only what has one), and ``generate`` documents each of its parameters.
 """
 
 from __future__ import annotations
@@ -78,6 +81,87 @@ COMMANDS = dict(documented_commands())
 
 class _Parsed(Exception):
     """Raised by the patched parsers once the command line has parsed."""
+
+
+def _tool(name: str) -> Any:
+    """A module of ``docs/_tools`` (not a package: the site's build and its maintainers run them as scripts)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"docs_tools_{name}", DOCS / "_tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quoted_figures_agree_with_the_results_files() -> None:
+    """Each ``<!-- fig file.key ... -->`` span of a page renders as the JSON of ``docs/results/`` says."""
+    results = _tool("results")
+    quoted = [m for page in results.pages() for m, _ in results.markers(page.read_text())]
+    assert len(quoted) >= 10
+    assert results.sync(write=False) == []
+    # Markdown reads an HTML comment that starts a line as a block of its own, splitting the paragraph.
+    starts = [f"{page.name}: {line[:60]}" for page in results.pages() for line in page.read_text().splitlines()
+              if line.startswith("<!-- fig")]
+    assert not starts, starts
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    """Names in ``__all__`` (else not starting with ``_``) and their classes' public methods, as the API reference
+    sees them: an attribute's ``#:`` comment and an overridden method's docstring on its seam count."""
+    griffe = pytest.importorskip("griffe")
+    roles = _tool("sphinx_roles")
+    package = griffe.load("elr_lightning", search_paths=[str(ROOT)], docstring_parser="google")
+    missing = []
+
+    def check(obj: Any) -> None:
+        if obj.docstring is None and obj.is_attribute:
+            roles._comment_docstring(obj)
+        elif obj.docstring is None and obj.is_function and obj.parent.is_class:
+            roles._inherited_docstring(obj)
+        if obj.docstring is None and not any("override" in str(d.value) for d in getattr(obj, "decorators", [])):
+            missing.append(obj.path)
+
+    modules = [package]
+    while modules:
+        module = modules.pop()
+        modules.extend(module.modules.values())
+        names = module.exports if module.exports is not None else [n for n in module.members if not n.startswith("_")]
+        for member in (module.members.get(str(name)) for name in names):
+            if member is None or member.is_alias or member.is_module:
+                continue
+            check(member)
+            if member.is_class:
+                for name, method in member.members.items():
+                    if not name.startswith("_") and method.is_function:
+                        check(method)
+    assert not missing, f"public names without a docstring: {missing}"
+
+
+def test_generate_documents_every_parameter() -> None:
+    import inspect
+
+    from elr_lightning.generation import generate
+
+    documented = re.findall(r"^        (\w+):", generate.__doc__ or "", flags=re.M)
+    assert documented == list(inspect.signature(generate).parameters)
+
+
+def test_every_equation_number_links_to_the_equations_page() -> None:
+    """"eq. N" in prose (not in code, headings or a link's own text) is a link to its equation on one page."""
+    unlinked = []
+    for page in pages():
+        if page.name == "equations.md":
+            continue
+        fenced = False
+        for line in page.read_text().splitlines():
+            fenced ^= line.startswith("```")
+            if fenced or line.startswith("#"):
+                continue
+            prose = re.sub(r"``.*?``|`[^`]*`|\[[^\]]*\]\([^)]*\)|<!--.*?-->", "", line)
+            unlinked += [f"{page.name}: {line.strip()[:80]}" for _ in re.findall(r"\b[Ee]qs?\. \(?[1-5]", prose)]
+    assert not unlinked, unlinked
+    assert (DOCS / "equations.md").read_text().count('<a id="eq-') == 5
 
 
 def test_readme_links_point_at_files() -> None:
@@ -200,6 +284,43 @@ def test_troubleshooting_example_prints_its_line(monkeypatch, capsys) -> None:
         main(shlex.split(command)[1:])
     assert stop.value.code == 1
     assert capsys.readouterr().err.strip().splitlines() == [shown.removeprefix("# ")]
+
+
+def _command_line_rows() -> list[tuple[str, str]]:
+    """``(command, line)`` of each row of the troubleshooting page's table of command-line mistakes."""
+    text = (DOCS / "troubleshooting.md").read_text()
+    table = text[text.index("| mistake | you type | elr prints |") :].split("\n\n")[0]
+    return re.findall(r"^\| [^|]+ \| `(elr [^`]+)` \| `([^`]+)` \|$", table, flags=re.M)
+
+
+@pytest.mark.parametrize("command, line", _command_line_rows(), ids=lambda v: re.sub(r"\W+", "-", v)[:60])
+def test_each_command_line_mistake_prints_its_line(command: str, line: str, tmp_path, monkeypatch, capsys) -> None:
+    """The command of each row, run as written, prints the row's line: an error as its one line, with status 1."""
+    import socket
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("ELR_DEBUG", raising=False)
+    argv = shlex.split(command)[1:]
+    argv = [str(tmp_path / a) if a in ("prepared", "last.ckpt") else a for a in argv]
+    with socket.socket() as holder:
+        if "--port" in argv:  # the row is about a port another process holds
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            holder.bind(("127.0.0.1", int(argv[argv.index("--port") + 1])))
+            holder.listen()
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as stop:
+            code = stop.code
+    said = [s for s in capsys.readouterr().err.splitlines() if s.startswith("elr")]
+    assert said[0] == line.replace("last.ckpt", str(tmp_path / "last.ckpt"))
+    if ": error: " in line:  # a notice of an old spelling does not stop the command
+        assert code == 1 and len(said) == 1, said
+
+
+def test_the_command_line_table_covers_every_kind_of_mistake() -> None:
+    rows = _command_line_rows()
+    assert len(rows) >= 11 and {command.split()[1] for command, _ in rows} >= {"fit", "generate", "serve", "prepare"}
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_config
 from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.mixers.base import ChannelMixer
 from elr_lightning.model import LoopedLM
 from test_gdp import hybrid_config
 from test_moe import moe_config
@@ -94,3 +95,37 @@ def test_a_modulator_class_without_batched_heads_runs_the_reference_form(monkeyp
     got = model(ids, 2)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert len(pre_calls) == 2 * (2 * model.config.n_rec + model.config.n_out)  # every sublayer, k = 2
+
+
+class InPlaceGate(ChannelMixer):
+    """A user's channel mixer that modifies a tensor its forward saved: autograd must refuse its backward."""
+
+    fold_inputs, fold_outputs = ("up",), ("down",)
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.up = torch.nn.Linear(config.d_model, 2 * config.d_model, bias=False)
+        self.down = torch.nn.Linear(2 * config.d_model, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
+        s = torch.sigmoid(self.up(x))  # sigmoid saves its output for the backward pass
+        s.mul_(2)
+        return self.down(s)
+
+
+@pytest.mark.parametrize("conditioned", [False, True])
+@pytest.mark.parametrize("tokens", [(2, 16), (8, 16)])  # P on the activations, and folded into the weights
+def test_an_in_place_change_of_a_saved_tensor_raises_in_the_folded_form_as_without_it(
+    conditioned: bool, tokens: tuple[int, int]
+) -> None:
+    """Eq. 4's saved-tensor hooks keep autograd's in-place check: a wrong gradient would otherwise pass silently."""
+    config = tiny_config(max_seq_len=16, channel_pattern={"rec": [f"{__name__}.InPlaceGate"]})  # in the loop only
+    torch.manual_seed(0)
+    model = LoopedLM(config, conditioner=LoopConditioner(d_cond=8, rank=2) if conditioned else None).train()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    ids = torch.randint(0, 64, tokens)
+    loss = F.cross_entropy(model(ids[:, :-1], 2).flatten(0, 1), ids[:, 1:].flatten())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -132,21 +132,22 @@ def test_elr_eval_writes_table_json_png_and_tensorboard(
     assert [e.step for e in events.Scalars("eval/elr_line_end/acc")] == [1, 2]
 
 
-def _error(argv: list[str]) -> str:
+def _error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     with pytest.raises(SystemExit) as info:
         main(argv)
-    message = str(info.value.code)
-    assert message.startswith("elr eval: error: ") and "\n" not in message
-    return message
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 1 and len(lines) == 1 and lines[0].startswith("elr eval: error: "), lines
+    return lines[0]
 
 
 @pytest.mark.slow
-def test_elr_eval_bad_input_is_a_one_line_error(checkpoint: Path, data_dir: Path, tmp_path: Path) -> None:
+def test_elr_eval_bad_input_is_a_one_line_error(checkpoint: Path, data_dir: Path, tmp_path: Path, capsys) -> None:
     ckpt, data = str(checkpoint), str(data_dir)
-    assert "does not exist" in _error(["eval", "--ckpt_path", str(tmp_path / "missing.ckpt")])
-    assert ">= 1" in _error(["eval", "--ckpt_path", ckpt, "--loops", "0,1"])
-    assert "unknown task(s) no_such_task" in _error(["eval", "--ckpt_path", ckpt, "--tasks", "no_such_task"])
-    message = _error(["eval", "--ckpt_path", ckpt, "--loops", "5", "--data_dir", data])
+
+    assert "does not exist" in _error(["eval", "--ckpt_path", str(tmp_path / "missing.ckpt")], capsys)
+    assert ">= 1" in _error(["eval", "--ckpt_path", ckpt, "--loops", "0,1"], capsys)
+    assert "unknown task(s) no_such_task" in _error(["eval", "--ckpt_path", ckpt, "--tasks", "no_such_task"], capsys)
+    message = _error(["eval", "--ckpt_path", ckpt, "--loops", "5", "--data_dir", data], capsys)
     assert "--loops=5" in message and "max_loops=4" in message and "--allow_extrapolation" in message
     # From the console script: no traceback, non-zero exit status.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -217,18 +218,18 @@ def test_elr_eval_loops_auto_adds_adaptive_points(
     "flags", [["--exit_criterion", "delta"], ["--exit_criterion", "kl"], ["--threshold", "0.1"], ["--max_loops", "2"],
               ["--exit_criterion", "delta", "--max_loops", "2"]],
 )
-def test_auto_options_without_auto_are_refused_naming_each(flags: list[str]) -> None:
+def test_auto_options_without_auto_are_refused_naming_each(flags: list[str], capsys) -> None:
     """``--loops 1 --exit_criterion delta`` would score k = 1 and ignore the criterion: refused, as ``--threshold``."""
-    message = _error(["eval", "--ckpt_path", "missing.ckpt", "--loops", "1,2", *flags])
+    message = _error(["eval", "--ckpt_path", "missing.ckpt", "--loops", "1,2", *flags], capsys)
     named = [flag for flag in flags if flag.startswith("--")]
     assert all(flag in message for flag in named) and "only read with --loops auto" in message
     assert "does not exist" not in message  # refused before the checkpoint is looked at
 
 
 @pytest.mark.slow
-def test_elr_eval_auto_options_are_checked(checkpoint: Path, data_dir: Path) -> None:
+def test_elr_eval_auto_options_are_checked(checkpoint: Path, data_dir: Path, capsys) -> None:
     ckpt = str(checkpoint)
-    assert "only read with --loops auto" in _error(["eval", "--ckpt_path", ckpt, "--loops", "1", "--threshold", "0.1"])
-    assert "--threshold" in _error(["eval", "--ckpt_path", ckpt, "--loops", "auto", "--threshold", "-1"])
-    message = _error(["eval", "--ckpt_path", ckpt, "--loops", "auto", "--max_loops", "5", "--data_dir", str(data_dir)])
+    assert "only read with --loops auto" in _error(["eval", "--ckpt_path", ckpt, "--loops", "1", "--threshold", "0.1"], capsys)
+    assert "--threshold" in _error(["eval", "--ckpt_path", ckpt, "--loops", "auto", "--threshold", "-1"], capsys)
+    message = _error(["eval", "--ckpt_path", ckpt, "--loops", "auto", "--max_loops", "5", "--data_dir", str(data_dir)], capsys)
     assert "--max_loops=5" in message and "max_loops=4" in message

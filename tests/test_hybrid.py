@@ -103,7 +103,7 @@ def test_cost_json_reports_recurrent_state(tmp_path, capsys) -> None:
     from elr_lightning.cost import main
 
     raw = yaml.safe_load(open("config/quickstart_hybrid.yaml"))
-    main(["--config", "config/quickstart_hybrid.yaml", "--json", "true"])
+    main(["--config", "config/quickstart_hybrid.yaml", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert report["parameters"]["total"] > 0
     arch = raw["model"]["init_args"]["arch"]

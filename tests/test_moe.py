@@ -101,6 +101,19 @@ def test_grouped_mm_support_needs_16_byte_rows():
     assert not grouped_mm_supported(torch.zeros(3, 8), torch.zeros(2, 8, 8, dtype=torch.float64))
 
 
+def test_auto_dispatch_takes_the_loop_for_float64_and_matches_float32() -> None:
+    """``torch._grouped_mm`` computes in fp32/bf16/fp16 only: a float64 model on the CPU must not reach it."""
+    assert not grouped_mm_supported(torch.zeros(3, 8, dtype=torch.float64), torch.zeros(2, 8, 8, dtype=torch.float64))
+    torch.manual_seed(0)
+    model = LoopedLM(moe_config(tiny_config(max_seq_len=16))).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        single = model(ids, 2)
+        double = model.double()(ids, 2)
+    assert double.dtype == torch.float64
+    torch.testing.assert_close(double.float(), single, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("dispatch", ["grouped", "loop"])
 def test_moe_layer_equals_the_dense_reference_with_a_shared_expert(dispatch):
     torch.manual_seed(0)
@@ -352,7 +365,7 @@ def test_active_parameters_and_flops_count_top_k_experts():
 def test_cost_json_reports_total_and_active(capsys):
     from elr_lightning.cli import main
 
-    main(["cost", "--config", str(CONFIGS / "quickstart_moe.yaml"), "--json", "true"])
+    main(["cost", "--config", str(CONFIGS / "quickstart_moe.yaml"), "--json"])
     params = json.loads(capsys.readouterr().out)["parameters"]
     experts = 4 * 8 * 3 * 128 * 192  # 4 layers, 8 experts, 3 matrices of 128 x 192
     assert params["total"] - params["active"] == experts * 6 // 8

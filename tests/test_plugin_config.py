@@ -19,10 +19,12 @@ from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.generation import load_model
 from elr_lightning.hf.export import save_module_checkpoint
 from elr_lightning.module import ELRModule
-from elr_lightning.plugin_config import PluginConfigError, build_plugin, plugin_config
+from elr_lightning.checkpoint_schema import build_plugin
+from elr_lightning.plugin_config import PluginConfigError, plugin_config
 from elr_lightning.safe_load import UnsafeCheckpointError
 from elr_lightning.sampling import LoopSampler, OneLoopOverride, Synchronized
 from elr_lightning.tokenizers import ByteTokenizer
+from elr_lightning.trust import TRUST_ENV, UntrustedModuleError
 from elr_lightning.updates import FixedDelta, StateUpdate
 
 from conftest import tiny_config
@@ -77,8 +79,11 @@ def _perturbed(module: ELRModule) -> ELRModule:
     return module
 
 
-def test_a_fit_checkpoint_loads_with_weights_only_and_rebuilds_every_plugin(tmp_path: Path) -> None:
+def test_a_fit_checkpoint_loads_with_weights_only_and_rebuilds_every_plugin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Trainer.fit with a nested sampler, a conditioner, a user's rule and a tokenizer: no pickled object."""
+    monkeypatch.setenv(TRUST_ENV, __name__)  # the user's rules live here
     torch.manual_seed(0)
     sampler = DelayedSampler(EveryOther(OneLoopOverride(4, 0.5), note=["a"]), switch_step=1)
     module = ELRModule(
@@ -112,10 +117,13 @@ def test_a_fit_checkpoint_loads_with_weights_only_and_rebuilds_every_plugin(tmp_
         torch.testing.assert_close(_logits(loaded)[k], logits, rtol=0, atol=0)
 
 
-def test_build_plugin_builds_only_subclasses_of_the_seam() -> None:
+def test_build_plugin_builds_only_trusted_subclasses_of_the_seam(monkeypatch: pytest.MonkeyPatch) -> None:
     config = plugin_config(ScaledDelta(scale=2.0), "update")
+    with pytest.raises(UntrustedModuleError, match=rf"names '{__name__}.ScaledDelta' \(model.init_args.update.class_path\)"):
+        build_plugin(config, StateUpdate, "model.init_args.update")
+    monkeypatch.setenv(TRUST_ENV, __name__)
     assert build_plugin(config, StateUpdate, "model.init_args.update").scale == 2.0
-    with pytest.raises(ValueError, match=r"model.init_args.sampler: .* does not describe a LoopSampler"):
+    with pytest.raises(ValueError, match=r"model.init_args.sampler.class_path=.* names ScaledDelta, which is not a LoopSampler"):
         build_plugin(config, LoopSampler, "model.init_args.sampler")
 
 
@@ -191,7 +199,7 @@ def test_an_old_format_checkpoint_is_refused_and_upgraded_by_one_command(
     with pytest.raises(SystemExit) as refused:  # it runs code from the file: only with --trust
         main(["upgrade-checkpoint", str(old), str(new)])
     assert refused.value.code == 1 and not new.exists()
-    assert capsys.readouterr().err.count("elr: error: OLD") == 1
+    assert capsys.readouterr().err.count("elr upgrade-checkpoint: error: OLD") == 1
     main(["upgrade-checkpoint", str(old), str(new), "--trust"])
     assert "it loads without running code" in capsys.readouterr().out
     raw = torch.load(new, weights_only=True)

@@ -126,7 +126,7 @@ def test_a_worker_that_dies_is_named_and_a_rerun_finishes(tmp_path: Path, corpus
 
 def test_bad_inputs_are_refused_in_one_line(tmp_path: Path, corpus: Path) -> None:
     (tmp_path / "no_field.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n', encoding="utf-8")
-    with pytest.raises(ValueError, match=r"--text-field: record at .*no_field\.jsonl:2 has no 'text' field"):
+    with pytest.raises(ValueError, match=r"--text_field: record at .*no_field\.jsonl:2 has no 'text' field"):
         prepare_corpus([str(tmp_path / "no_field.jsonl")], str(tmp_path / "a"), progress=False)
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 this is no parquet file")
     with pytest.raises(ValueError, match=r"SOURCES: .*bad\.parquet' is not a readable parquet file"):
@@ -188,7 +188,7 @@ def test_an_index_whose_vocab_size_is_not_the_tokenizers_is_refused(tmp_path: Pa
 
 
 def test_the_command_line(tmp_path: Path, corpus: Path, capsys) -> None:
-    main(["prepare", str(corpus / "b.jsonl"), "--out", str(tmp_path / "p"), "--val-fraction", "0"])
+    main(["prepare", str(corpus / "b.jsonl"), "--out", str(tmp_path / "p"), "--val_fraction", "0"])
     tokens = sum(len(d) + 1 for d in DOCS[20:40])
     assert f"1 shard(s), {tokens} training and 0 validation tokens" in capsys.readouterr().out
     assert read_folder(tmp_path / "p") == (DOCS[20:40], [])

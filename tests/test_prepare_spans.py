@@ -1,4 +1,4 @@
-"""``elr prepare`` bounded by ``--shard-mb``: large files cut into spans that workers share, normalised hashing."""
+"""``elr prepare`` bounded by ``--shard_mb``: large files cut into spans that workers share, normalised hashing."""
 
 from __future__ import annotations
 

@@ -160,4 +160,4 @@ def test_a_bad_reasoning_setting_is_one_line_from_elr_fit(override: str, message
     with pytest.raises(SystemExit) as info:
         main(["fit", "--config", str(ROOT / "config" / "quickstart_reasoning.yaml"), override, "--trainer.max_steps", "1"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert info.value.code == 1 and len(err) == 1 and err[0].startswith("elr: error: ") and message in err[0]
+    assert info.value.code == 1 and len(err) == 1 and err[0].startswith("elr fit: error: ") and message in err[0]

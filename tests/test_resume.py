@@ -232,12 +232,13 @@ def write_run(
     switch_at_step: bool = False,
     sharded: bool = False,
     arch: Optional[dict[str, Any]] = None,
+    cpu_offload: bool = False,
 ) -> Path:
     """A YAML for ``elr fit``: tiny model, delayed switch, checkpoints every step, a recorder.
 
     ``switch_at_step`` gives the switch as ``switch_step`` (not a fraction of ``steps``), so a run
     may stop before it and be resumed with more steps; ``sharded`` has the FSDP strategy write
-    sharded (folder) checkpoints."""
+    sharded (folder) checkpoints, ``cpu_offload`` offload its shards to the host."""
     folder.mkdir(parents=True)
     (folder / "elr_test_recorder.py").write_text(RECORDER)
     config = {
@@ -300,6 +301,8 @@ def write_run(
         config["trainer"]["strategy"] = copy.deepcopy(STRATEGIES[strategy])
         if sharded:
             config["trainer"]["strategy"]["init_args"]["save_distributed_checkpoint"] = True
+        if cpu_offload:
+            config["trainer"]["strategy"]["init_args"]["cpu_offload"] = True
     path = folder / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -459,15 +462,22 @@ def _stop_at(run: Path, step: int) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sharded", "stops"), [(True, (4, 6)), (False, (2,))], ids=["sharded", "full"])
-def test_fsdp_resumes_exactly_from_a_checkpoint(sharded, stops, single_process_run, tmp_path):
+@pytest.mark.parametrize(
+    ("sharded", "stops", "cpu_offload"),
+    [(True, (4, 6), False), (False, (2,), False), (True, (6,), True)],
+    ids=["sharded", "full", "sharded_offloaded"],
+)
+def test_fsdp_resumes_exactly_from_a_checkpoint(sharded, stops, cpu_offload, single_process_run, tmp_path):
     """Stop a 2-process FSDP run before the switch at 4 (the heads have no AdamW state yet): with
     sharded checkpoints at step 4 and again at step 6 after it, with a full checkpoint at step 2
     (its resumed steps 2 and 3 run before ``ZeroInitConditioning`` clears the heads' state at the
-    switch). Resume each time from that checkpoint and finish at step 8: the same loop counts and
-    final weights as one process run straight through, and no AdamW state for the heads until
-    their first gradient."""
-    run = write_run(tmp_path / "run", 8, 4, devices=2, strategy="fsdp", switch_at_step=True, sharded=sharded)
+    switch), and with the shards and AdamW's state offloaded to the host (``cpu_offload``), a
+    sharded checkpoint at step 6. Resume each time from that checkpoint and finish at step 8: the
+    same loop counts and final weights as one process run straight through, and no AdamW state for
+    the heads until their first gradient."""
+    run = write_run(
+        tmp_path / "run", 8, 4, devices=2, strategy="fsdp", switch_at_step=True, sharded=sharded, cpu_offload=cpu_offload
+    )
     ckpt_path = None
     for step in stops:
         _two_processes(run, *_stop_at(run, step), ckpt_path=ckpt_path)

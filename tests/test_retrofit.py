@@ -91,7 +91,7 @@ def test_every_layer_kept_reproduces_the_source_at_k1(tiny: dict[str, Path], tmp
 
 def test_the_yaml_continues_the_checkpoint_with_a_delayed_switch(tiny: dict[str, Path], tmp_path: Path) -> None:
     run(["retrofit", "--hf", str(tiny["qwen2"]), "--out", str(tmp_path), "--steps", "400", "--switch_fraction", "0.2",
-         "--verify", "false"])
+         "--no_verify"])
     fit = yaml.safe_load((tmp_path / "retrofit.yaml").read_text())
     callbacks = {cb["class_path"].rsplit(".", 1)[1]: cb.get("init_args", {}) for cb in fit["trainer"]["callbacks"]}
     assert callbacks["DelayedMixedDepth"] == {"init_from": str((tmp_path / "retrofit.ckpt").resolve()), "switch_fraction": 0.2}
@@ -108,7 +108,7 @@ def test_dropped_and_averaged_layers(tiny: dict[str, Path], tmp_path: Path) -> N
     from safetensors.torch import load_file
 
     run(["retrofit", "--hf", str(tiny["llama3"]), "--out", str(tmp_path), "--input", "0:1", "--shared", "1:5",
-         "--output", "5:6", "--shared_init", "average", "--n_rec", "2", "--verify", "false"])
+         "--output", "5:6", "--shared_init", "average", "--n_rec", "2", "--no_verify"])
     model, _ = load_model(str(tmp_path / "retrofit.ckpt"))
     assert (model.config.n_in, model.config.n_rec, model.config.n_out) == (1, 2, 1)
     weights = load_file(str(tiny["llama3"] / "model.safetensors"))
@@ -165,7 +165,7 @@ def test_unsupported_architecture_missing_weights_and_foreign_tokenizer_are_refu
 
 
 def test_an_existing_checkpoint_is_never_overwritten(tiny: dict[str, Path], tmp_path: Path) -> None:
-    run(["retrofit", "--hf", str(tiny["mistral"]), "--out", str(tmp_path), "--verify", "false"])
+    run(["retrofit", "--hf", str(tiny["mistral"]), "--out", str(tmp_path), "--no_verify"])
     before = (tmp_path / "retrofit.ckpt").read_bytes()
     with pytest.raises(FileExistsError, match="already holds retrofit.ckpt"):
         run(["retrofit", "--hf", str(tiny["qwen2"]), "--out", str(tmp_path)])
@@ -174,7 +174,7 @@ def test_an_existing_checkpoint_is_never_overwritten(tiny: dict[str, Path], tmp_
 
 @pytest.mark.parametrize("name", ["qwen3", "llama3"])
 def test_export_of_a_retrofit_loads_in_transformers_at_any_loops(tiny: dict[str, Path], tmp_path: Path, name: str) -> None:
-    run(["retrofit", "--hf", str(tiny[name]), "--out", str(tmp_path / "r"), "--max_loops", "3", "--verify", "false"])
+    run(["retrofit", "--hf", str(tiny[name]), "--out", str(tmp_path / "r"), "--max_loops", "3", "--no_verify"])
     model, _ = load_model(str(tmp_path / "r" / "retrofit.ckpt"))
     with torch.no_grad():  # a trained-looking gate and active conditioning heads, so every path is exercised
         for p in [*model.update.parameters(), *model.parameters_with_role("conditioning")]:

@@ -24,7 +24,7 @@ STEPS = 4
 def test_retrofitted_qwen3_trains_under_ddp_on_two_processes(tmp_path: Path) -> None:
     source = save_tiny(tmp_path, "qwen3")
     run(["retrofit", "--hf", str(source), "--out", str(tmp_path / "r"), "--max_loops", "3", "--steps", str(STEPS),
-         "--switch_fraction", "0.5", "--verify", "false"])
+         "--switch_fraction", "0.5", "--no_verify"])
     (tmp_path / "corpus.txt").write_text(stdlib_text(), encoding="utf-8")
     fit = yaml.safe_load((tmp_path / "r" / "retrofit.yaml").read_text())
     fit["trainer"].update(

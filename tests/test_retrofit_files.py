@@ -46,14 +46,14 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_index_is_followed_and_other_safetensors_files_are_not_read(sharded: Path, tmp_path: Path) -> None:
-    run(["retrofit", "--hf", str(sharded), "--out", str(tmp_path), "--verify", "false"])
+    run(["retrofit", "--hf", str(sharded), "--out", str(tmp_path), "--no_verify"])
     # transformers itself would read the stale model.safetensors first: compare with the shards alone
     theirs, ours = logits_pair(sharded.parent / "clean", tmp_path / "retrofit.ckpt")
     assert (theirs - ours).abs().max() < ATOL
 
 
 def test_the_source_dtype_is_kept_unless_asked(sharded: Path, tmp_path: Path) -> None:
-    run(["retrofit", "--hf", str(sharded), "--out", str(tmp_path / "kept"), "--verify", "false",
+    run(["retrofit", "--hf", str(sharded), "--out", str(tmp_path / "kept"), "--no_verify",
          "--shared_init", "average", "--input", "0:1", "--shared", "1:5", "--output", "5:6", "--n_rec", "2"])
     state = torch.load(tmp_path / "kept" / "retrofit.ckpt", weights_only=True)["state_dict"]
     assert state["model.core.layers.0.attn.kv.weight"].dtype == torch.bfloat16
@@ -66,7 +66,7 @@ def test_the_source_dtype_is_kept_unless_asked(sharded: Path, tmp_path: Path) ->
     model, _ = load_model(str(tmp_path / "kept" / "retrofit.ckpt"))  # bf16 weights load into the fp32 model
     assert model.embed.weight.dtype == torch.float32
 
-    run(["retrofit", "--hf", str(sharded), "--out", str(tmp_path / "fp32"), "--verify", "false", "--dtype", "float32"])
+    run(["retrofit", "--hf", str(sharded), "--out", str(tmp_path / "fp32"), "--no_verify", "--dtype", "float32"])
     state = torch.load(tmp_path / "fp32" / "retrofit.ckpt", weights_only=True)["state_dict"]
     assert {v.dtype for v in state.values() if v.is_floating_point()} == {torch.float32}
     bf16 = torch.load(tmp_path / "kept" / "retrofit.ckpt", weights_only=True)["state_dict"]["model.embed.weight"]
@@ -100,3 +100,70 @@ def test_weights_come_in_the_file_dtype_or_the_one_asked(tmp_path_factory, store
         assert torch.equal(weights[name], tensor.to(asked or stored)) and weights[name].dtype == (asked or stored)
     with pytest.raises(ValueError, match="weights: c is missing"):
         weights["c"]
+
+
+# ---- a model folder and an output folder are data: nothing read from outside, nothing written through a link ----
+
+VICTIM = "a file of the user's\n"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("source"), "llama3")
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "retrofit.yaml", "retrofit.ckpt"])
+def test_retrofit_never_writes_through_a_link_in_out(source: Path, tmp_path: Path, name: str) -> None:
+    """``--out DIR`` where ``DIR/<name>`` is a symbolic link: refused, and with --overwrite the link is replaced."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text(VICTIM)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).symlink_to(victim)
+    with pytest.raises(FileExistsError, match=rf"already holds {name}; choose a new folder, or add --overwrite"):
+        run(["retrofit", "--hf", str(source), "--out", str(out), "--verify", "false"])
+    assert sorted(p.name for p in out.iterdir()) == [name] and victim.read_text() == VICTIM
+    run(["retrofit", "--hf", str(source), "--out", str(out), "--verify", "false", "--overwrite"])
+    assert victim.read_text() == VICTIM and not (out / name).is_symlink()
+    assert sorted(p.name for p in out.iterdir()) == ["retrofit.ckpt", "retrofit.yaml", "tokenizer.json"]
+    load_model(str(out / "retrofit.ckpt"))
+
+
+@pytest.mark.parametrize("where", ["../outside/w.safetensors", "ABSOLUTE", "sub/../../w.safetensors"])
+def test_an_index_naming_a_file_outside_the_folder_is_refused(source: Path, tmp_path: Path, where: str) -> None:
+    folder = tmp_path / "model"
+    shutil.copytree(source, folder)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(folder / "model.safetensors", outside / "w.safetensors")
+    named = str(outside / "w.safetensors") if where == "ABSOLUTE" else where
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": named}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"model.safetensors.index.json names '{named}', outside the folder"):
+        run(["retrofit", "--hf", str(folder), "--out", str(tmp_path / "out"), "--verify", "false"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_that_asks_to_run_its_own_code_is_refused_without_a_prompt(source: Path, tmp_path: Path) -> None:
+    """``auto_map`` in config.json made transformers ask "run the custom code? [y/N]"; nothing is asked or run."""
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path / "custom"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.Evil"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "configuration_evil.py").write_text(f"open({str(tmp_path / 'MARKER')!r}, 'w').write('ran')\n")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "elr_lightning.cli", "retrofit", "--hf", str(folder), "--out", str(tmp_path / "out")],
+        env={**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}, stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    said = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(said) == 1, proc.stderr[-2000:]
+    assert "config.json has auto_map, which asks to run the model's own Python code" in said[0]
+    assert "[y/N]" not in proc.stdout + proc.stderr and not (tmp_path / "MARKER").exists()
+    assert not (tmp_path / "out").exists()

@@ -183,6 +183,7 @@ def test_the_documented_mixer_trains_from_yaml_and_decodes(tmp_path, monkeypatch
     (tmp_path / "my_lab" / "__init__.py").write_text("")
     (tmp_path / "my_lab" / "mixers.py").write_text(_documented_block("python", "# my_lab/mixers.py"))
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("ELR_TRUST_MODULES", "my_lab")  # loading the checkpoint imports the user's layer, as documented
     for name in [m for m in sys.modules if m == "my_lab" or m.startswith("my_lab.")]:  # another test's my_lab
         monkeypatch.delitem(sys.modules, name)
     head = "model:\n  class_path: elr_lightning.ELRModule\n  init_args:\n    arch:"

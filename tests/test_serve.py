@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from argparse import ArgumentError
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from _elr_ckpt import SERVE_ARCH, write_checkpoint
 from conftest import perturbed_model
 from elr_lightning.decode import AdaptiveDepth
 from elr_lightning.generation import generate, load_model
-from elr_lightning.serve.api import Cancel, CompletionsSpec, RequestError, relative_costs
+from elr_lightning.serve.api import DEFAULT_THRESHOLD, Cancel, CompletionBody, CompletionsSpec, RequestError, relative_costs
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine, _StopText
 from elr_lightning.serve.command import checkpoint_arch, serving_tokenizer
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, IncrementalDecoder, Tokenizer
@@ -398,12 +399,21 @@ def test_serve_command_refuses_bad_flags_before_starting(checkpoint: Path, tmp_p
 
     with pytest.raises(FileNotFoundError, match="missing.ckpt"):
         run(["serve", "--ckpt_path", str(tmp_path / "missing.ckpt")])
-    with pytest.raises(ValueError, match="--loops_default 4 must be in 1..--loops_max"):
-        run(["serve", "--ckpt_path", str(checkpoint), "--loops_default", "4"])
+    with pytest.raises(ValueError, match="--loops 4 must be in 1..--max_loops"):
+        run(["serve", "--ckpt_path", str(checkpoint), "--loops", "4"])
     with pytest.raises(ValueError, match="--max_batch_size 0"):
         run(["serve", "--ckpt_path", str(checkpoint), "--max_batch_size", "0"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(ArgumentError, match="log_level"):  # raised for `elr` to print in one line
         run(["serve", "--ckpt_path", str(checkpoint), "--log_level", "verbose"])
+
+
+def test_a_server_default_of_auto_gives_requests_without_loops_adaptive_depth() -> None:
+    """``elr serve --loops auto``: a request that names no ``loops`` chooses its depth per token."""
+    spec = CompletionsSpec(SERVE_ARCH, TOK, "tiny", loops_default="auto", loops_max=3)
+    assert spec.depth(CompletionBody(prompt="a")) == AdaptiveDepth(3, DEFAULT_THRESHOLD, "kl")
+    assert spec.depth(CompletionBody(prompt="a", loops=2)) == 2
+    with pytest.raises(RequestError, match="threshold is only read with loops='auto'"):
+        spec.depth(CompletionBody(prompt="a", loops=2, threshold=0.1))
 
 
 def test_engine_reset_drops_every_request(model) -> None:
@@ -470,6 +480,63 @@ def test_after_a_failed_step_the_next_request_answers_as_generate(
             break
     assert not engine.active
     assert texts == {uid: reference(model, good, policy) for uid in ("g1", "g2", "g3")}
+
+
+def test_a_step_that_fails_with_a_cancellation_pending_does_not_fail_the_next_requests(spec: CompletionsSpec) -> None:
+    """LitServe's own continuous-batching loop over the worker: a request is cancelled, then the step fails.
+
+    The loop answers every tracked id (the cancellation's too) with the error and forgets them; the
+    next request must then be answered as ``elr generate`` answers it, not with the forgotten
+    cancellation's ``KeyError``.
+    """
+    import asyncio
+
+    from litserve.utils import LitAPIStatus
+
+    from elr_lightning.serve.api import ELRServeAPI, _EngineLoop
+
+    model = perturbed_model(SERVE_ARCH)
+    api = ELRServeAPI("unused.ckpt", spec, "last_loop", max_batch_size=2)
+    api.engine = DecodeEngine(model, TOK, "last_loop", max_batch_size=2)
+    loop, sent = _EngineLoop(), []
+
+    class Transport:
+        def send(self, item, consumer_id: int) -> None:
+            sent.append(item)
+
+    def run(requests: dict[str, object]) -> dict[str, list]:
+        sent.clear()
+        for uid, request in requests.items():
+            loop.add_request(uid, request, api, spec)
+            loop.response_queue_ids[uid] = 0
+        asyncio.run(loop.run(api, "cpu", 0, None, Transport(), {}, None))
+        answers: dict[str, list] = {}
+        for uid, (data, status, _, _) in sent:
+            answers.setdefault(uid, []).append((data, status))
+        return answers
+
+    armed = [False]
+
+    def fail(module, args) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("injected failure")
+
+    model.core.layers[0].attn.register_forward_pre_hook(fail)
+    for uid in ("a", "b"):
+        loop.add_request(uid, REQUESTS[uid], api, spec)
+        loop.response_queue_ids[uid] = 0
+    api.step(None)  # both are running
+    armed[0] = True  # b's decode fails in the step that cancels a
+    failed = run({"cancel-a": Cancel("a")})
+    assert {uid for uid, pieces in failed.items() if pieces[-1][1] == LitAPIStatus.ERROR} == {"a", "b", "cancel-a"}
+    good = REQUESTS["e"]
+    answers = run({"g": good})
+    assert set(answers) == {"g"}, answers
+    statuses = [status for _, status in answers["g"]]
+    assert LitAPIStatus.ERROR not in statuses and statuses[-1] == LitAPIStatus.FINISH_STREAMING
+    text = "".join(json.loads(data)["text"] for data, status in answers["g"] if status == LitAPIStatus.OK)
+    assert text == reference(model, good, "last_loop")
 
 
 def test_finished_and_abandoned_requests_leave_the_response_buffer(spec: CompletionsSpec) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -57,5 +60,35 @@ def test_elr_generate_reads_a_sharded_folder(checkpoints: tuple[Path, Path], cap
 
 
 def test_a_folder_that_is_not_a_sharded_checkpoint_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="is not a sharded Lightning checkpoint"):
+    with pytest.raises(ValueError, match="is a folder without .metadata and meta.pt, so not a sharded checkpoint"):
         read_sharded_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("empty meta.pt", r"its meta.pt \(0 bytes\) is empty"),
+    ("cut meta.pt", r"its meta.pt \(\d+ bytes\) is damaged"),
+    ("list meta.pt", r"its meta.pt holds a list, not a checkpoint's dictionary"),
+    ("int index", r"its .metadata holds a int, not a torch.distributed.checkpoint index"),
+    ("no index", r"is a folder without .metadata, so not a sharded checkpoint"),
+    ("no meta.pt", r"is a folder without meta.pt, so not a sharded checkpoint"),
+])  # fmt: skip
+def test_a_damaged_sharded_folder_is_one_line_naming_the_file(
+    checkpoints: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture, damage: str, says: str
+) -> None:
+    folder = tmp_path / "damaged"
+    shutil.copytree(checkpoints[1], folder)
+    meta, index = folder / "meta.pt", folder / ".metadata"
+    if damage == "empty meta.pt":
+        meta.write_bytes(b"")
+    elif damage == "cut meta.pt":
+        meta.write_bytes(meta.read_bytes()[:200])
+    elif damage == "list meta.pt":
+        torch.save([1, 2], meta)
+    elif damage == "int index":
+        index.write_bytes(pickle.dumps(5))
+    else:
+        (index if damage == "no index" else meta).unlink()
+    with pytest.raises(SystemExit):
+        main(["generate", "--ckpt_path", str(folder), "--prompt", "ab", "--max_new_tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(says, err[0]) and "bug" not in err[0], err

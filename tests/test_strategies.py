@@ -115,23 +115,25 @@ def launch(
     out: Path,
     cases: dict[str, dict[str, Any]] = CASES,
     timeout_s: int = LAUNCH_TIMEOUT_S,
+    world: int = WORLD,
+    steps: int = STEPS,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Run every case of ``cases`` on WORLD fresh processes; return each case's per-rank results.
+    """Run every case of ``cases`` on ``world`` fresh processes for ``steps`` steps; return each case's per-rank results.
 
     ``timeout_s`` bounds the launch; each rank's watchdog fires 15 s before it.
     """
     out.mkdir()
     specs = [{"name": name, "batch_size": PER_RANK_BATCH, **case} for name, case in cases.items()]
     watchdog = WATCHDOG_S + timeout_s - LAUNCH_TIMEOUT_S
-    spec = {**corpus, "strategy": strategy, "steps": STEPS, "out": str(out), "watchdog_s": watchdog, "cases": specs}
+    spec = {**corpus, "strategy": strategy, "steps": steps, "out": str(out), "watchdog_s": watchdog, "cases": specs}
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = _free_port()
     procs, logs = [], []
-    for rank in range(WORLD):
+    for rank in range(world):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
         env.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
             LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
         )
         log = open(out / f"rank{rank}.log", "w")
@@ -141,9 +143,9 @@ def launch(
                 [sys.executable, str(WORKER), str(spec_path)], env=env, stdout=log, stderr=log, start_new_session=True
             )
         )
-    wait_for(procs, logs, timeout_s, f"{strategy}: the {WORLD}-process run")
+    wait_for(procs, logs, timeout_s, f"{strategy}: the {world}-process run")
     return {
-        name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=True) for r in range(WORLD)] for name in cases
+        name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=True) for r in range(world)] for name in cases
     }
 
 
@@ -208,14 +210,49 @@ def test_fsdp_two_processes_match_one_process_with_virtual_ranks(corpus, referen
     results = launch("fsdp", corpus, tmp_path / "fsdp")
     for name in CASES:
         assert_matches_reference(name, results[name], references[name])
-    # The recurrent core (the whole k-loop) is one unit; input and output layers one unit each; then the root.
-    assert results["v1"][0]["fsdp_units"] == ["", "input_layers.0", "core", "output_layers.0"]
+    # Each layer is a unit, the recurrent ones included (every rank makes as many passes); the core keeps the
+    # state update and the conditioner; then the root.
+    assert results["v1"][0]["fsdp_units"] == ["", "input_layers.0", "core", "core.layers.0", "output_layers.0"]
     assert_checkpoint_has_tokenizer(tmp_path / "fsdp" / "v1.ckpt")
     # Conditioner off on every rank: its heads have no gradient anywhere, so nothing moves them.
     off = results["v1_conditioner_off"][0]["state"]
     initial = _dist_worker.tiny_module(1).model.state_dict()
     heads = [k for k in initial if "_mod." in k or "conditioner.mlp" in k]
     assert heads and all(torch.equal(off[k], initial[k]) for k in heads)
+
+
+#: Pairs of two-process FSDP2 runs, the second with ``cpu_offload`` (torch's ``CPUOffloadPolicy`` on every unit): GDP
+#: layers in fp32 over two accumulated micro-batches, writing a sharded checkpoint; MoE layers under bf16-mixed
+#: from a meta-device build (the shards materialised on the CPU, where offloading wants them).
+OFFLOAD_CASES = {
+    "kept": {"virtual_ranks": 2, "hybrid": True, "accumulate": 2},
+    "offloaded": {"virtual_ranks": 2, "hybrid": True, "accumulate": 2, "cpu_offload": True, "save_checkpoint": True},
+    "kept_bf16_meta": {"virtual_ranks": 1, "moe": True, "precision": "bf16-mixed", "meta_init": True},
+    "offloaded_bf16_meta": {"virtual_ranks": 1, "moe": True, "precision": "bf16-mixed", "meta_init": True, "cpu_offload": True},
+}
+
+
+@pytest.mark.slow
+def test_fsdp_cpu_offload_trains_bit_for_bit_as_without(corpus, tmp_path):
+    """On the CPU offloading moves nothing, but FSDP2 takes its offload path: the shards copied "to the device" for
+    each gather (per parameter, cast one by one instead of its fused copy), the gradient shards copied back and added
+    there under accumulation. Same losses and parameters, bit for bit; the optimizer steps the CPU shards with the
+    CPU's fused AdamW, and the offloaded run checkpoints."""
+    results = launch("fsdp", corpus, tmp_path / "offload", OFFLOAD_CASES)
+    for kept, offloaded in (("kept", "offloaded"), ("kept_bf16_meta", "offloaded_bf16_meta")):
+        for a, b in zip(results[kept], results[offloaded]):
+            assert a["loops"] == b["loops"] and a["losses"] == b["losses"], (kept, a["losses"], b["losses"])
+            assert a["utilisation"] == b["utilisation"]
+            assert a["state"].keys() == b["state"].keys()
+            differ = [k for k in a["state"] if not torch.equal(a["state"][k], b["state"][k])]
+            assert not differ, f"{offloaded}: {differ[:3]} differ from {kept}"
+            moved = max((a["state"][k].float() - a["initial"][k].float()).abs().max().item() for k in a["state"])
+            assert moved > 1e-2, f"{kept}: training barely moved the parameters"
+            assert b["optimizer"] == {"fused": True, "foreach": None, "devices": ["cpu"]}
+            assert (a["fsdp_offloaded"], b["fsdp_offloaded"]) == ([False], [True])
+        realised = [[k for r in results[kept] for k in r["loops"][i][1]] for i in range(len(results[kept][0]["loops"]))]
+        assert any(len(set(loops)) > 1 for loops in realised), f"{kept}: ranks never ran different k"
+    assert_checkpoint_has_tokenizer(tmp_path / "offload" / "offloaded.ckpt")
 
 
 #: The whole looped forward compiled (``ELRModule(compile_model=True)``), the loop checkpointed, against
@@ -374,6 +411,34 @@ def test_bf16_mixed_fsdp_gathers_in_bf16_and_reduces_in_fp32(tmp_path):
         assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {torch.float32}
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_cpu_offload_shards_every_unit_to_the_host_and_moves_the_rest(tmp_path):
+    """Every unit gets ``CPUOffloadPolicy`` (unpinned on a CPU mesh); Lightning's move to the root device leaves the
+    CPU shards where they are and takes the buffers; on an accelerator gloo joins the backend for the CPU shards."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
+        module = ELRModule(arch=tiny_config(), conditioner=LoopConditioner(d_cond=8, rank=2))
+        shard_looped_lm(module.model, mesh, mp_policy=mixed_precision_policy("bf16-mixed"), cpu_offload=True)
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in module.model.modules() if hasattr(m, "_get_fsdp_state")]
+        params = [p for group in groups if group is not None for p in group.fsdp_params]
+        assert len(params) == len(list(module.model.parameters()))
+        assert all(p.offload_to_cpu and not p.pin_memory for p in params)
+        strategy = OneLoopOverrideFSDPStrategy(cpu_offload=True)
+        strategy.connect(module)
+        strategy.parallel_devices = [torch.device("meta")]  # a device other than the CPU, without one
+        strategy.model_to_device()
+        assert {p.device.type for p in module.model.parameters()} == {"cpu"}
+        assert {b.device.type for b in module.model.buffers()} == {"meta"}
+    finally:
+        torch.distributed.destroy_process_group()
+    strategy.parallel_devices = [torch.device("cuda", 0)]
+    assert strategy._get_process_group_backend() == "cuda:nccl,cpu:gloo"
+    assert OneLoopOverrideFSDPStrategy(cpu_offload=True, process_group_backend="nccl")._get_process_group_backend() == "nccl"
+    kept = OneLoopOverrideFSDPStrategy()
+    kept.parallel_devices = [torch.device("cuda", 0)]
+    assert kept._get_process_group_backend() == "nccl"
 
 
 # ---- the data-parallel layout ---------------------------------------------------------------------

@@ -1,8 +1,7 @@
-"""Which modules a checkpoint may name: checked without importing, and the user's ways to trust their own."""
+"""Which code a checkpoint may name: trusted modules only, checked before any import, and the user's ways to trust their own."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,76 +14,84 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import elr_lightning.trust as trust
+from elr_lightning.checkpoint_schema import CheckpointConfigError, module_arguments
 from elr_lightning.cli import main
 from elr_lightning.config import ModelConfig
 from elr_lightning.generation import load_model
 from elr_lightning.hf.export import save_module_checkpoint
 from elr_lightning.module import ELRModule
-from elr_lightning.trust import UntrustedModuleError, check_checkpoint_names, trust_modules, untrusted_import
-from elr_lightning.updates import FixedDelta
+from elr_lightning.trust import UntrustedModuleError, named_packages, trust_modules, trusted_class
+from elr_lightning.updates import FixedDelta, StateUpdate
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCH = dict(vocab_size=256, d_model=16, n_heads=2, n_in=1, n_rec=1, n_out=0, max_seq_len=32, max_loops=2)
 
 #: First components of the names drawn: imported or not, importable or not, packages with a
 #: ``__main__`` (importing ``unittest.__main__`` runs a test discovery) and modules whose import acts.
-HEADS = ["this", "antigravity", "unittest", "json", "os", "elr_lightning", "collections", "no_such_module_x", "xml",
-         "tkinter", "http", "email", "torch", "idlelib", "pydoc_data", "lib2to3", "sqlite3"]  # fmt: skip
+HEADS = ["this", "antigravity", "unittest", "json", "os", "subprocess", "logging", "collections", "no_such_module_x",
+         "xml", "tkinter", "http", "email", "torch", "idlelib", "pydoc_data", "sqlite3", "elr_lightningx"]  # fmt: skip
 TAILS = ["__main__", "tool", "server", "path", "updates", "abc", "dom", "minidom", "Foo", "mime", "text", "nn",
-         "idle", "topics", "dbapi2", "main"]  # fmt: skip
+         "idle", "topics", "dbapi2", "main", "Popen", "system", "FileHandler"]  # fmt: skip
 
 
 @given(st.sampled_from(HEADS), st.lists(st.sampled_from(TAILS), min_size=1, max_size=3))
-def test_checking_a_name_imports_nothing_and_finds_what_an_import_would_run(head: str, tails: list[str]) -> None:
+def test_a_name_outside_the_trusted_modules_is_refused_without_importing_anything(head: str, tails: list[str]) -> None:
+    """Imported or not (``os``, ``subprocess``, ``logging`` always are), a module outside the trusted ones is refused."""
     name = ".".join([head, *tails])
     before = set(sys.modules)
-    found = untrusted_import(name, ["elr_lightning"])
-    new = set(sys.modules) - before
-    assert all(importlib.util.find_spec(m).origin is None for m in new), new  # namespace packages run nothing
-    if found is not None:
-        assert name == found or name.startswith(found + ".")
-        assert found not in sys.modules and importlib.util.find_spec(found) is not None
-        assert all(".".join(name.split(".")[:i]) in sys.modules for i in range(1, found.count(".") + 1))
-    elif not name.startswith("elr_lightning."):
-        # Every prefix is imported, or the first one that is not cannot be found: no import would run code.
-        prefixes = [".".join(name.split(".")[:i]) for i in range(1, len(name.split(".")) + 1)]
-        first = next((p for p in prefixes if p not in sys.modules), None)
-        assert first is None or _unfindable(first)
+    with pytest.raises(UntrustedModuleError, match=rf"names '{name}' \(f\), and resolving it would import the module '{head}'"):
+        trusted_class(name, StateUpdate, "f", "x.ckpt")
+    assert set(sys.modules) == before
 
 
-def _unfindable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is None
-    except (ImportError, ValueError, AttributeError):
-        return True
+@pytest.mark.parametrize("name, says", [
+    ("elr_lightning.updates.FixedDelta", None),
+    ("elr_lightning.sampling.OneLoopOverride", "names OneLoopOverride, which is not a StateUpdate subclass"),
+    ("elr_lightning.updates.no_such.Thing", "names nothing importable"),
+    ("elr_lightning.trust.os.PathLike", "names PathLike, which is not a StateUpdate subclass"),
+    ("elr_lightning.updates.math", "names a module, not a class"),
+    ("not a class path", "is not a class path"),
+])  # fmt: skip
+def test_a_trusted_name_must_be_a_subclass_of_the_seam(name: str, says: str | None) -> None:
+    if says is None:
+        assert trusted_class(name, StateUpdate, "f", "x.ckpt") is FixedDelta
+    else:
+        with pytest.raises(ValueError, match=says):
+            trusted_class(name, StateUpdate, "f", "x.ckpt")
 
 
-def test_a_package_main_module_is_refused_though_its_package_is_imported() -> None:
-    assert "unittest" in sys.modules  # pytest imports it
-    assert untrusted_import("unittest.__main__.main", []) == "unittest.__main__"
-    assert untrusted_import("this.Foo", []) == "this"
-    assert untrusted_import("os.path.join", []) is None
-    assert untrusted_import("elr_lightning.no.such.Thing", ["elr_lightning"]) is None
+def test_a_long_class_path_is_checked_like_any_other() -> None:
+    """The trust check once skipped names over 512 characters: ``this.AAA...`` imported ``this``."""
+    assert "this" not in sys.modules
+    with pytest.raises(UntrustedModuleError, match=r"would import the module 'this'") as info:
+        trusted_class("this." + "A" * 600, StateUpdate, "hyper_parameters.update.class_path", "x.ckpt")
+    assert "this" not in sys.modules and len(str(info.value)) < 600  # the name is shown cut, on one line
 
 
-def test_lightning_checkpoints_name_only_their_allowed_instantiator(tmp_path: Path) -> None:
-    """A LightningCLI checkpoint names ``lightning.pytorch.cli.instantiate_module``, which Lightning
-    allows by that exact name; it is accepted even before ``lightning.pytorch.cli`` is imported, and
-    any other instantiator is checked like every other name."""
+def test_lightning_checkpoints_name_only_their_allowed_instantiator() -> None:
+    """A LightningCLI checkpoint names ``lightning.pytorch.cli.instantiate_module``; the schema accepts it (and
+    never calls it) even before ``lightning.pytorch.cli`` is imported, and refuses any other instantiator."""
     script = (
-        "import sys; from elr_lightning.trust import check_checkpoint_names, UntrustedModuleError\n"
+        "import sys; from elr_lightning.checkpoint_schema import module_arguments, CheckpointConfigError\n"
+        "from elr_lightning.module import ELRModule\n"
         "assert 'lightning.pytorch.cli' not in sys.modules\n"
         "hp = {'_instantiator': 'lightning.pytorch.cli.instantiate_module', '_class_path': 'elr_lightning.ELRModule'}\n"
-        "check_checkpoint_names({'hyper_parameters': hp}, 'x.ckpt')\n"
+        "cls, args = module_arguments({'hyper_parameters': hp}, ELRModule, 'x.ckpt')\n"
+        "assert cls is ELRModule and '_instantiator' not in args and 'lightning.pytorch.cli' not in sys.modules\n"
         "try:\n"
-        "    check_checkpoint_names({'hyper_parameters': {'_instantiator': 'lightning.pytorch.cli.other'}}, 'x.ckpt')\n"
-        "except UntrustedModuleError as err:\n"
+        "    module_arguments({'hyper_parameters': {'_instantiator': 'os.system'}}, ELRModule, 'x.ckpt')\n"
+        "except CheckpointConfigError as err:\n"
         "    print(err)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "would import the module 'lightning.pytorch.cli'" in out.stdout
+    assert "hyper_parameters._instantiator: 'os.system' is not Lightning's instantiator" in out.stdout
+
+
+def test_an_untrusted_module_subclass_is_refused_by_class_path() -> None:
+    with pytest.raises(UntrustedModuleError, match=r"hyper_parameters._class_path"):
+        module_arguments({"hyper_parameters": {"_class_path": "my_lab.MyModule"}}, ELRModule, "x.ckpt")
 
 
 @pytest.fixture
@@ -165,16 +172,43 @@ def test_a_name_that_is_not_a_module_name_is_refused() -> None:
 @pytest.mark.parametrize("hidden", [
     "class_path: this.Foo",                                    # YAML, as jsonargparse reads a string
     '{"class_path": "this.Foo", "init_args": {}}',            # JSON
-    "{class_path: elr_lightning.X, init_args: {a: [this.Foo]}}",  # deeper in
-    "- x\n- {class_path: this.Foo}",
 ])  # fmt: skip
-def test_a_class_path_hidden_in_a_yaml_string_is_found(hidden: str) -> None:
-    assert "this" not in sys.modules
-    data = {"hyper_parameters": {"sampler": {"class_path": "elr_lightning.X", "init_args": {"after": hidden}}}}
-    with pytest.raises(UntrustedModuleError, match=r"would import the module 'this'"):
-        check_checkpoint_names(data, "x.ckpt")
+def test_a_class_path_in_a_string_is_data_where_a_seam_belongs_it_is_refused(hidden: str) -> None:
+    """No string is ever read as YAML: in a seam's field it is refused, elsewhere it stays a string."""
+    data = {"hyper_parameters": {"sampler": {
+        "class_path": "elr_lightning.callbacks.delayed_mixed_depth.DelayedSampler",
+        "init_args": {"after": hidden, "switch_step": 1},
+    }}}  # fmt: skip
+    with pytest.raises(CheckpointConfigError, match=r"sampler.init_args.after: a LoopSampler is given as \{class_path"):
+        module_arguments(data, ELRModule, "x.ckpt")
+    _, args = module_arguments({"hyper_parameters": {"activation_checkpointing": hidden}}, ELRModule, "x.ckpt")
+    assert args["activation_checkpointing"] == hidden and "this" not in sys.modules
 
 
-def test_strings_that_name_nothing_importable_pass(tmp_path: Path) -> None:
-    """Data that merely looks dotted (file names, numbers) is not a class path anyone could import."""
-    check_checkpoint_names({"hyper_parameters": {"a": "corpus.txt", "b": "1.5", "c": ["x.y.z", {"d": "torch.float32"}]}}, "x")
+def test_named_packages_lists_every_package_a_config_names_as_code() -> None:
+    config = {"update": {"class_path": "my_lab.rules.Update"}, "arch": {"mixers": {"conv": "other_lab.Conv"},
+              "token_pattern": ["attention", "third.Mixer"]}, "sampler": {"class_path": "elr_lightning.sampling.X"}}  # fmt: skip
+    assert named_packages(config) == ["my_lab", "other_lab", "third"]
+
+
+class WithExtra(ELRModule):
+    """A user's module that passes the library's arguments on through ``**kwargs``."""
+
+    def __init__(self, extra: int = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.extra = extra
+
+
+def test_a_subclass_taking_kwargs_has_them_checked_by_the_base_class(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(trust.TRUST_ENV, __name__)
+    torch.manual_seed(0)
+    save_module_checkpoint(WithExtra(extra=3, arch=ModelConfig(**ARCH), update=FixedDelta(0.5)), tmp_path / "x.ckpt")
+    raw = torch.load(tmp_path / "x.ckpt", weights_only=True)
+    raw["hyper_parameters"]["_class_path"] = f"{__name__}.WithExtra"
+    torch.save(raw, tmp_path / "x.ckpt")
+    loaded = ELRModule.load_from_checkpoint(tmp_path / "x.ckpt")
+    assert type(loaded) is WithExtra and loaded.extra == 3 and loaded.model.update.beta == 0.5
+    raw["hyper_parameters"]["arch"]["rope_scaling"] = {"payload": {"class_path": "subprocess.Popen"}}
+    torch.save(raw, tmp_path / "x.ckpt")
+    with pytest.raises(CheckpointConfigError, match=r"hyper_parameters.arch.rope_scaling.payload: a mapping where"):
+        ELRModule.load_from_checkpoint(tmp_path / "x.ckpt")

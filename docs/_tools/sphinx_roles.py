@@ -26,13 +26,17 @@ PACKAGE = "elr_lightning"
 
 def _canonical(obj: griffe.Object, path: str) -> str:
     """Where the object ``path`` names is rendered: re-exports followed, an inherited member kept on the
-    class that inherits it (``inherited_members`` renders it there)."""
+    class that inherits it (``inherited_members`` renders it there), and an attribute without a docstring
+    of its own on its class (whose ``Attributes`` section documents it; the reference renders only
+    what has a docstring)."""
     head, _, member = path.rpartition(".")
     for owner, rest in ((path, ""), (head, member)):
         try:
             found = obj.package.get_member(owner.split(".", 1)[1]) if "." in owner else obj.package
         except (KeyError, griffe.AliasResolutionError, griffe.CyclicAliasError):
             continue
+        if not rest and found.is_attribute and found.docstring is None and found.parent.is_class:
+            return found.parent.canonical_path
         return f"{found.canonical_path}.{rest}" if rest else found.canonical_path
     return path  # not found: left for autorefs to report under --strict
 
@@ -94,6 +98,20 @@ def _escape_emphasis(line: str) -> str:
     return "".join(p if i % 2 else EMPHASIS.sub(r"\\_", p) for i, p in enumerate(parts))
 
 
+def _inherited_docstring(method: griffe.Object) -> None:
+    """Give a method that overrides a documented one of a base class in the package that docstring: the
+    seam's contract (``StateUpdate.forward``, ``DepthTask.draw``) is written once, on the seam."""
+    try:
+        bases = method.parent.mro()
+    except (griffe.AliasResolutionError, ValueError, AttributeError):
+        return
+    for base in bases:
+        member = base.members.get(method.name)
+        if member is not None and base.path.startswith(PACKAGE) and member.docstring is not None:
+            method.docstring = griffe.Docstring(member.docstring.value, lineno=member.docstring.lineno, parent=method)
+            return
+
+
 def _comment_docstring(attr: griffe.Object) -> None:
     """Give an attribute the Sphinx ``#:`` comment lines above it as its docstring."""
     lines = attr.module.lines
@@ -112,15 +130,24 @@ class SphinxRoles(griffe.Extension):
     """Rewrite every docstring of the package once it is loaded (names resolve across modules then)."""
 
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
-        seen: set[str] = set()
-        stack: list[griffe.Object] = [pkg]
-        while stack:
-            obj = stack.pop()
-            if obj.path in seen:
-                continue
-            seen.add(obj.path)
+        objects = _walk(pkg)
+        for obj in objects:  # first, so that a reference sees which attributes have a docstring
             if obj.docstring is None and obj.is_attribute:
                 _comment_docstring(obj)
+            elif obj.docstring is None and obj.is_function and obj.parent is not None and obj.parent.is_class:
+                _inherited_docstring(obj)
+        for obj in objects:
             if obj.docstring is not None:
                 obj.docstring.value = _rewrite(obj, obj.docstring.value)
+
+
+def _walk(pkg: griffe.Module) -> list[griffe.Object]:
+    """Every object defined in the package, once (re-exports are aliases, not followed)."""
+    seen: dict[str, griffe.Object] = {}
+    stack: list[griffe.Object] = [pkg]
+    while stack:
+        obj = stack.pop()
+        if obj.path not in seen:
+            seen[obj.path] = obj
             stack.extend(m for m in obj.members.values() if not m.is_alias)
+    return list(seen.values())

@@ -14,10 +14,11 @@ class DepthAccuracy(Callback):
     """After each validation (not the sanity check), score the depth task's held-out instances.
 
     Needs a :class:`~elr_lightning.depth.DepthDataModule` (its ``task`` and ``eval_difficulties``);
-    with another data module it does nothing. Rank 0 scores ``n`` instances per difficulty at every
-    k of ``loops`` (:func:`~elr_lightning.depth.score.score`) and logs, to every logger,
+    with another data module it does nothing. Every rank scores the same ``n`` instances per
+    difficulty at every k of ``loops`` (:func:`~elr_lightning.depth.score.score`), so a sharded model
+    (FSDP) runs the same gathers in the same order on all of them; rank 0 logs, to every logger,
     ``val_depth/d{difficulty}/exact_k{k}`` (the instance exact match) and, to TensorBoard, the image
-    ``val_depth/heatmap`` (difficulty x k) and the same table as text, ``val_depth/table``. The model's other ranks wait at the next collective.
+    ``val_depth/heatmap`` (difficulty x k) and the same table as text, ``val_depth/table``.
 
     Args:
         loops: Loop counts; default 1..2K (K = ``arch.max_loops``, so K+1..2K extrapolate), 1 alone for the
@@ -36,13 +37,15 @@ class DepthAccuracy(Callback):
     @override
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: Any) -> None:
         datamodule = getattr(trainer, "datamodule", None)
-        if trainer.sanity_checking or not trainer.is_global_zero or not hasattr(datamodule, "eval_difficulties"):
+        if trainer.sanity_checking or not hasattr(datamodule, "eval_difficulties"):
             return
         from elr_lightning.depth.score import default_loops, format_table, heatmap, score
 
         max_loops = pl_module.arch.max_loops
         loops = self.loops or default_loops(pl_module.model)
         table = score(pl_module.model, datamodule.task, datamodule.eval_difficulties, loops, self.n, self.seed)
+        if not trainer.is_global_zero:
+            return
         metrics = {f"val_depth/d{d}/exact_k{k}": cell["exact"] for d, row in table.items() for k, cell in row.items()}
         step = trainer.global_step
         for logger in trainer.loggers:

@@ -10,8 +10,8 @@ Layout of a prepared folder::
 
 Each unit of :func:`~elr_lightning.data.readers.plan_units` becomes one shard, whatever process
 tokenised it, so the folder is byte-identical for any ``--workers``. A file larger than
-``--shard-mb`` is cut into spans at line breaks, one unit each, so workers share it and a worker
-holds one span at a time: ``--shard-mb`` bounds its memory, not the file (a plain-text file that
+``--shard_mb`` is cut into spans at line breaks, one unit each, so workers share it and a worker
+holds one span at a time: ``--shard_mb`` bounds its memory, not the file (a plain-text file that
 large becomes one document per span; see :mod:`~elr_lightning.data.readers`). A document longer than
 :data:`ENCODE_CHARS` is tokenised in pieces cut after line breaks.
 
@@ -25,7 +25,6 @@ are there, and training refuses a folder without it, so a killed prepare never t
 its data. Rerunning the command keeps the finished shards and redoes the rest.
 """
 
-import argparse
 import hashlib
 import itertools
 import json
@@ -38,6 +37,7 @@ from typing import IO, Any, Optional
 import numpy as np
 from tqdm import tqdm
 
+from elr_lightning.arguments import CommandParser, command_parser
 from elr_lightning.checkpoint_io import remove_orphans, write_atomically
 from elr_lightning.data.base import document_separator
 from elr_lightning.data.datamodule import token_dtype
@@ -222,9 +222,9 @@ def prepare_corpus(
     if workers < 1:
         raise ValueError(f"elr prepare --workers must be >= 1, got {workers}")
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"elr prepare --val-fraction must be in [0, 1), got {val_fraction}")
+        raise ValueError(f"elr prepare --val_fraction must be in [0, 1), got {val_fraction}")
     if shard_bytes < 1:
-        raise ValueError(f"elr prepare --shard-mb must be positive, got {shard_bytes} bytes")
+        raise ValueError(f"elr prepare --shard_mb must be positive, got {shard_bytes} bytes")
     tok = _tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     units = plan_units(sources, shard_bytes)
@@ -344,24 +344,31 @@ def _run_in_pool(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def prepare_command(argv: list[str]) -> None:
-    """``elr prepare SOURCES... --out DIR``: parse the arguments and run :func:`prepare_corpus`."""
-    parser = argparse.ArgumentParser(
-        prog="elr prepare", description="Tokenise text, .jsonl[.gz|.zst] or parquet files into a prepared folder."
+def prepare_parser() -> CommandParser:
+    """The parser of ``elr prepare``."""
+    parser = command_parser(
+        "prepare",
+        "Tokenise text, .jsonl[.gz|.zst] or parquet files into a prepared folder.",
+        deprecated={"--text-field": "--text_field", "--val-fraction": "--val_fraction", "--shard-mb": "--shard_mb"},
     )
-    parser.add_argument("sources", nargs="+", help="files, folders or globs")
-    parser.add_argument("--out", required=True, help="the prepared folder (rerun to resume)")
-    parser.add_argument("--tokenizer", default="byte", help="'byte' or a HF tokenizer.json")
-    parser.add_argument("--workers", type=int, default=1, help="tokenising processes")
-    parser.add_argument("--text-field", default="text", help="JSON key or parquet column of the text")
-    parser.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out")
+    parser.add_argument("sources", type=str, nargs="+", help="Files, folders or globs.")
+    parser.add_argument("--out", type=str, required=True, help="The prepared folder (rerun to resume).")
+    parser.add_argument("--tokenizer", type=str, default="byte", help="'byte' or a HF tokenizer.json.")
+    parser.add_argument("--workers", type=int, default=1, help="Tokenising processes.")
+    parser.add_argument("--text_field", type=str, default="text", help="JSON key or parquet column of the text.")
+    parser.add_argument("--val_fraction", type=float, default=0.01, help="Share of documents held out.")
     parser.add_argument(
-        "--shard-mb",
+        "--shard_mb",
         type=float,
         default=SHARD_BYTES / 2**20,
-        help="input MiB per shard; larger files are cut into spans of this size, which bounds a worker's memory",
+        help="Input MiB per shard; larger files are cut into spans of this size, which bounds a worker's memory.",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def prepare_command(argv: list[str]) -> None:
+    """``elr prepare SOURCES... --out DIR``: parse the arguments and run :func:`prepare_corpus`."""
+    args = prepare_parser().parse_args(argv)
     index = prepare_corpus(
         args.sources,
         args.out,

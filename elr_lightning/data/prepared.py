@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 from elr_lightning.data.prepare import READABLE_FORMATS, shard_paths
 from elr_lightning.tokenizers import Tokenizer
 
+#: The field the errors about prepared folders name.
 FIELD = "data.folders"
 
 

@@ -24,7 +24,7 @@ class PreparedDataModule(TokenDataModule):
     realised share of the windows so far, every ``trainer.log_every_n_steps``.
 
     Validation reads the held-out documents of the training folders (``elr prepare
-    --val-fraction``), or all documents of the ``validation`` folders when given: never windows of
+    --val_fraction``), or all documents of the ``validation`` folders when given: never windows of
     a training document. A validation folder with a training folder's fingerprint (the same folder,
     or a copy), or prepared from a file a training folder was prepared from, is refused.
 
@@ -166,7 +166,7 @@ class PreparedDataModule(TokenDataModule):
         val = self._require_setup()
         if len(val) == 0 and getattr(self.trainer, "limit_val_batches", 1) != 0:
             raise ValueError(
-                "data.validation: the folders hold no validation window; prepare with --val-fraction > 0, give "
+                "data.validation: the folders hold no validation window; prepare with --val_fraction > 0, give "
                 "data.validation folders, or set trainer.limit_val_batches: 0"
             )
         count = self.validation_count(len(val))

@@ -36,8 +36,10 @@ COMPRESSED_SUFFIXES: tuple[str, ...] = (".gz", ".zst")
 PREPARE_SUFFIXES: tuple[str, ...] = tuple(dict.fromkeys(TEXT_SUFFIXES + JSONL_SUFFIXES + (".parquet",)))
 """Files a folder given to ``elr prepare`` contributes (searched recursively)."""
 
+#: The field the errors about ``elr prepare``'s sources name.
 SOURCES_FIELD = "elr prepare SOURCES"
-TEXT_FIELD = "elr prepare --text-field"
+#: The field the errors about a record without text name.
+TEXT_FIELD = "elr prepare --text_field"
 
 _READ = 1 << 20
 """Bytes read at a time while looking for a line break or decompressing."""

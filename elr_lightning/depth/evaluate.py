@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from elr_lightning.checkpoint_io import save_figure, write_file
 from elr_lightning.decode import AdaptiveDepth
 from elr_lightning.depth.score import Table, default_loops, format_table, heatmap, score, score_adaptive
 from elr_lightning.depth.tasks import TASKS, DepthTask
@@ -100,10 +101,9 @@ def run_depth_eval(args: Any, model: LoopedLM, task: DepthTask) -> dict[str, Any
             )
     print(_report(table, task, summary))
     os.makedirs(args.output_dir, exist_ok=True)
-    with open(os.path.join(args.output_dir, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=2)
+    write_file(os.path.join(args.output_dir, "summary.json"), json.dumps(summary, indent=2))
     figure = heatmap(table, title=f"{task.name}: exact match (%); right of the line: k > K", max_loops=max_loops)
-    figure.savefig(os.path.join(args.output_dir, "depth_heatmap.png"))
+    save_figure(figure, os.path.join(args.output_dir, "depth_heatmap.png"))
     if args.log_dir:
         _log_tensorboard(table, figure, args.log_dir, task)
     return summary

@@ -20,6 +20,8 @@ from __future__ import annotations
 from statistics import mean
 from typing import Any, Optional
 
+from elr_lightning.checkpoint_io import save_figure
+
 DEPTH_GAIN = 0.40
 """Exact-match points k = K must add over k = 1 at the hardest training difficulty."""
 
@@ -148,4 +150,4 @@ def plot_heatmaps(results: list[dict[str, Any]], k_max: int, path: str) -> None:
         cells = {d: {k: {"exact": mean(v)} for k, v in row.items()} for d, row in rows.items()}
         draw_heatmap(ax, cells, "exact", arm, k_max)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)

@@ -49,6 +49,7 @@ from elr_lightning.tokenizers import Tokenizer
 #: ``dtype`` model argument -> autocast dtype (``None``: the weights' own fp32).
 DTYPES: dict[str, Optional[torch.dtype]] = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+#: A request's context and continuation token ids.
 Pair = tuple[list[int], list[int]]
 
 

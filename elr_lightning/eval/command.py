@@ -29,22 +29,20 @@ from typing import Any, Literal, Optional
 
 import torch
 
+from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
+from elr_lightning.checkpoint_io import save_figure, write_file
 from elr_lightning.errors import refuse_unread_flags
-from elr_lightning.loop_points import auto_label, parse_points, parse_thresholds
+from elr_lightning.loop_points import auto_label, parse_thresholds
 from elr_lightning.tokenizer_checkpoint import choose_tokenizer
 from elr_lightning.trust import add_trust_argument, apply_trust_argument
 
-_EVAL_ERRORS = (ValueError, FileNotFoundError, ImportError, KeyError)
-
-
-def _parser() -> Any:
-    from jsonargparse import ActionYesNo, ArgumentParser
-
-    p = ArgumentParser(prog="elr eval", description="lm-evaluation-harness accuracy of a checkpoint at several k.")
+def eval_parser() -> CommandParser:
+    """The parser of ``elr eval``."""
+    p = command_parser("eval", "lm-evaluation-harness accuracy of a checkpoint at several k.")
     p.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
-    p.add_argument(
-        "--loops", type=Optional[str], default=None,
-        help="Loop counts, e.g. 1,2,4 or 1-4, and 'auto' for depth per token (e.g. 1-3,auto); default 1..max_loops.",
+    add_loops(
+        p, "Loop counts, with auto for depth per token (e.g. 1-3,auto); default 1..max_loops (depth tasks: 1..2K)",
+        auto=True,
     )  # fmt: skip
     p.add_argument("--threshold", type=Optional[str], default=None,
                    help="Exit thresholds of --loops auto, one point each, e.g. 0.01,0.001; default 0.001.")  # fmt: skip
@@ -67,14 +65,12 @@ def _parser() -> Any:
     p.add_argument("--device", type=str, default="cpu", help="Device, e.g. cpu or cuda.")
     p.add_argument("--dtype", type=Literal["float32", "bfloat16", "float16"], default="float32", help="Autocast dtype.")
     p.add_argument("--tokenizer", type=Optional[str], default=None, help="Override the checkpoint's saved tokenizer.")
-    p.add_argument("--allow_extrapolation", action=ActionYesNo, default=False, help="Allow loops above arch.max_loops.")
-    p.add_argument(
-        "--fold",
-        action=ActionYesNo,
-        default=None,
-        help="Compute each k's conditioning constants once (default, the model's serve_folded); --no_fold runs the "
+    add_switch(p, "--allow_extrapolation", False, "Allow loops above arch.max_loops.")
+    add_switch(
+        p, "--fold", None,
+        "Compute each k's conditioning constants once (default, the model's serve_folded); --no_fold runs the "
         "conditioner per forward pass.",
-    )
+    )  # fmt: skip
     p.add_argument("--include_path", type=Optional[str], default=None, help="Extra folder of task YAMLs.")
     p.add_argument("--data_dir", type=Optional[str], default=None, help="Local task data (built there if missing).")
     p.add_argument("--output_dir", type=str, default="eval", help="Folder for the JSON results and the PNG.")
@@ -85,17 +81,13 @@ def _parser() -> Any:
 
 
 def eval_command(argv: list[str]) -> None:
-    """``elr eval``; a bad input ends the process with a one-line error and exit status 1."""
-    try:
-        run_eval(_parser().parse_args(argv))
-    except _EVAL_ERRORS as err:
-        message = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
-        raise SystemExit("elr eval: error: " + " ".join(message.split())) from None
+    """``elr eval``; ``elr`` reports a bad input in one line with exit status 1."""
+    run_eval(eval_parser().parse_args(argv))
 
 
 def run_eval(args: Any) -> dict[str, Any]:
     """Run the harness at every requested k; return the summary that ``summary.json`` holds."""
-    loops, auto = parse_points(args.loops) if args.loops is not None else (None, False)
+    loops, auto = (list(args.loops.counts), args.loops.auto) if args.loops is not None else (None, False)
     if not auto:
         flags = {"--threshold": args.threshold, "--exit_criterion": args.exit_criterion, "--max_loops": args.max_loops}
         refuse_unread_flags(flags, "--loops auto", "add auto, e.g. --loops 1-3,auto")
@@ -210,8 +202,7 @@ def _evaluate(lm: Any, tasks: list[str], manager: Any, args: Any) -> dict[str, A
 def _write_json(path: str, obj: Any) -> None:
     from lm_eval.utils import handle_non_serializable
 
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
+    write_file(path, json.dumps(obj, indent=2, default=handle_non_serializable, ensure_ascii=False))
 
 
 def _primary_metric(config: dict[str, Any]) -> Optional[str]:
@@ -326,7 +317,7 @@ def plot(summary: dict[str, Any], path: str) -> None:
     ax.set_title("accuracy vs loops (dashed: chance, stars: auto)" if adaptive else "accuracy vs loop count (dashed: chance)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
 
 
@@ -347,21 +338,21 @@ def log_tensorboard(summary: dict[str, Any], log_dir: str) -> None:
                 writer.add_scalar(f"{tag}/mean_loops", a["mean_loops"], a["max_loops"])
 
 
-def eval_tasks_command(argv: Sequence[str]) -> None:
-    """``elr eval-tasks``: write the local tasks' JSONL files (offline, deterministic from the seed)."""
-    from jsonargparse import ArgumentParser
-
-    from elr_lightning.eval.taskdata import build_tasks, default_data_dir
-
-    p = ArgumentParser(prog="elr eval-tasks", description="Build the local evaluation tasks from held-out stdlib text.")
+def eval_tasks_parser() -> CommandParser:
+    """The parser of ``elr eval-tasks``."""
+    p = command_parser("eval-tasks", "Build the local evaluation tasks from held-out stdlib text.")
     p.add_argument("--out", type=Optional[str], default=None, help="Folder; default $ELR_EVAL_DATA or the user cache.")
     p.add_argument("--seed", type=int, default=0, help="Seed of the example draw.")
     p.add_argument("--n", type=int, default=500, help="Examples per task.")
     p.add_argument("--val_fraction", type=float, default=0.01, help="data.val_fraction of the evaluated run.")
-    args = p.parse_args(list(argv))
-    try:
-        paths = build_tasks(args.out or default_data_dir(), seed=args.seed, n=args.n, val_fraction=args.val_fraction)
-    except ValueError as err:
-        raise SystemExit(f"elr eval-tasks: error: {err}") from None
+    return p
+
+
+def eval_tasks_command(argv: Sequence[str]) -> None:
+    """``elr eval-tasks``: write the local tasks' JSONL files (offline, deterministic from the seed)."""
+    from elr_lightning.eval.taskdata import build_tasks, default_data_dir
+
+    args = eval_tasks_parser().parse_args(list(argv))
+    paths = build_tasks(args.out or default_data_dir(), seed=args.seed, n=args.n, val_fraction=args.val_fraction)
     for name, path in paths.items():
         print(f"{name}: {path}")

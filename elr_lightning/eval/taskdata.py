@@ -29,6 +29,7 @@ import sys
 from functools import lru_cache
 from typing import Any, Optional
 
+from elr_lightning.checkpoint_io import write_file
 from elr_lightning.data import default_corpus_files, iter_documents
 
 FORMAT = 1
@@ -150,14 +151,9 @@ def build_tasks(out_dir: str, seed: int = 0, n: int = 500, val_fraction: float =
     for offset, (name, build) in enumerate(builders.items()):
         examples = build(lines, n, random.Random(seed * 1000 + offset))
         path = os.path.join(out_dir, f"{name}.jsonl")
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for example in examples:
-                f.write(json.dumps(example, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
+        write_file(path, "".join(json.dumps(example, ensure_ascii=False) + "\n" for example in examples))
         paths[name] = path
-    with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump(_meta(seed, n, val_fraction), f)
+    write_file(os.path.join(out_dir, "meta.json"), json.dumps(_meta(seed, n, val_fraction)))
     return paths
 
 

@@ -12,9 +12,10 @@ from transformers import PretrainedConfig
 #: State-update rules the modeling file implements (eq. 2 and the paper's ablation rules).
 STATE_UPDATES = ("adaptive_delta", "fixed_delta", "residual", "replace", "non_recurrent")
 
-#: Token and channel mixers the modeling file implements (``type`` of each ``token_mixers`` /
-#: ``channel_mixers`` entry): softmax attention and Gated DeltaProduct; SwiGLU and mixture of experts.
+#: Token mixers the modeling file implements (``type`` of each ``token_mixers`` entry; ``channel_mixers``
+#: entries take :data:`CHANNEL_MIXERS`): softmax attention and Gated DeltaProduct.
 TOKEN_MIXERS = ("attention", "gdp")
+#: Channel mixers the modeling file implements: SwiGLU and mixture of experts.
 CHANNEL_MIXERS = ("swiglu", "moe")
 
 

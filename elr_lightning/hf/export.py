@@ -30,15 +30,17 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from elr_lightning.arguments import CommandParser, add_switch, command_parser
 from elr_lightning.checkpoint_io import write_atomically
-from elr_lightning.conditioning import LoopConditioner
+from elr_lightning.checkpoint_schema import checked_arch, plugin_from_config
+from elr_lightning.conditioning import Conditioner, LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.layers import Block
 from elr_lightning.mixers import Attention, GatedDeltaProduct, MoE, SwiGLU
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizer_checkpoint import choose_tokenizer
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
-from elr_lightning.trust import add_trust_argument, apply_trust_argument, check_checkpoint_names
+from elr_lightning.trust import add_trust_argument, apply_trust_argument
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
 
 #: ``ModelConfig`` fields the modeling file implements; a field outside it must keep its default.
@@ -362,12 +364,14 @@ def place_export(new: Path, out: Path) -> None:
 def import_hf(directory: str | os.PathLike) -> Any:
     """Rebuild an :class:`~elr_lightning.module.ELRModule` from an export (weights bit for bit).
 
-    The folder is data: ``config.json``'s ``elr_arch`` may name only trusted modules as layers
-    (:func:`~elr_lightning.trust.check_checkpoint_names`), and the weights are safetensors.
+    The folder is data: ``config.json``'s ``elr_arch`` and ``conditioning`` are checked against
+    their schema before anything is built (:func:`~elr_lightning.checkpoint_schema.checked_arch`:
+    plain data, layers only from trusted modules), and the weights are safetensors.
 
     Raises:
         FileNotFoundError: No ``config.json`` or ``model.safetensors`` in ``directory``.
         UntrustedModuleError: ``elr_arch`` names a module that is not trusted.
+        CheckpointConfigError: ``elr_arch`` or ``conditioning`` breaks its schema, naming the field.
         ValueError: The directory is not an ELR export.
     """
     _, st = _hf()
@@ -380,8 +384,8 @@ def import_hf(directory: str | os.PathLike) -> Any:
     fields = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     if fields.get("model_type") != "elr":
         raise ValueError(f"--hf {str(directory)!r}: model_type is {fields.get('model_type')!r}, not 'elr'")
-    check_checkpoint_names(fields, str(directory / "config.json"), fields=("elr_arch",))  # before the layers import
-    arch = ModelConfig(**fields["elr_arch"])
+    source = str(directory / "config.json")
+    arch = ModelConfig(**checked_arch(fields.get("elr_arch"), "elr_arch", source))  # checked before a layer imports
     rule = fields["state_update"]
     if rule not in UPDATE_RULES:
         raise ValueError(f"--hf config.json: state_update={rule!r} is not one of {sorted(UPDATE_RULES)}")
@@ -392,7 +396,9 @@ def import_hf(directory: str | os.PathLike) -> Any:
     else:
         update = UPDATE_RULES[rule]()
     cond = fields.get("conditioning")
-    conditioner = LoopConditioner(**cond) if cond else None
+    conditioner = plugin_from_config(
+        {"class_path": f"{LoopConditioner.__module__}.LoopConditioner", "init_args": cond}, Conditioner, "conditioning", source
+    ) if cond else None
     module = ELRModule(arch=arch, update=update, conditioner=conditioner)
     state = {}
     for name, tensor in st.load_file(str(directory / "model.safetensors")).items():
@@ -431,24 +437,27 @@ def save_module_checkpoint(module: Any, path: str | os.PathLike, overwrite: bool
     write_atomically(os.fspath(path), lambda f: torch.save(checkpoint, f), overwrite=overwrite)
 
 
-def export_command(argv: list[str]) -> None:
-    """``elr export --ckpt_path X --out DIR [--tokenizer T] [--overwrite]``."""
-    from jsonargparse import ActionYesNo, ArgumentParser
-
-    from elr_lightning.generation import load_model
-
-    parser = ArgumentParser(prog="elr export", description="Write a checkpoint as a Hugging Face model directory.")
+def export_parser() -> CommandParser:
+    """The parser of ``elr export``."""
+    parser = command_parser("export", "Write a checkpoint as a Hugging Face model directory.")
     parser.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
     parser.add_argument("--out", type=str, required=True, help="Directory to write: new or empty.")
     parser.add_argument(
         "--tokenizer", type=Optional[str], default=None, help="Override the checkpoint's saved tokenizer."
     )
-    parser.add_argument(
-        "--overwrite", action=ActionYesNo, default=False,
-        help="Replace the export files of a folder that is not empty (an earlier export); other files are kept.",
+    add_switch(
+        parser, "--overwrite", False,
+        "Replace the export files of a folder that is not empty (an earlier export); other files are kept.",
     )  # fmt: skip
     add_trust_argument(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def export_command(argv: list[str]) -> None:
+    """``elr export --ckpt_path X --out DIR [--tokenizer T] [--overwrite]``."""
+    from elr_lightning.generation import load_model
+
+    args = export_parser().parse_args(argv)
     _hf()
     check_export_folder(Path(args.out), args.overwrite)
     apply_trust_argument(args.trust_module)
@@ -458,16 +467,19 @@ def export_command(argv: list[str]) -> None:
     print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
 
 
-def import_command(argv: list[str]) -> None:
-    """``elr import --hf DIR --out X.ckpt [--overwrite]``."""
-    from jsonargparse import ActionYesNo, ArgumentParser
-
-    parser = ArgumentParser(prog="elr import", description="Turn an `elr export` directory back into a checkpoint.")
+def import_parser() -> CommandParser:
+    """The parser of ``elr import``."""
+    parser = command_parser("import", "Turn an `elr export` directory back into a checkpoint.")
     parser.add_argument("--hf", type=str, required=True, help="Directory written by `elr export`.")
     parser.add_argument("--out", type=str, required=True, help="Checkpoint file to write (not an existing one).")
-    parser.add_argument("--overwrite", action=ActionYesNo, default=False, help="Replace an existing --out file.")
+    add_switch(parser, "--overwrite", False, "Replace an existing --out file.")
     add_trust_argument(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def import_command(argv: list[str]) -> None:
+    """``elr import --hf DIR --out X.ckpt [--overwrite]``."""
+    args = import_parser().parse_args(argv)
     if os.path.lexists(args.out) and not args.overwrite:
         raise FileExistsError(f"--out {args.out!r} exists; give a new path, or add --overwrite to replace it")
     apply_trust_argument(args.trust_module)

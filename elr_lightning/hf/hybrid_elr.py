@@ -32,9 +32,11 @@ class ELRStateLayer(DynamicLayer):
         self.length = 0
 
     def get_seq_length(self) -> int:
+        """Tokens cached so far."""
         return self.length
 
     def reset(self) -> None:
+        """Forget every cached state and token."""
         self.states, self.length = {}, 0
         super().reset()
 

@@ -81,6 +81,7 @@ class ELRAttention(nn.Module):
             self.k_norm = nn.RMSNorm(self.hd, eps=config.norm_eps)
 
     def forward(self, x: Tensor, start: int, mask: Optional[Tensor], cache: Optional[Cache], idx: int) -> Tensor:
+        """Attend over ``x`` (positions from ``start``), reading and updating layer ``idx``'s ``cache``."""
         b, t, _ = x.shape
         q = self.q(x).view(b, t, self.n_heads, self.hd)
         k, v = self.kv(x).view(b, t, 2, self.n_kv, self.hd).permute(2, 0, 3, 1, 4)
@@ -106,6 +107,7 @@ class ELRMLP(nn.Module):
         self.down = nn.Linear(config.d_ff, config.d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        """The MLP of ``x``, as the class says."""
         gate, up = self.up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -122,11 +124,13 @@ class ELRModulator(nn.Module):
         self.up = nn.Linear(rank, d_model, bias=False)
 
     def pre(self, h: Tensor, c: Tensor) -> Tensor:
+        """Eq. 4 before the mixer: FiLM of the normalised input, then the gated low-rank adapter."""
         scale, shift = self.film(c).chunk(2, dim=-1)
         h = torch.addcmul(shift, h, 1 + scale)
         return h + self.up(self.g(c) * self.down(h))
 
     def post(self, y: Tensor, c: Tensor) -> Tensor:
+        """Eq. 4 after the mixer: the output scaled by ``1 + omega(c)``."""
         return (1 + self.omega(c)) * y
 
 
@@ -198,11 +202,13 @@ class ELRUpdate(nn.Module):
             self.gamma = nn.Parameter(torch.zeros(config.d_model))
 
     def inject(self, s: Tensor, h_in: Tensor) -> Tensor:
+        """The block's input ``s~_i``: the state plus the input block's output (none for ``non_recurrent``)."""
         if self.rule == "non_recurrent":
             return s
         return s + h_in if self.injection == "sum" else torch.lerp(s, h_in, 0.5)
 
     def forward(self, s: Tensor, r: Tensor, s_tilde: Tensor) -> Tensor:
+        """The new state from the block's output ``r`` (eq. 2 for ``adaptive_delta``)."""
         if self.rule == "adaptive_delta":
             beta = torch.sigmoid(self.gate(s_tilde)) * F.softplus(self.gamma)
             return torch.lerp(s, r.to(s.dtype), beta.to(s.dtype))
@@ -223,6 +229,7 @@ class ELRConditioner(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(4 * n_freqs, d_cond), nn.SiLU(), nn.Linear(d_cond, d_cond))
 
     def forward(self, loop: int, loops: int, max_loops: int) -> Tensor:
+        """The context ``c_i`` of loop ``loop`` of ``loops`` under the budget ``max_loops``."""
         device = self.mlp[0].weight.device
         freqs = math.pi * 2.0 ** torch.arange(self.n_freqs, dtype=torch.float32, device=device)
 
@@ -285,9 +292,11 @@ class ELRModel(ELRPreTrainedModel):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding."""
         return self.embed
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
+        """Replace the token embedding."""
         self.embed = value
 
     def forward(
@@ -353,15 +362,19 @@ class ELRForCausalLM(ELRPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding."""
         return self.model.embed
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
+        """Replace the token embedding."""
         self.model.embed = value
 
     def get_output_embeddings(self) -> nn.Linear:
+        """The LM head."""
         return self.lm_head
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
+        """Replace the LM head."""
         self.lm_head = value
 
     def forward(

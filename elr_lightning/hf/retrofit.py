@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -30,6 +31,8 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
+from elr_lightning.arguments import CommandParser, add_switch, command_parser
+from elr_lightning.checkpoint_io import write_file
 from elr_lightning.config import ModelConfig
 from elr_lightning.hf.source_weights import SafetensorsWeights
 from elr_lightning.tokenizers import HFTokenizer
@@ -150,21 +153,31 @@ def make_split(
 def read_hf_config(directory: Path) -> Any:
     """The model's ``transformers`` config, checked to be a supported architecture.
 
+    A folder whose ``config.json`` asks for code of its own (``auto_map``) is refused: retrofit
+    never runs or asks to run a model's remote code, and reads only the architectures it knows.
+
     Raises:
         FileNotFoundError: No ``config.json``.
-        ValueError: An architecture or option ELR does not implement, naming the field.
+        ValueError: An architecture or option ELR does not implement, or custom code, naming the field.
     """
     from transformers import AutoConfig
 
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"--hf {str(directory)!r} has no config.json; give a Hugging Face model folder")
     raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    if not isinstance(raw, dict):
+        raise ValueError(f"--hf {str(directory)!r}: config.json holds a {type(raw).__name__}, not a model config")
+    if "auto_map" in raw:
+        raise ValueError(
+            f"--hf {str(directory)!r}: config.json has auto_map, which asks to run the model's own Python code; "
+            f"elr retrofit never runs remote code and reads {sorted(ARCHITECTURES)}: remove auto_map if the model is one"
+        )
     archs = raw.get("architectures") or []
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise ValueError(
             f"config.json: architectures={archs} is not supported; elr retrofit reads {sorted(ARCHITECTURES)}"
         )
-    config = AutoConfig.from_pretrained(str(directory))
+    config = AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
     family = ARCHITECTURES[archs[0]]
     refusals = {
         "hidden_act": (getattr(config, "hidden_act", "silu") != "silu", "ELR's MLP is SwiGLU (silu)"),
@@ -379,7 +392,9 @@ def source_logit_gap(directory: Path, module: Any, tokens: int = 32) -> float:
     from transformers import AutoModelForCausalLM
 
     # safetensors only: a pytorch_model.bin beside them is a pickle, never read
-    source = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, use_safetensors=True).eval()
+    source = AutoModelForCausalLM.from_pretrained(
+        str(directory), dtype=torch.float32, use_safetensors=True, trust_remote_code=False
+    ).eval()
     n = min(tokens, module.arch.max_seq_len)
     ids = (torch.arange(n) * 7919 % module.arch.vocab_size)[None]
     ours = module.model.float().eval()(ids, loops=1)
@@ -446,19 +461,18 @@ def fit_config(
     }
 
 
-def retrofit_command(argv: list[str]) -> None:
-    """``elr retrofit --hf DIR --out DIR [--input A:B --shared A:B --output A:B ...]``."""
-    import yaml
-    from jsonargparse import ArgumentParser
-
-    from elr_lightning.hf.export import _hf, save_module_checkpoint
-
-    parser = ArgumentParser(
-        prog="elr retrofit",
-        description="Turn a local Hugging Face Llama, Mistral, Qwen2 or Qwen3 model into an ELR checkpoint and an `elr fit` YAML.",
+def retrofit_parser() -> CommandParser:
+    """The parser of ``elr retrofit``."""
+    parser = command_parser(
+        "retrofit",
+        "Turn a local Hugging Face Llama, Mistral, Qwen2 or Qwen3 model into an ELR checkpoint and an `elr fit` YAML.",
     )
     parser.add_argument("--hf", type=str, required=True, help="Model folder: config.json, *.safetensors, tokenizer.json.")
     parser.add_argument("--out", type=str, required=True, help="Folder to write retrofit.ckpt, retrofit.yaml and tokenizer.json.")
+    add_switch(
+        parser, "--overwrite", False,
+        "Replace those files in --out (each by a new file: a symbolic link is replaced, never followed).",
+    )  # fmt: skip
     parser.add_argument("--input", type=Optional[str], default=None, help="Input-block layers START:END (default: first quarter).")
     parser.add_argument("--shared", type=Optional[str], default=None, help="Layers the shared block starts from (default: the middle).")
     parser.add_argument("--output", type=Optional[str], default=None, help="Output-block layers (default: last quarter).")
@@ -477,33 +491,43 @@ def retrofit_command(argv: list[str]) -> None:
         default="source",
         help="dtype of the checkpoint's weights; source keeps the safetensors files' dtype.",
     )
-    parser.add_argument(
-        "--verify",
-        type=bool,
-        default=True,
-        help="Load the source with transformers and report the k = 1 logit gap (two fp32 copies of the model in memory).",
-    )
-    args = parser.parse_args(argv)
+    add_switch(
+        parser, "--verify", True,
+        "Load the source with transformers and report the k = 1 logit gap (two fp32 copies of the model in memory).",
+        was_bool=True,
+    )  # fmt: skip
+    return parser
+
+
+def retrofit_command(argv: list[str]) -> None:
+    """``elr retrofit --hf DIR --out DIR [--input A:B --shared A:B --output A:B ...]``."""
+    import yaml
+
+    from elr_lightning.hf.export import _hf, save_module_checkpoint
+
+    args = retrofit_parser().parse_args(argv)
     _hf()
     directory, out = Path(args.hf), Path(args.out)
     config = read_hf_config(directory)
     split = make_split(config.num_hidden_layers, args.input, args.shared, args.output, args.n_rec, args.shared_init)
     conditioner = {"d_cond": 64, "rank": 8}
     tokenizer = Path(args.tokenizer) if args.tokenizer is not None else directory / "tokenizer.json"
-    ckpt, tok_out = out / "retrofit.ckpt", out / "tokenizer.json"
-    if ckpt.exists():
-        raise FileExistsError(f"--out {str(out)!r} already holds retrofit.ckpt; choose a new folder")
+    ckpt, tok_out, yaml_out = out / "retrofit.ckpt", out / "tokenizer.json", out / "retrofit.yaml"
+    held = [path.name for path in (ckpt, tok_out, yaml_out) if os.path.lexists(path)]
+    if held and not args.overwrite:
+        raise FileExistsError(
+            f"--out {str(out)!r} already holds {', '.join(held)}; choose a new folder, or add --overwrite to replace them"
+        )
     module = build_module(directory, split, args.max_loops, args.max_seq_len, tokenizer, conditioner, DTYPES[args.dtype])
-    out.mkdir(parents=True, exist_ok=True)
-    save_module_checkpoint(module, ckpt)
-    tok_out.write_text(module.tokenizer.to_json(), encoding="utf-8")
+    save_module_checkpoint(module, ckpt, overwrite=args.overwrite)
+    write_file(tok_out, module.tokenizer.to_json(), overwrite=args.overwrite)
     seq_len = min(args.seq_len, module.arch.max_seq_len)
     fit = fit_config(module.arch, ckpt.resolve(), tok_out.resolve(), args.steps, args.switch_fraction, args.lr, seq_len, conditioner)
     header = (
         f"# elr retrofit of {directory.name}: input {split.input}, shared {split.shared} ({split.init}, n_rec {split.n_rec}), "
         f"output {split.output}\n# Set data.init_args.sources to your corpus, then: elr fit --config {out / 'retrofit.yaml'}\n"
     )
-    (out / "retrofit.yaml").write_text(header + yaml.safe_dump(fit, sort_keys=False), encoding="utf-8")
+    write_file(yaml_out, header + yaml.safe_dump(fit, sort_keys=False), overwrite=args.overwrite)
     a = module.arch
     print(f"wrote {ckpt} and {out / 'retrofit.yaml'}: D_eff(k) = {a.n_in} + {a.n_rec} k + {a.n_out}")
     if args.verify:

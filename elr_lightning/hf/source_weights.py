@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
+from pathlib import Path, PurePath
 from typing import Optional
 
 import torch
@@ -13,6 +14,13 @@ __all__ = ["INDEX", "SafetensorsWeights"]
 
 #: The index ``save_pretrained`` writes beside sharded weights: which file holds each tensor.
 INDEX = "model.safetensors.index.json"
+
+
+def _inside(name: str) -> bool:
+    """Whether a file name an index gives stays inside the index's folder (checked as written, links aside)."""
+    if not isinstance(name, str) or not name or PurePath(name).is_absolute():
+        return False
+    return ".." not in PurePath(os.path.normpath(name)).parts and os.path.normpath(name) != "."
 
 
 class SafetensorsWeights:
@@ -27,9 +35,15 @@ class SafetensorsWeights:
         directory: The model folder.
         dtype: Load every tensor as this dtype; ``None`` keeps each file's dtype.
 
+    Every file the index names must lie inside the folder: a bare file name (or a relative path that
+    stays below the folder), never an absolute path or one that climbs out with ``..``. Symbolic
+    links inside the folder (a Hugging Face cache's snapshot points into its blobs) are the
+    owner's layout and are followed.
+
     Raises:
         FileNotFoundError: No safetensors file, or a file the index names is missing.
-        ValueError: Several ``*.safetensors`` files and no index, or an unreadable index.
+        ValueError: Several ``*.safetensors`` files and no index, an unreadable index, or one that names
+            a file outside the folder.
     """
 
     def __init__(self, directory: Path, dtype: Optional[torch.dtype] = None) -> None:
@@ -40,9 +54,15 @@ class SafetensorsWeights:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                outside = sorted({file for file in weight_map.values() if not _inside(file)})
                 self.files = {name: directory / file for name, file in weight_map.items()}
             except (ValueError, KeyError, TypeError, AttributeError) as err:
                 raise ValueError(f"--hf: {str(index)!r} is not a safetensors index ({err}); download it again") from err
+            if outside:
+                raise ValueError(
+                    f"--hf: {INDEX} names {outside[0]!r}, outside the folder {str(directory)!r}; an index names "
+                    "files beside it, so download the model again"
+                )
             missing = sorted({path.name for path in self.files.values() if not path.is_file()})
             if missing:
                 raise FileNotFoundError(f"--hf: {INDEX} names {missing}, missing from {str(directory)!r}; download them")

@@ -26,6 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
+#: The dtypes ``torch._grouped_mm`` computes in; any other (float64) takes the loop over experts.
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 #: Dispatch implementations: ``auto`` picks ``grouped`` where supported, else ``loop``.
 DISPATCH = ("auto", "grouped", "loop")
 
@@ -104,15 +107,15 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 def grouped_mm_supported(x: Tensor, weight: Tensor, dtype: Optional[torch.dtype] = None) -> bool:
     """Whether ``torch._grouped_mm`` runs ``x @ weight[e]`` here in ``dtype`` (default :func:`compute_dtype`).
 
-    It needs this torch to have it, floating tensors of one dtype (or an autocast ``dtype`` both are
-    cast to), rows aligned to 16 bytes (the inner and outer widths a multiple of 16 bytes in
+    It needs this torch to have it, tensors of one dtype among :data:`GROUPED_MM_DTYPES` (or an
+    autocast ``dtype`` both are cast to; float64 takes the loop), rows aligned to 16 bytes (the inner and outer widths a multiple of 16 bytes in
     ``dtype``), and on CUDA bf16 on a Hopper-class device (compute capability 9.0 or later). Under
     ``torch.compile`` (``compile_layers``) and under ``FakeTensorMode`` (``elr estimate``) bf16 on
     the CPU too: the shape function of ``torch._grouped_mm`` refuses other dtypes, though the eager
     CPU kernel takes them.
     """
     dtype = compute_dtype(x) if dtype is None else dtype
-    if not hasattr(torch, "_grouped_mm") or not dtype.is_floating_point or not weight.dtype.is_floating_point:
+    if not hasattr(torch, "_grouped_mm") or dtype not in GROUPED_MM_DTYPES or not weight.dtype.is_floating_point:
         return False
     if dtype == x.dtype and weight.dtype != x.dtype:  # nothing casts them to one dtype
         return False

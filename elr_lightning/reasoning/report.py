@@ -16,6 +16,8 @@ from __future__ import annotations
 from statistics import mean
 from typing import Any, Optional
 
+from elr_lightning.checkpoint_io import save_figure
+
 from elr_lightning.reasoning.generators import GENERATORS
 
 DEPTH_GAIN = 0.10
@@ -61,7 +63,7 @@ def plot_panels(panels: Panels, path: str, xlabel: str = "difficulty", ylabel: s
         ax.set_ylim(-0.02, 1.02)
         ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
 
 
 def by_k(table: dict[str, dict[int, dict[int, float]]]) -> Panels:

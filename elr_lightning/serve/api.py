@@ -73,6 +73,7 @@ class CompletionBody(BaseModel):
     user: Optional[str] = None
 
 
+#: The server's logger; ``elr serve --log_level info`` logs every finished request.
 log = logging.getLogger("elr_lightning.serve")
 
 #: Exit threshold of ``loops: "auto"`` when a request gives none (see ``bench/adaptive.py``).
@@ -97,6 +98,7 @@ class RequestError(Exception):
         self.param, self.status = param, status
 
     def response(self) -> JSONResponse:
+        """The OpenAI-style error body, with the HTTP ``status``."""
         body = {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": None}}
         return JSONResponse(body, status_code=self.status)
 
@@ -117,8 +119,8 @@ class CompletionsSpec(LitSpec):
         config: The served model's architecture (for the loop range and costs).
         tokenizer: Encodes prompts (to check their length) before they are queued.
         model_name: The id ``/v1/models`` lists and responses carry.
-        loops_default: k for requests that give no ``loops``.
-        loops_max: Largest k served.
+        loops_default: k (or ``"auto"``) for requests that give no ``loops``.
+        loops_max: Largest k served, and the budget of ``"auto"`` requests that give no ``max_loops``.
         max_context: Most positions (prompt plus ``max_tokens``) a request may take: the cache's length;
             ``None`` for ``arch.max_seq_len``.
         max_request_bytes: Largest request body read.
@@ -129,7 +131,7 @@ class CompletionsSpec(LitSpec):
         config: ModelConfig,
         tokenizer: Tokenizer,
         model_name: str,
-        loops_default: int,
+        loops_default: Union[int, Literal["auto"]],
         loops_max: int,
         max_context: Optional[int] = None,
         max_request_bytes: int = 4 << 20,
@@ -230,12 +232,13 @@ class CompletionsSpec(LitSpec):
         return b"".join(chunks)
 
     def depth(self, body: CompletionBody) -> Depth:
-        """The request's depth: its k, or :class:`~elr_lightning.decode.AdaptiveDepth` for ``"auto"``."""
-        if body.loops != "auto":
+        """The request's depth: its k, or :class:`~elr_lightning.decode.AdaptiveDepth` for ``"auto"``
+        (the server's ``loops_default`` when it gives none)."""
+        loops = self.loops_default if body.loops is None else body.loops
+        if loops != "auto":
             for name in ("max_loops", "threshold", "exit_criterion"):
                 if getattr(body, name) is not None:
                     raise RequestError(f"{name} is only read with loops='auto'; drop it or set loops to 'auto'", name)
-            loops = self.loops_default if body.loops is None else body.loops
             if not 1 <= loops <= self.loops_max:
                 raise RequestError(
                     f"loops={loops} is out of range; this server serves loops 1..{self.loops_max} or 'auto'", "loops"
@@ -425,13 +428,17 @@ class ELRServeAPI(ls.LitAPI):
     def step(self, prev_outputs: Optional[list[Output]]) -> list[Output]:
         """One engine step: every request's new text, then a finish marker for each that ended.
 
-        If the step fails, the engine drops every request before the error reaches LitServe's loop,
-        which answers all requests in flight with an error; the server then serves new ones.
+        If the step fails, the engine drops every request and the pending cancellation notes are
+        forgotten before the error reaches LitServe's loop, which answers all requests in flight (the
+        notes' ids among them) with an error and stops tracking them; the server then serves new ones.
+        A note kept past that point would be reported finished at the next step under an id the loop
+        no longer knows, failing every request then in flight.
         """
         try:
             events = self.engine.step()
         except Exception:
             self.engine.reset()
+            self._notes.clear()
             raise
         notes = [self._notes.popleft() for _ in range(len(self._notes))]
         outputs = [Output(uid, "", LitAPIStatus.FINISH_STREAMING) for uid in notes]

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
+from elr_lightning.arguments import CommandParser, add_loops, command_parser
 from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, verify_checkpoint_path
+from elr_lightning.checkpoint_schema import checked_arch
 from elr_lightning.config import ModelConfig
 from elr_lightning.safe_load import read_checkpoint
 from elr_lightning.serve.memory import (
@@ -29,22 +32,23 @@ from elr_lightning.trust import add_trust_argument, apply_trust_argument
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
-def _parser() -> Any:
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser(
-        prog="elr serve",
-        description="Serve a checkpoint over an OpenAI-compatible /v1/completions with a per-request loop count.",
+def serve_parser() -> CommandParser:
+    """The parser of ``elr serve``."""
+    parser = command_parser(
+        "serve",
+        "Serve a checkpoint over an OpenAI-compatible /v1/completions with a per-request loop count.",
+        deprecated={"--loops_default": "--loops", "--loops_max": "--max_loops"},
     )
     parser.add_argument("--ckpt_path", type=str, required=True, help="Checkpoint written by `elr fit`.")
     parser.add_argument("--port", type=int, default=8000, help="TCP port.")
     parser.add_argument("--host", type=Literal["127.0.0.1", "0.0.0.0"], default="127.0.0.1", help="Interface.")
     parser.add_argument("--max_batch_size", type=int, default=8, help="Most requests decoded at once, all k together.")
     parser.add_argument("--kv_cache", type=Literal["last_loop", "per_loop"], default="last_loop", help="KV policy.")
-    parser.add_argument("--loops_default", type=int, default=1, help="k of requests that give no `loops`.")
+    add_loops(parser, "Loops of requests that give no `loops`", default="1", several=False, auto=True)
     parser.add_argument(
-        "--loops_max", type=Optional[int], default=None, help="Largest k served; default the checkpoint's max_loops."
-    )
+        "--max_loops", type=Optional[int], default=None,
+        help="Largest k served, and the budget of `auto` requests; default the checkpoint's max_loops.",
+    )  # fmt: skip
     parser.add_argument(
         "--tokenizer",
         type=Optional[str],
@@ -75,11 +79,30 @@ def _parser() -> Any:
     return parser
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuse ``port`` on ``host`` if another process listens there, before any worker starts.
+
+    Raises:
+        OSError: The port is taken, naming it and the way out.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no owner
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise OSError(
+                f"--port {port} on {host} is in use ({err.strerror or err}); stop the process that holds it or pick "
+                "another --port"
+            ) from None
+
+
 def checkpoint_arch(raw: Mapping[str, Any], ckpt_path: str) -> ModelConfig:
     """The :class:`ModelConfig` saved in a loaded Lightning checkpoint's hyperparameters.
 
     Raises:
         ValueError: The checkpoint holds no ELRModule hyperparameters.
+        CheckpointConfigError: Its ``arch`` breaks the schema (:func:`~elr_lightning.checkpoint_schema.checked_arch`).
+        UntrustedModuleError: Its ``arch`` names a layer of a module that is not trusted.
     """
     hparams = raw.get("hyper_parameters")
     if not isinstance(hparams, Mapping):
@@ -88,11 +111,8 @@ def checkpoint_arch(raw: Mapping[str, Any], ckpt_path: str) -> ModelConfig:
     arch = saved.get("arch") if isinstance(saved, Mapping) and saved.get("arch") else hparams.get("arch")
     if arch is None:
         return ModelConfig()
-    if isinstance(arch, ModelConfig):
-        return arch
-    if isinstance(arch, Mapping):
-        return ModelConfig(**dict(arch))
-    raise ValueError(f"checkpoint {ckpt_path!r}: hyper_parameters.arch is a {type(arch).__name__}, not a ModelConfig")
+    field = "elr.arch" if isinstance(saved, Mapping) and saved.get("arch") else "hyper_parameters.arch"
+    return ModelConfig(**checked_arch(arch, field, ckpt_path))
 
 
 def serving_tokenizer(raw: Mapping[str, Any], override: Optional[str], config: ModelConfig) -> Tokenizer:
@@ -110,7 +130,10 @@ def serve_command(argv: list[str]) -> None:
             before any worker starts.
         FileNotFoundError: No file at ``--ckpt_path``.
     """
-    args = _parser().parse_args(argv)
+    args = serve_parser().parse_args(argv)
+    if not 1024 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in 1024..65535")
+    check_port_free(args.host, args.port)
     try:
         import litserve as ls
     except ImportError as err:
@@ -132,20 +155,19 @@ def serve_command(argv: list[str]) -> None:
     tokenizer = serving_tokenizer(raw, args.tokenizer, config)
     params = checkpoint_parameters(raw, config)
     del raw
-    loops_max = config.max_loops if args.loops_max is None else args.loops_max
+    loops_max = config.max_loops if args.max_loops is None else args.max_loops
     if loops_max < 1:
-        raise ValueError(f"--loops_max {loops_max} must be >= 1")
+        raise ValueError(f"--max_loops {loops_max} must be >= 1")
     if loops_max > config.max_loops:
         warnings.warn(
-            f"--loops_max {loops_max} is above the checkpoint's arch.max_loops={config.max_loops}, the loop budget it "
+            f"--max_loops {loops_max} is above the checkpoint's arch.max_loops={config.max_loops}, the loop budget it "
             "was trained for; loops above it extrapolate"
         )
-    if not 1 <= args.loops_default <= loops_max:
-        raise ValueError(f"--loops_default {args.loops_default} must be in 1..--loops_max ({loops_max})")
+    loops_default = args.loops.single
+    if loops_default != "auto" and not 1 <= loops_default <= loops_max:
+        raise ValueError(f"--loops {loops_default} must be in 1..--max_loops ({loops_max}), or auto")
     if args.max_batch_size < 1:
         raise ValueError(f"--max_batch_size {args.max_batch_size} must be >= 1")
-    if not 1024 <= args.port <= 65535:
-        raise ValueError(f"--port {args.port} must be in 1024..65535")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max_request_bytes {args.max_request_bytes} must be >= 1")
     max_context = default_max_context(config) if args.max_context is None else args.max_context
@@ -156,7 +178,7 @@ def serve_command(argv: list[str]) -> None:
     accelerator = resolve_accelerator(args.accelerator)
     check_fits(memory, available_bytes(accelerator), accelerator)
     name = os.path.splitext(os.path.basename(args.ckpt_path))[0]
-    spec = CompletionsSpec(config, tokenizer, name, args.loops_default, loops_max, max_context, args.max_request_bytes)
+    spec = CompletionsSpec(config, tokenizer, name, loops_default, loops_max, max_context, args.max_request_bytes)
     api = ELRServeAPI(args.ckpt_path, spec, args.kv_cache, args.max_batch_size, args.dtype, args.log_level)
     server = ls.LitServer(api, accelerator=args.accelerator, devices=1, workers_per_device=1, timeout=False)
 

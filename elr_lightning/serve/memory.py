@@ -1,7 +1,7 @@
 """What ``elr serve`` holds in memory, said at startup and checked against the machine before any worker starts.
 
 The inference worker allocates one KV cache of ``--max_batch_size`` slots of ``--max_context``
-positions (every attention store the ``--kv_cache`` policy keeps up to ``--loops_max``, counted by
+positions (every attention store the ``--kv_cache`` policy keeps up to ``--max_loops``, counted by
 :func:`~elr_lightning.cache.kv_cache_bytes`, as ``elr cost`` does), the recurrent state of any
 linear-attention layers, and the fp32 weights. :func:`serving_memory` counts them,
 :func:`available_bytes` asks the device what is free, and :func:`check_fits` refuses a server that
@@ -24,6 +24,7 @@ from elr_lightning.config import ModelConfig
 #: Default ``--max_context``: the checkpoint's ``arch.max_seq_len``, capped here.
 DEFAULT_MAX_CONTEXT = 4096
 
+#: Bytes in a GB, as the startup line counts them.
 GB = 1e9
 
 

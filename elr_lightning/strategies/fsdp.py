@@ -18,21 +18,31 @@ from lightning.fabric.strategies.model_parallel import (
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from typing_extensions import override
 
 try:  # FSDP2's public home since torch 2.6
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch 2.4 and 2.5 (pyproject allows torch>=2.4) ship it under a private path
-    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
-from elr_lightning.safe_load import check_sharded_index, refusing_pickles
+from elr_lightning.checkpoint_io import check_sharded_folder, read_sharded_meta
+from elr_lightning.safe_load import load_sharded, refusing_pickles
 from elr_lightning.model import LoopedLM
 from elr_lightning.strategies.common import find_looped_lm, loop_dependent_parameters, verify_loop_schedule
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+
+#: ``recurrent_units`` of :func:`shard_looped_lm`: the recurrent block as one unit, or one unit per recurrent layer.
+RECURRENT_UNITS = ("core", "layer")
 
 #: Lightning precisions whose autocast computes in half precision, and the dtype FSDP2 gathers in for them.
 _HALF_PRECISIONS = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -65,14 +75,26 @@ def shard_looped_lm(
     reshard_after_forward: bool = True,
     reduce_scatter_unused_params: bool = False,
     mp_policy: Optional[MixedPrecisionPolicy] = None,
+    recurrent_units: str = "layer",
+    cpu_offload: bool = False,
 ) -> None:
     """Apply FSDP2 ``fully_shard`` to ``model`` in place, in units whose collectives do not depend on k.
 
-    Units: each input layer, the whole :class:`~elr_lightning.model.RecurrentCore` (its ``forward``
-    runs all k loops, so it all-gathers once per forward and reduce-scatters once per backward at
-    any k), each output layer, then the root (embedding, final norm and the tied head). Sharding
-    each recurrent layer as its own unit would all-gather k times per forward, and ranks at
-    different k would fall out of step and deadlock (DESIGN §6).
+    Units: each input layer, the recurrent block, each output layer, then the root (embedding,
+    final norm and the tied head). The recurrent block is sharded by ``recurrent_units``:
+
+    * ``layer``: each recurrent layer is a unit, then the :class:`~elr_lightning.model.RecurrentCore`
+      (the state update and the conditioner). A layer gathers its weights at every loop and frees
+      them after, so no more than a layer or two of the block is gathered at once, and in the
+      backward pass it reduce-scatters its gradient at every loop. A layer called k times issues k
+      gathers per forward: the model must then make the same number of passes on every rank,
+      which ``LoopedLM.forward(..., passes=...)`` does (idle passes on zero rows;
+      :meth:`ELRModule.collective_passes <elr_lightning.module.ELRModule.collective_passes>` asks
+      for the deepest k of the shard's peers). Eq. 4's terms are then computed by each layer in its
+      own forward (``RecurrentCore.batch_modulations`` off), where its heads are gathered.
+    * ``core``: the whole core is one unit (its ``forward`` runs all k loops, so it all-gathers once
+      per forward and reduce-scatters once per backward at any k, with no padding), at the cost of
+      the whole block's weights, gradients and communication buffers gathered at once.
 
     ``fully_shard`` replaces every parameter by a new sharded one and drops attributes set on the
     old ones; roles survive because the model records them by name (``LoopedLM.roles``).
@@ -90,14 +112,34 @@ def shard_looped_lm(
             and the recurrent state, in bf16, where DDP under autocast keeps them fp32 (the head's
             matmul still runs in bf16 under autocast). It costs one fp32 gather of the root per step
             (FSDP2 keeps the root gathered between forward and backward).
+        recurrent_units: ``layer`` or ``core`` (above).
+        cpu_offload: Pass torch's ``CPUOffloadPolicy`` to every ``fully_shard`` call, as torchtitan's
+            ``enable_cpu_offload`` does: the rank's parameter shards, gradient shards and so the
+            optimizer's state live in host memory; a unit's shards are copied to the mesh's device
+            for its all-gather, and its reduce-scattered gradient shards back. The shards must be on
+            the CPU when training starts. Memory is pinned where the mesh is not the CPU's (a
+            CPU-only machine cannot pin).
+
+    Raises:
+        ValueError: ``recurrent_units`` is neither, or ``reduce_scatter_unused_params`` on a torch without it.
     """
-    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if recurrent_units not in RECURRENT_UNITS:
+        raise ValueError(f"recurrent_units={recurrent_units!r} must be one of {', '.join(RECURRENT_UNITS)}")
+    policy: dict[str, Any] = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if cpu_offload:
+        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
     for layer in model.input_layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
+    if recurrent_units == "layer":
+        for layer in model.core.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
+        model.core.batch_modulations = False
     fully_shard(model.core, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
     for layer in model.output_layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, **policy)
-    root_policy = {} if mp_policy is None else {"mp_policy": MixedPrecisionPolicy(reduce_dtype=mp_policy.reduce_dtype)}
+    root_policy = {key: value for key, value in policy.items() if key != "mp_policy"}
+    if mp_policy is not None:
+        root_policy["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=mp_policy.reduce_dtype)
     root = fully_shard(model, mesh=mesh, **root_policy)
     if reduce_scatter_unused_params:
         if not hasattr(root, "set_reduce_scatter_unused_params"):
@@ -120,6 +162,25 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
     shard only, and initialised with ``LoopedLM.init_weights``. Under ``bf16-mixed`` (or ``16-mixed``)
     the units gather their parameters in half precision (:func:`mixed_precision_policy`).
 
+    With ``recurrent_units: layer`` (the default) each recurrent layer is its own unit, so the
+    recurrent block is never gathered whole; every rank's forward makes as many passes of it as the
+    deepest rank's shard runs loops (:attr:`pads_recurrent_passes`): a rank past its own k calls
+    the layers on zero rows, which gathers and reduce-scatters without arithmetic. With
+    ``ELRModule(depth_layout="micro_batches")`` all ranks run one k per micro-batch and no rank
+    pads. ``recurrent_units: core`` keeps the whole block one unit (DESIGN §6).
+
+    With ``cpu_offload: true`` every unit is sharded with torch's ``CPUOffloadPolicy``
+    (:func:`shard_looped_lm`): the parameter shards, their gradients and AdamW's state stay in host
+    memory and the optimizer steps on the CPU (:func:`~elr_lightning.optim.adamw` picks the CPU's
+    fused kernel by the parameters' device), so the accelerator holds the gathered units and the
+    activations only. That is what lets ``config/30b_a3b.yaml`` train on one node of 8 x 80 GB
+    (``elr estimate`` models it; docs/memory.md), at the price of a host-to-device copy of every
+    unit's shards at each gather, a device-to-host copy of every gradient shard, and the optimizer
+    step on the CPU. A meta-device model is materialised on the CPU; buffers and any parameter the
+    strategy does not shard go to the accelerator as usual. On an accelerator the process group is
+    ``<device>:<backend>,cpu:gloo`` (as torchtitan's), since gradient clipping and checkpoints run
+    collectives on the CPU shards; an explicit ``process_group_backend`` wins.
+
     Every rank must reduce-scatter the same parameters at every step, whatever k it runs. At setup
     the strategy probes the unsharded model at k = 1..``arch.max_loops`` (conditioner as it is and
     switched on) and raises if some parameter's use depends on k. Parameters unused at every k
@@ -130,6 +191,9 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
     Args:
         reshard_after_forward: See :func:`shard_looped_lm`.
         reduce_scatter_unused_params: See :func:`shard_looped_lm`; also turns the k probe off.
+        recurrent_units: ``layer`` or ``core``, see :func:`shard_looped_lm`.
+        cpu_offload: Keep parameter shards, gradient shards and the optimizer's state in host memory
+            (above; :func:`shard_looped_lm`).
         check_schedule_every_n_steps: Every this many optimizer steps, gather the loop counts the
             ranks run and raise if they are not one shared schedule (``0``: never).
         save_distributed_checkpoint: One checkpoint file per rank (``True``) or one full file.
@@ -148,10 +212,17 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        recurrent_units: str = "layer",
+        cpu_offload: bool = False,
     ) -> None:
         if check_schedule_every_n_steps < 0:
             raise ValueError(
                 f"check_schedule_every_n_steps={check_schedule_every_n_steps} must be >= 0 (0 turns the check off)"
+            )
+        if recurrent_units not in RECURRENT_UNITS:
+            raise ValueError(
+                f"recurrent_units={recurrent_units!r} must be one of {', '.join(RECURRENT_UNITS)} "
+                "(one unit per recurrent layer, or the whole recurrent block as one)"
             )
         super().__init__(
             data_parallel_size="auto",
@@ -163,6 +234,13 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.reduce_scatter_unused_params = reduce_scatter_unused_params
         self.check_schedule_every_n_steps = check_schedule_every_n_steps
+        self.recurrent_units = recurrent_units
+        self.cpu_offload = bool(cpu_offload)
+
+    @property
+    def pads_recurrent_passes(self) -> bool:
+        """Whether every rank's forward must make as many recurrent passes as its peers' (``recurrent_units: layer``)."""
+        return self.recurrent_units == "layer"
 
     def _data_parallel_mesh(self) -> Optional["DeviceMesh"]:
         """The data-parallel mesh, or ``None`` before the processes have joined (Lightning's ``device_mesh`` raises then)."""
@@ -200,25 +278,57 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
                 reshard_after_forward=self.reshard_after_forward,
                 reduce_scatter_unused_params=self.reduce_scatter_unused_params,
                 mp_policy=mixed_precision_policy(str(self.precision_plugin.precision)),
+                recurrent_units=self.recurrent_units,
+                cpu_offload=self.cpu_offload,
             )
             if any(p.is_meta for p in model.parameters()):
                 # Built with meta_init: give each rank's shard memory, then the model's own init.
                 # Done here, not by Lightning's materialisation below, which would empty the whole
                 # LightningModule (metrics, buffers) and run nn.Linear's reset_parameters instead.
-                model.to_empty(device=self.root_device)
+                # Offloaded shards live on the CPU (FSDP2 refuses them elsewhere).
+                model.to_empty(device="cpu" if self.cpu_offload else self.root_device)
                 self._init_shards(model)
         super().setup(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        """Move the module to the root device; offloaded parameter shards stay on the CPU.
+
+        Lightning moves the whole module; under ``cpu_offload`` that would move FSDP2's sharded
+        parameters too, which it refuses, so every tensor but those (buffers, parameters that no
+        unit shards) moves instead.
+        """
+        if not self.cpu_offload:
+            super().model_to_device()
+            return
+        assert self.model is not None
+        device = self.root_device
+        for module in self.model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+            for param in module._parameters.values():
+                if param is not None and not isinstance(param, DTensor):
+                    param.data = param.data.to(device)
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        """Lightning's backend for the root device; under ``cpu_offload`` on an accelerator, with gloo for the CPU shards."""
+        backend = super()._get_process_group_backend()
+        if self.cpu_offload and self._process_group_backend is None and self.root_device.type != "cpu":
+            return f"{self.root_device.type}:{backend},cpu:gloo"
+        return backend
 
     def _init_shards(self, model: LoopedLM) -> None:
         """Run ``model.init_weights()`` on the materialised shards.
 
         On CUDA-like meshes DTensor draws every shard from one stream shared by the ranks. It has no
-        such support on CPU: each rank would draw its shard from the same generator state, so all
-        shards would be equal. There each rank draws from its own seed (``initial_seed + rank``),
-        leaving the global generator as it was.
+        such support for CPU tensors (a CPU mesh, or shards offloaded to the CPU): each rank would
+        draw its shard from the same generator state, so all shards would be equal. There each rank
+        draws from its own seed (``initial_seed + rank``), leaving the global generator as it was.
         """
         mesh = self.device_mesh["data_parallel"]
-        if mesh.device_type != "cpu":
+        if mesh.device_type != "cpu" and not self.cpu_offload:
             model.init_weights()
             return
         with torch.random.fork_rng(devices=[]):
@@ -252,19 +362,25 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         optimizer state for parameter`` (full). Here the parameters without saved state end without
         state, as in the run that wrote the checkpoint, so the resumed run continues exactly. The
         model's weights and the metadata load as in Lightning, as data: ``weights_only`` is ``True``
-        unless given, a pickled object is refused in one line, and a sharded folder's index is checked
-        before torch unpickles it (:mod:`elr_lightning.safe_load`).
+        unless given, a pickled object is refused in one line, a sharded folder's index is checked
+        before torch unpickles it, and its shards are read as data (:mod:`elr_lightning.safe_load`;
+        Lightning's own sharded load lets torch unpickle their non-tensor entries).
         """
         path = Path(self.broadcast(checkpoint_path))
         assert self.lightning_module is not None
         module = self.lightning_module
         weights_only = True if weights_only is None else weights_only
         if weights_only and _is_sharded_checkpoint(path):
-            check_sharded_index(str(path))
-        with refusing_pickles(str(path)):
-            checkpoint = _load_checkpoint(
-                path=path, state={"state_dict": self.model}, strict=module.strict_loading, weights_only=weights_only
-            )
+            check_sharded_folder(str(path), "--ckpt_path")
+            state = {"state_dict": get_model_state_dict(self.model)}
+            load_sharded(state, str(path))
+            self.model.load_state_dict(state["state_dict"], strict=module.strict_loading)
+            checkpoint = read_sharded_meta(str(path), check_config=False)
+        else:
+            with refusing_pickles(str(path)):
+                checkpoint = _load_checkpoint(
+                    path=path, state={"state_dict": self.model}, strict=module.strict_loading, weights_only=weights_only
+                )
         for idx, optimizer in enumerate(self.optimizers):
             if _is_sharded_checkpoint(path):
                 self._load_sharded_optimizer_state(path, f"optimizer_{idx}", optimizer)
@@ -284,7 +400,7 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         layout = get_optimizer_state_dict(self.model, optimizer)
         layout["state"] = {name: state for name, state in layout["state"].items() if name in saved}
         wrapped = {key: layout}
-        dcp.load(wrapped, checkpoint_id=path)
+        load_sharded(wrapped, str(path))
         # The optimizer's ``load_state_dict`` replaces its whole state, so the placeholder state that
         # ``get_optimizer_state_dict`` created for the unsaved parameters goes; strict=False lets it.
         options = StateDictOptions(cpu_offload=True, strict=False)
