@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _solve(task: str, text: str) -> list[str | None]:
     """An independent solver: the label character at every position of ``text`` (``None``: unlabelled)."""
     if task == "parity":
-        return [str(text[: t + 1].count("1") % 2) for t in range(len(text))]
+        assert text[0] == "^" and "^" not in text[1:]
+        return [None] + [str(text[1 : t + 1].count("1") % 2) for t in range(1, len(text))]
     if task == "root":
         root_of: list[str] = []
         for t, ch in enumerate(text):
@@ -187,7 +188,7 @@ def test_score_counts_exact_matches_per_difficulty_and_k():
     assert table[8][2]["deep"] == 1.0 and table[8][1]["deep"] == 0.0
 
 
-@pytest.mark.parametrize("task, difficulty, space", [("parity", 8, 38), ("parity", 9, 76), ("root", 2, None)])
+@pytest.mark.parametrize("task, difficulty, space", [("parity", 8, 41), ("parity", 9, 82), ("root", 2, None)])
 def test_heldout_draws_are_distinct_up_to_the_size_of_the_heldout_space(task, difficulty, space):
     from elr_lightning.depth.score import format_table, heldout_arrays
 
@@ -196,7 +197,7 @@ def test_heldout_draws_are_distinct_up_to_the_size_of_the_heldout_space(task, di
     rows = {tuple(row.tolist()) for row in ids}
     assert len(rows) == len(ids) == (256 if space is None else space)
     if space is not None:  # every held-out string of the space, and nothing else
-        every = [np.array([int(c) for c in np.binary_repr(i, difficulty)]) for i in range(2**difficulty)]
+        every = [np.array([2] + [int(c) for c in np.binary_repr(i, difficulty)]) for i in range(2**difficulty)]
         assert rows == {tuple(bits.tolist()) for bits in every if is_heldout(t, bits)}
     table = score(Oracle(torch.zeros(len(ids), t.length(difficulty), dtype=torch.long), needs=1), t, [difficulty], [1], n=256)
     assert table[difficulty][1]["instances"] == len(ids)
@@ -205,9 +206,9 @@ def test_heldout_draws_are_distinct_up_to_the_size_of_the_heldout_space(task, di
 
 def test_decoded_fixed_k_equals_the_forward_pass_and_auto_counts_its_loops():
     torch.manual_seed(0)
-    model = LoopedLM(tiny_config(vocab_size=2, max_loops=3)).eval()
+    model = LoopedLM(tiny_config(vocab_size=3, max_loops=3)).eval()
     task = TASKS["parity"]
-    ids = torch.randint(0, 2, (3, 10))
+    ids = torch.randint(0, 3, (3, 10))
     logits, loops = decode_teacher_forced(model, ids, 2)
     torch.testing.assert_close(logits, model(ids, 2), atol=1e-5, rtol=1e-5)
     assert bool((loops == 2).all())
