@@ -180,7 +180,7 @@ def hf_config_fields(model: LoopedLM) -> dict[str, Any]:
         "conditioning": None
         if conditioner is None
         else {"d_cond": conditioner.d_cond, "rank": conditioner.rank, "n_freqs": conditioner.n_freqs,
-              "clamp_budget": conditioner.clamp_budget},
+              "beyond_budget": conditioner.beyond_budget},
         "conditioning_active": bool(conditioner.active) if conditioner is not None else False,
         "tie_word_embeddings": config.tie_embeddings,
         "head_dim": config.head_dim,
