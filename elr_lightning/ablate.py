@@ -263,13 +263,14 @@ def reasoning_scores(config: dict[str, Any], n: int) -> dict[str, dict[str, dict
 
 
 def depth_scores(config: dict[str, Any], n: int) -> dict[str, Any]:
-    """Exact match of a finished run's ``last.ckpt`` on ``n`` held-out instances per difficulty of its depth task.
+    """Exact match of a finished run's ``last.ckpt`` on up to ``n`` distinct held-out instances per difficulty of its depth task.
 
     The difficulties are the data module's ``eval_difficulties`` (by default a ladder up to twice the
     training difficulty); the loop counts 1..2K, except for the non-recurrent baseline, which runs once.
 
     Returns:
-        ``{"task", "trained_difficulty", "exact": {difficulty: {k: accuracy}}, "deep": {...}}``, string keys.
+        ``{"task", "trained_difficulty", "exact": {difficulty: {k: accuracy}}, "deep": {...}, "instances":
+        {difficulty: distinct held-out instances}}``, string keys (the same instances for every arm and seed).
 
     Raises:
         ValueError: The run's data module is not a depth task.
@@ -284,7 +285,7 @@ def depth_scores(config: dict[str, Any], n: int) -> dict[str, Any]:
     return {"task": data.task.name, "trained_difficulty": data.difficulty} | {
         metric: {str(d): {str(k): cell[metric] for k, cell in row.items()} for d, row in table.items()}
         for metric in ("exact", "deep")
-    }
+    } | {"instances": {str(d): int(next(iter(row.values()))["instances"]) for d, row in table.items()}}
 
 
 def _write_result(path: str, result: dict[str, Any]) -> None:

@@ -159,21 +159,54 @@ class FiLMAdapterModulator(Modulator):
         return p * (1 + scale), p @ shift, gate
 
 
+BEYOND_BUDGET = ("ratio", "clamp", "replay")
+"""What :class:`LoopConditioner` tells loops at k > K: eq. 4's ratio, the budget held at K, or K's loops replayed."""
+
+
+def loop_steps(loop: int, loops: int, max_loops: int, beyond_budget: str) -> tuple[float, float]:
+    """(tau_i, kappa) of eq. 4 for loop ``loop`` of ``loops`` under the budget ``max_loops``.
+
+    Within the budget tau_i = i / k and kappa = k / K; beyond it, as ``beyond_budget`` says
+    (:data:`BEYOND_BUDGET`; :class:`LoopConditioner` documents each).
+    """
+    if loops <= max_loops or beyond_budget == "ratio":
+        return loop / loops, loops / max_loops
+    if beyond_budget == "clamp":
+        return loop / loops, 1.0
+    return min(loop, max_loops) / max_loops, 1.0
+
+
 class LoopConditioner(Conditioner):
     """c_i = MLP([phi(tau_i); phi(kappa)]) with tau_i = i / k and kappa = k / K (eq. 4).
+
+    Beyond the budget (k > K) eq. 4's codes were never trained, and ``beyond_budget`` says what the
+    loops are told instead (docs/lab-depth-recipe.md has the experiments):
+
+    - ``"ratio"``: eq. 4 as written. phi's frequencies ``2^j pi`` (:meth:`reset_buffers`) are
+      periodic, so phi(k / K) for k in K + 1..2K differs from phi((k - K) / K) only at the lowest
+      frequency; the depth quickstart dipped at k = 7 and 10 (K = 6) and recovered at 8, 9, 11, 12.
+    - ``"clamp"`` (default): kappa held at 1, so every k > K runs under the budget it was trained at,
+      with finer loop steps tau_i = i / k. Root finding holds every k in K + 1..2K within 0.6 points
+      of K; prefix parity collapses there (0% at 24 bits from k = 8).
+    - ``"replay"``: loop i runs with the context of loop min(i, K) of a K-loop run, so the loops past
+      K repeat the last trained loop. Prefix parity stays at or above K's accuracy; root finding
+      loses up to 7 points at 2K on the trained depth.
 
     Args:
         d_cond: Width of the context vector c.
         rank: Rank of each sublayer's low-rank adapter.
         n_freqs: Sinusoid frequencies in phi.
+        beyond_budget: ``"ratio"``, ``"clamp"`` or ``"replay"``: the codes of loops at k > K.
     """
 
-    def __init__(self, d_cond: int = 64, rank: int = 8, n_freqs: int = 8) -> None:
+    def __init__(self, d_cond: int = 64, rank: int = 8, n_freqs: int = 8, beyond_budget: str = "clamp") -> None:
         super().__init__()
         for name, value in (("d_cond", d_cond), ("rank", rank), ("n_freqs", n_freqs)):
             if value < 1:
                 raise ValueError(f"LoopConditioner.{name}={value} must be >= 1")
-        self.d_cond, self.rank, self.n_freqs = d_cond, rank, n_freqs
+        if beyond_budget not in BEYOND_BUDGET:
+            raise ValueError(f"LoopConditioner.beyond_budget={beyond_budget!r}: choose one of {', '.join(BEYOND_BUDGET)}")
+        self.d_cond, self.rank, self.n_freqs, self.beyond_budget = d_cond, rank, n_freqs, beyond_budget
         self.mlp = nn.Sequential(nn.Linear(4 * n_freqs, d_cond), nn.SiLU(), nn.Linear(d_cond, d_cond))
         self.register_buffer("freqs", torch.empty(n_freqs), persistent=False)
         self.reset_buffers()
@@ -190,6 +223,11 @@ class LoopConditioner(Conditioner):
     def make_modulator(self, d_model: int) -> Modulator:
         return FiLMAdapterModulator(d_model, self.d_cond, self.rank)
 
+    def steps(self, loop: int, loops: int, max_loops: int) -> tuple[float, float]:
+        """(tau_i, kappa) of eq. 4 for loop ``loop`` of ``loops``, as :attr:`beyond_budget` says past ``max_loops``."""
+        return loop_steps(loop, loops, max_loops, self.beyond_budget)
+
     def context(self, loop: int, loops: int, max_loops: int, like: Tensor) -> Tensor:
-        phi = torch.cat((sinusoid(loop / loops, self.freqs), sinusoid(loops / max_loops, self.freqs)))
+        tau, kappa = self.steps(loop, loops, max_loops)
+        phi = torch.cat((sinusoid(tau, self.freqs), sinusoid(kappa, self.freqs)))
         return self.mlp(phi.to(self.mlp[0].weight.dtype))

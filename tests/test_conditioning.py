@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from conftest import tiny_config
@@ -30,3 +31,46 @@ def test_tau_and_kappa_reach_the_context_mlp_in_order_and_not_swapped():
     assert len(seen) == 3
     for got, want in zip(seen, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "beyond_budget, expected",
+    [
+        ("ratio", [(i / 6, 6 / 4) for i in range(1, 7)]),  # eq. 4 as written: kappa = 6 / 4, never trained
+        ("clamp", [(i / 6, 1.0) for i in range(1, 7)]),  # the trained budget code, finer loop steps
+        ("replay", [(1 / 4, 1.0), (2 / 4, 1.0), (3 / 4, 1.0), (1.0, 1.0), (1.0, 1.0), (1.0, 1.0)]),  # K's loops, then its last
+    ],
+)
+def test_beyond_the_budget_the_loops_get_the_codes_their_mode_names(beyond_budget, expected):
+    """At k = 6 of K = 4 loop i feeds [phi(tau_i); phi(kappa)] as ``beyond_budget`` says; within the
+    budget (k = 3) every mode feeds eq. 4's own [phi(i / 3); phi(3 / 4)]."""
+    n_freqs = 3
+    model = LoopedLM(tiny_config(max_loops=4), conditioner=LoopConditioner(8, 2, n_freqs, beyond_budget=beyond_budget))
+    for loops, want in ((6, expected), (3, [(i / 3, 3 / 4) for i in (1, 2, 3)])):
+        seen = []
+        handle = model.conditioner.mlp.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach().clone()))
+        with torch.no_grad():
+            model(torch.randint(0, 64, (1, 5)), loops)
+        handle.remove()
+        assert len(seen) == len(want)
+        for got, (tau, kappa) in zip(seen, want):
+            torch.testing.assert_close(got, torch.tensor(_phi(tau, n_freqs) + _phi(kappa, n_freqs)), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("beyond_budget", ["ratio", "clamp", "replay"])
+def test_the_hugging_face_conditioner_gives_the_same_contexts_at_every_k_to_2k(beyond_budget):
+    """The exported modeling file writes the rule out again (it imports nothing of ours): same weights, same c_i."""
+    pytest.importorskip("transformers")
+    from elr_lightning.hf.modeling_elr import ELRConditioner
+
+    ours = LoopConditioner(8, 2, 3, beyond_budget=beyond_budget)
+    theirs = ELRConditioner(d_cond=8, n_freqs=3, beyond_budget=beyond_budget)
+    theirs.mlp.load_state_dict(ours.mlp.state_dict())
+    for loops in range(1, 9):
+        for loop in range(1, loops + 1):
+            torch.testing.assert_close(theirs(loop, loops, 4), ours.context(loop, loops, 4, torch.zeros(())), rtol=0, atol=0)
+
+
+def test_an_unknown_beyond_budget_is_refused_naming_the_field_and_the_choices():
+    with pytest.raises(ValueError, match=r"LoopConditioner.beyond_budget='clip': choose one of ratio, clamp, replay"):
+        LoopConditioner(beyond_budget="clip")

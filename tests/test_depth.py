@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _solve(task: str, text: str) -> list[str | None]:
     """An independent solver: the label character at every position of ``text`` (``None``: unlabelled)."""
     if task == "parity":
-        return [str(text[: t + 1].count("1") % 2) for t in range(len(text))]
+        assert text[0] == "^" and "^" not in text[1:]
+        return [None] + [str(text[1 : t + 1].count("1") % 2) for t in range(1, len(text))]
     if task == "root":
         root_of: list[str] = []
         for t, ch in enumerate(text):
@@ -125,7 +126,7 @@ def test_curriculum_raises_the_difficulty_to_its_maximum():
     [
         ({"task": "sorting"}, "data.task"),
         ({"task": "parity", "difficulty": 4}, "data.difficulty"),
-        ({"task": "root", "difficulty": 17}, "data.difficulty"),
+        ({"task": "root", "difficulty": 25}, "data.difficulty"),
         ({"batch_size": 0}, "data.batch_size"),
         ({"curriculum_steps": -1}, "data.curriculum_steps"),
         ({"task": "root", "difficulty": 4, "eval_difficulties": [0]}, "data.eval_difficulties"),
@@ -187,11 +188,27 @@ def test_score_counts_exact_matches_per_difficulty_and_k():
     assert table[8][2]["deep"] == 1.0 and table[8][1]["deep"] == 0.0
 
 
+@pytest.mark.parametrize("task, difficulty, space", [("parity", 8, 41), ("parity", 9, 82), ("root", 2, None)])
+def test_heldout_draws_are_distinct_up_to_the_size_of_the_heldout_space(task, difficulty, space):
+    from elr_lightning.depth.score import format_table, heldout_arrays
+
+    t = TASKS[task]
+    ids, _, _ = heldout_arrays(t, difficulty, 256, seed=0)
+    rows = {tuple(row.tolist()) for row in ids}
+    assert len(rows) == len(ids) == (256 if space is None else space)
+    if space is not None:  # every held-out string of the space, and nothing else
+        every = [np.array([2] + [int(c) for c in np.binary_repr(i, difficulty)]) for i in range(2**difficulty)]
+        assert rows == {tuple(bits.tolist()) for bits in every if is_heldout(t, bits)}
+    table = score(Oracle(torch.zeros(len(ids), t.length(difficulty), dtype=torch.long), needs=1), t, [difficulty], [1], n=256)
+    assert table[difficulty][1]["instances"] == len(ids)
+    assert f"| {difficulty} | {len(ids)} | " in format_table(table, "exact", t)
+
+
 def test_decoded_fixed_k_equals_the_forward_pass_and_auto_counts_its_loops():
     torch.manual_seed(0)
-    model = LoopedLM(tiny_config(vocab_size=2, max_loops=3)).eval()
+    model = LoopedLM(tiny_config(vocab_size=3, max_loops=3)).eval()
     task = TASKS["parity"]
-    ids = torch.randint(0, 2, (3, 10))
+    ids = torch.randint(0, 3, (3, 10))
     logits, loops = decode_teacher_forced(model, ids, 2)
     torch.testing.assert_close(logits, model(ids, 2), atol=1e-5, rtol=1e-5)
     assert bool((loops == 2).all())
@@ -240,8 +257,10 @@ def test_ablate_scores_depth_arms_and_checks_the_targets(tmp_path):
     assert depth["baseline"]["task"] == "root" and depth["elr"]["trained_difficulty"] == 2
     assert set(depth["baseline"]["exact"]["2"]) == {"1"}  # the non-recurrent baseline runs once
     assert set(depth["elr"]["exact"]["2"]) == {"1", "2", "3", "4"}  # 1..2K
+    assert depth["elr"]["instances"] == depth["baseline"]["instances"] == {"1": 4, "2": 4}
     report = (tmp_path / "out" / "ablate.md").read_text()
     assert "## Depth task `root`" in report and "k = 1 within 2 points of the baseline" in report
+    assert "Distinct held-out instances per difficulty (the same for every arm, seed and k): 1: 4, 2: 4." in report
     assert (tmp_path / "out" / "depth_heatmaps.png").stat().st_size > 0
 
 
@@ -268,10 +287,11 @@ def test_quickstart_trains_then_eval_tables_and_generate_decodes_in_the_alphabet
     run(["eval", "--ckpt_path", ckpt, "--limit", "4", "--loops", "1,2,4,auto", "--threshold", "0.1,0.01", "--allow_extrapolation",
          "--output_dir", str(tmp_path / "eval"), "--log_dir", str(tmp_path / "tb" / "eval")])  # fmt: skip
     table = capsys.readouterr().out
-    assert "exact match (%) of 4 held-out instances per difficulty" in table
+    assert "exact match (%) of up to 4 distinct held-out instances per difficulty" in table
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["task"] == "root" and summary["difficulties"] == [1, 2] and summary["loops"] == [1, 2, 4]
     assert set(summary["exact"]["1"]) == {"1", "2", "4"} and set(summary["adaptive"]) == {"auto:kl:0.1", "auto:kl:0.01"}
+    assert summary["instances"]["2"] == {"1": 4, "2": 4, "4": 4}
     assert all(0.0 <= v <= 100.0 for row in summary["exact"].values() for v in row.values())
     assert (tmp_path / "eval" / "depth_heatmap.png").stat().st_size > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -281,9 +301,26 @@ def test_quickstart_trains_then_eval_tables_and_generate_decodes_in_the_alphabet
         events.Reload()
         assert f"{prefix}/heatmap" in events.Tags()["images"]
         text = events.Tensors(f"{prefix}/table/text_summary")[-1].tensor_proto.string_val[0].decode()
-        assert text.startswith("| root | k=1 | k=2 |") and "| 2 |" in text
+        assert text.startswith("| root | instances | k=1 | k=2 |") and "| 2 | 4 |" in text
     run(["generate", "--ckpt_path", ckpt, "--loops", "2", "--max_new_tokens", "3", "--temperature", "0",
          "--prompt", "A1B12"])  # fmt: skip
     text = capsys.readouterr().out.strip()
     alphabet = get_task("root").alphabet
     assert text.startswith("A1B12") and len(text) == 8 and set(text) <= set(alphabet)
+
+
+def test_depth_targets_flag_dips_beyond_the_budget_and_the_longer_forests():
+    from elr_lightning.depth.report import checks
+
+    flat = {d: {k: [1.0, 1.0] for k in range(1, 5)} for d in (1, 2)}
+    elr = {**flat, 4: {k: [0.5 + 0.2 * (k == 3), 0.9] for k in range(1, 5)}}
+    table = {"elr": {d: {k: list(v) for k, v in row.items()} for d, row in elr.items()}}
+    table["elr"][2][1] = [0.0, 0.0]
+    status = {claim.split(":")[0]: (figure, verdict) for claim, figure, verdict in checks(table, 2, 2)}
+    assert status["trained difficulties"] == ("worst: difficulty 1, k = 3, 100.0 vs 100.0", "holds")
+    assert status["difficulty 4 (twice the trained)"] == ("best: k = 3, 80.0", "holds")
+    table["elr"][2][4] = [0.99, 0.96]  # 2.5 points below k = K at a trained difficulty
+    table["elr"][4][3] = [0.5, 0.9]
+    status = {claim.split(":")[0]: (figure, verdict) for claim, figure, verdict in checks(table, 2, 2)}
+    assert status["trained difficulties"] == ("worst: difficulty 2, k = 4, 97.5 vs 100.0", "does not hold")
+    assert status["difficulty 4 (twice the trained)"] == ("best: k = 1, 70.0", "does not hold")

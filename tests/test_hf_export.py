@@ -75,7 +75,7 @@ def test_export_writes_every_file_with_every_arch_field(exported: tuple[Path, Pa
     assert config["model_type"] == "elr" and config["architectures"] == ["ELRForCausalLM"]
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_elr.ELRForCausalLM"
     assert config["elr_arch"] == dataclasses.asdict(SERVE_ARCH)
-    assert config["state_update"] == "adaptive_delta" and config["conditioning"] == {"d_cond": 8, "rank": 2, "n_freqs": 2}
+    assert config["state_update"] == "adaptive_delta" and config["conditioning"] == {"d_cond": 8, "rank": 2, "n_freqs": 2, "beyond_budget": "clamp"}
     assert (config["n_kv_heads"], config["d_ff"], config["num_hidden_layers"]) == (2, SERVE_ARCH.ff_dim, 1 + 3 * 2 + 1)
     tensors = load_file(out / "model.safetensors")
     assert "lm_head.weight" not in tensors and "model.embed.weight" in tensors  # tied head: HF convention

@@ -60,8 +60,10 @@ def run_depth_eval(args: Any, model: LoopedLM, task: DepthTask) -> dict[str, Any
 
     ``args`` is ``elr eval``'s namespace: ``loops`` (default 1..2K: the extrapolation beyond the
     budget K is part of the report; 1 for a non-recurrent model), ``threshold``, ``exit_criterion``, ``max_loops``, ``limit``
-    (instances per difficulty, default 256), ``difficulties``, ``seed``, ``kv_cache``,
-    ``output_dir`` and ``log_dir``.
+    (distinct instances per difficulty, at most, default 256), ``difficulties``, ``seed``, ``kv_cache``,
+    ``output_dir`` and ``log_dir``. ``summary.json`` holds ``exact``, ``deep`` and ``instances`` (the
+    distinct held-out instances of every cell, fewer than ``limit`` where the held-out space is smaller),
+    each ``{difficulty: {k: value}}``.
     """
     from elr_lightning.eval.adapter import check_loops
     from elr_lightning.loop_points import auto_label, parse_points, parse_thresholds
@@ -85,8 +87,8 @@ def run_depth_eval(args: Any, model: LoopedLM, task: DepthTask) -> dict[str, Any
     print(f"elr eval: depth task {task.name!r}, difficulties {difficulties}, k = {loops}", file=sys.stderr, flush=True)
     table = score(model, task, difficulties, loops, n, args.seed)
     summary: dict[str, Any] = {"task": task.name, "max_loops": max_loops, "loops": loops, "difficulties": difficulties,
-                               "instances": n, "chance_per_label": task.chance, "exact": {}, "deep": {}}  # fmt: skip
-    for metric in ("exact", "deep"):
+                               "limit": n, "chance_per_label": task.chance, "exact": {}, "deep": {}, "instances": {}}  # fmt: skip
+    for metric in ("exact", "deep", "instances"):
         summary[metric] = {d: {k: row[k][metric] for k in loops} for d, row in table.items()}
     if auto:
         budget = max_loops if args.max_loops is None else args.max_loops
@@ -108,7 +110,8 @@ def run_depth_eval(args: Any, model: LoopedLM, task: DepthTask) -> dict[str, Any
 
 
 def _report(table: Table, task: DepthTask, summary: dict[str, Any]) -> str:
-    lines = [f"exact match (%) of {summary['instances']} held-out instances per difficulty:", format_table(table, "exact", task),
+    lines = [f"exact match (%) of up to {summary['limit']} distinct held-out instances per difficulty (column instances):",
+             format_table(table, "exact", task),
              "", f"accuracy (%) of the labels of each instance's own difficulty (chance {100 * task.chance:.0f}%):",
              format_table(table, "deep", task)]  # fmt: skip
     for label, cells in summary.get("adaptive", {}).items():
@@ -124,7 +127,7 @@ def _log_tensorboard(table: Table, figure: Any, log_dir: str, task: DepthTask) -
     with SummaryWriter(log_dir) as writer:
         for difficulty, row in table.items():
             for k, cell in row.items():
-                for metric, value in cell.items():
-                    writer.add_scalar(f"eval_depth/d{difficulty}/{metric}", value, k)
+                for metric in ("exact", "deep"):
+                    writer.add_scalar(f"eval_depth/d{difficulty}/{metric}", cell[metric], k)
         writer.add_figure("eval_depth/heatmap", figure)
         writer.add_text("eval_depth/table", format_table(table, "exact", task))

@@ -7,6 +7,10 @@ range over seeds, with the targets checked on the ``elr`` arm at the hardest tra
 * depth pays: k = K at least :data:`DEPTH_GAIN` above k = 1, and no k in 1..K more than
   :data:`MONOTONE_SLACK` below an earlier one;
 * no overthinking: k = 2K at most :data:`EXTRAPOLATION_DROP` below k = K (where 2K was scored);
+* no dips beyond the budget: at every trained difficulty (up to the hardest), every k in K + 1..2K
+  at most :data:`EXTRAPOLATION_SLACK` below k = K;
+* longer than trained: at twice the hardest difficulty (where scored), some k <= 2K reaches
+  :data:`LONGER_TARGET`;
 * k = 1 costs nothing: within :data:`K1_TOLERANCE` of the ``baseline`` arm at every difficulty;
 * the ``specialist`` (trained at k = K only) is the ceiling at k = K: the gap is reported.
 """
@@ -26,6 +30,12 @@ MONOTONE_SLACK = 0.02
 
 EXTRAPOLATION_DROP = 0.05
 """How far accuracy at k = 2K may fall below k = K."""
+
+EXTRAPOLATION_SLACK = 0.02
+"""How far any k in K + 1..2K may fall below k = K at a trained difficulty."""
+
+LONGER_TARGET = 0.80
+"""Exact match some k <= 2K must reach at twice the hardest training difficulty."""
 
 K1_TOLERANCE = 0.02
 """How far below the baseline ELR's k = 1 may be."""
@@ -71,6 +81,7 @@ def checks(table: Collected, k_max: int, hardest: int) -> list[tuple[str, str, s
         drop = at[k_max] - at[2 * k_max]
         out.append((f"difficulty {hardest}: k = {2 * k_max} at most {100 * EXTRAPOLATION_DROP:.0f} points below k = {k_max}",
                     f"{100 * at[2 * k_max]:.1f} vs {100 * at[k_max]:.1f}", "holds" if drop <= EXTRAPOLATION_DROP else "does not hold"))  # fmt: skip
+    out += _beyond_budget_checks(table["elr"], k_max, hardest)
     baseline = table.get("baseline", {})
     gaps = {d: mean(row[1]) - mean(baseline[d][1]) for d, row in table["elr"].items() if 1 in row and 1 in baseline.get(d, {})}
     if gaps:
@@ -84,6 +95,25 @@ def checks(table: Collected, k_max: int, hardest: int) -> list[tuple[str, str, s
     return out
 
 
+def _beyond_budget_checks(elr: dict[int, dict[int, list[float]]], k_max: int, hardest: int) -> list[tuple[str, str, str]]:
+    """No dips at k in K + 1..2K at the trained difficulties; twice the hardest difficulty reached at some k <= 2K."""
+    out = []
+    drops = [(mean(row[k_max]) - mean(row[k]), d, k) for d, row in elr.items() if d <= hardest and k_max in row
+             for k in range(k_max + 1, 2 * k_max + 1) if k in row]  # fmt: skip
+    if drops:
+        drop, d, k = max(drops, key=lambda item: item[0])
+        out.append((f"trained difficulties: every k in {k_max + 1}..{2 * k_max} within {100 * EXTRAPOLATION_SLACK:.0f} points of k = {k_max}",
+                    f"worst: difficulty {d}, k = {k}, {100 * mean(elr[d][k]):.1f} vs {100 * mean(elr[d][k_max]):.1f}",
+                    "holds" if drop <= EXTRAPOLATION_SLACK else "does not hold"))  # fmt: skip
+    longer = elr.get(2 * hardest, {})
+    reached = [(mean(v), k) for k, v in longer.items() if k <= 2 * k_max]
+    if reached:
+        best, k = max(reached, key=lambda item: item[0])
+        out.append((f"difficulty {2 * hardest} (twice the trained): some k <= {2 * k_max} reaches {100 * LONGER_TARGET:.0f}%",
+                    f"best: k = {k}, {100 * best:.1f}", "holds" if best >= LONGER_TARGET else "does not hold"))  # fmt: skip
+    return out
+
+
 def ablation_section(results: list[dict[str, Any]], k_max: int) -> str:
     """The report's Markdown section on depth-task accuracy (empty when no run was scored)."""
     table = collect(results)
@@ -91,7 +121,11 @@ def ablation_section(results: list[dict[str, Any]], k_max: int) -> str:
         return ""
     task = next(run["depth"]["task"] for run in results if run.get("depth"))
     hardest = max(run["depth"]["trained_difficulty"] for run in results if run.get("depth"))
+    counts = {d: n for run in results for d, n in ((run.get("depth") or {}).get("instances") or {}).items()}
     lines = [f"## Depth task `{task}`: exact match (%) on held-out instances", ""]
+    if counts:
+        lines += ["Distinct held-out instances per difficulty (the same for every arm, seed and k): "
+                  + ", ".join(f"{d}: {n}" for d, n in sorted(counts.items(), key=lambda item: int(item[0]))) + ".", ""]  # fmt: skip
     for arm, rows in table.items():
         loops = sorted({k for row in rows.values() for k in row})
         lines += [f"### `{arm}`", "", "| difficulty | " + " | ".join(f"k={k}" for k in loops) + " |",

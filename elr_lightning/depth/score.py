@@ -22,7 +22,8 @@ from elr_lightning.depth.tasks import DepthTask, draw
 from elr_lightning.model import LoopedLM
 from elr_lightning.updates import NonRecurrent
 
-#: ``{difficulty: {k: {"exact": ..., "deep": ...}}}``.
+#: ``{difficulty: {k: {"exact": ..., "deep": ..., "instances": ...}}}``: accuracies in [0, 1] and the distinct
+#: held-out instances the cell holds (:func:`heldout_arrays`).
 Table = dict[int, dict[int, dict[str, float]]]
 
 
@@ -33,9 +34,29 @@ def default_loops(model: LoopedLM) -> list[int]:
     return list(range(1, 2 * model.config.max_loops + 1))
 
 
+PATIENCE = 8
+""":func:`heldout_arrays` takes the held-out space as exhausted after ``PATIENCE * n`` draws in a row bring no new instance."""
+
+
 def heldout_arrays(task: DepthTask, difficulty: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``n`` held-out instances of ``difficulty`` as ``(input_ids, labels, levels)``, instance ``i`` from ``(seed, "eval", difficulty, i)``."""
-    rows = [draw(task, instance_rng(seed, "eval", difficulty, i), difficulty, heldout=True) for i in range(n)]
+    """Up to ``n`` distinct held-out instances of ``difficulty`` as ``(input_ids, labels, levels)``.
+
+    Draws ``(seed, "eval", difficulty, i)`` for ``i = 0, 1, ...`` without replacement: an instance
+    already taken is skipped. Drawing stops at ``n`` distinct instances, or when ``PATIENCE * n``
+    draws in a row were all repeats: the held-out space is then smaller than ``n`` (prefix parity of
+    8 bits holds about 40 strings) and every instance of it is in. The rows are as many as were found.
+    """
+    rows, seen, i, repeats = [], set(), 0, 0
+    while len(rows) < n and repeats < PATIENCE * n:
+        row = draw(task, instance_rng(seed, "eval", difficulty, i), difficulty, heldout=True)
+        i += 1
+        key = row[0].tobytes()
+        if key in seen:
+            repeats += 1
+            continue
+        seen.add(key)
+        rows.append(row)
+        repeats = 0
     return tuple(torch.from_numpy(np.stack(parts)) for parts in zip(*rows))  # type: ignore[return-value]
 
 
@@ -61,11 +82,12 @@ def decode_teacher_forced(
 
 
 def _cells(hit: torch.Tensor, labels: torch.Tensor, levels: torch.Tensor, difficulty: int) -> dict[str, float]:
-    """Exact match and deepest-level accuracy of predictions ``hit`` (``[B, T]`` bool) of one difficulty."""
+    """Exact match and deepest-level accuracy of predictions ``hit`` (``[B, T]`` bool) of one difficulty, and its instances."""
     deepest = levels == difficulty
     return {
         "exact": float((hit | (labels == IGNORE_INDEX)).all(dim=1).float().mean()),
         "deep": float(hit[deepest].float().mean()) if bool(deepest.any()) else 0.0,
+        "instances": hit.shape[0],
     }
 
 
@@ -79,14 +101,17 @@ def score(
     seed: int = 0,
     batch_size: int = 256,
 ) -> Table:
-    """Exact match and deepest-level label accuracy on ``n`` held-out instances per difficulty and k.
+    """Exact match and deepest-level label accuracy on up to ``n`` distinct held-out instances per difficulty and k.
+
+    Each cell also counts its instances (``instances``): fewer than ``n`` where the held-out space
+    of a difficulty is smaller (:func:`heldout_arrays`).
 
     Args:
         model: The looped model (put in eval mode here; its mode is restored).
         task: The task it was trained on.
         difficulties: Difficulties to score.
         loops: Loop counts (above ``arch.max_loops``: extrapolation).
-        n: Instances per difficulty.
+        n: Instances per difficulty (at most).
         seed: Seed of the held-out draw.
         batch_size: Instances per forward pass.
     """
@@ -98,7 +123,7 @@ def score(
         ids, labels, levels = heldout_arrays(task, difficulty, n, seed)
         table[difficulty] = {}
         for k in loops:
-            hits = [model(ids[i : i + batch_size].to(device), k).argmax(-1).cpu() for i in range(0, n, batch_size)]
+            hits = [model(ids[i : i + batch_size].to(device), k).argmax(-1).cpu() for i in range(0, len(ids), batch_size)]
             table[difficulty][k] = _cells(torch.cat(hits) == labels, labels, levels, difficulty)
     model.train(was_training)
     return table
@@ -133,12 +158,18 @@ def score_adaptive(
 
 
 def format_table(table: Table, metric: str = "exact", task: Optional[DepthTask] = None) -> str:
-    """A Markdown table: one row per difficulty, one column per k, cells in percent."""
+    """A Markdown table: one row per difficulty, one column per k, cells in percent.
+
+    Where the cells count their instances, the column ``instances`` after the difficulty gives the
+    distinct held-out instances behind every cell of the row (the same instances at every k).
+    """
     loops = sorted({k for row in table.values() for k in row})
     name = task.name if task is not None else "difficulty"
-    rows = [[name] + [f"k={k}" for k in loops], ["---"] * (len(loops) + 1)]
+    counted = all("instances" in cell for row in table.values() for cell in row.values())
+    rows = [[name] + ["instances"] * counted + [f"k={k}" for k in loops], ["---"] * (len(loops) + 1 + counted)]
     for difficulty, row in sorted(table.items()):
-        rows.append([str(difficulty)] + [f"{100 * row[k][metric]:.1f}" if k in row else "-" for k in loops])
+        count = [f"{max(int(cell['instances']) for cell in row.values())}"] if counted else []
+        rows.append([str(difficulty)] + count + [f"{100 * row[k][metric]:.1f}" if k in row else "-" for k in loops])
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
@@ -169,7 +200,8 @@ def draw_heatmap(ax: Any, table: Table, metric: str, title: str, max_loops: Opti
                 ax.text(j, i, f"{values[i, j]:.0f}", ha="center", va="center", fontsize=7,
                         color="black" if values[i, j] > 60 else "white")  # fmt: skip
     ax.set_xticks(range(len(loops)), [str(k) for k in loops])
-    ax.set_yticks(range(len(difficulties)), [str(d) for d in difficulties])
+    counts = [max((int(c["instances"]) for c in table[d].values() if "instances" in c), default=0) for d in difficulties]
+    ax.set_yticks(range(len(difficulties)), [f"{d} (n={m})" if m else str(d) for d, m in zip(difficulties, counts)])
     ax.set_xlabel("loops k")
     ax.set_ylabel("difficulty")
     if max_loops is not None and max_loops in loops and max_loops != loops[-1]:

@@ -42,7 +42,7 @@ class ELRConfig(PretrainedConfig):
         init_std: Standard deviation of the normal init.
         state_update: One of :data:`STATE_UPDATES`.
         fixed_delta_beta: Step size of the ``fixed_delta`` rule.
-        conditioning: ``{"d_cond", "rank", "n_freqs"}`` of the eq. 4 loop conditioning, or ``None``.
+        conditioning: ``{"d_cond", "rank", "n_freqs", "beyond_budget"}`` of the eq. 4 loop conditioning, or ``None``.
         conditioning_active: Whether the conditioning takes part in the forward pass.
         default_loops: k used when ``forward`` or ``generate`` gets no ``loops``.
         tie_word_embeddings: The LM head shares the embedding matrix.

@@ -179,7 +179,8 @@ def hf_config_fields(model: LoopedLM) -> dict[str, Any]:
         "fixed_delta_beta": float(model.update.beta) if rule == "fixed_delta" else 0.5,
         "conditioning": None
         if conditioner is None
-        else {"d_cond": conditioner.d_cond, "rank": conditioner.rank, "n_freqs": conditioner.n_freqs},
+        else {"d_cond": conditioner.d_cond, "rank": conditioner.rank, "n_freqs": conditioner.n_freqs,
+              "beyond_budget": conditioner.beyond_budget},
         "conditioning_active": bool(conditioner.active) if conditioner is not None else False,
         "tie_word_embeddings": config.tie_embeddings,
         "head_dim": config.head_dim,

@@ -220,11 +220,15 @@ class ELRUpdate(nn.Module):
 
 
 class ELRConditioner(nn.Module):
-    """c_i = MLP([phi(tau_i); phi(kappa)]), tau_i = i / k, kappa = k / K; phi = [sin(f x), cos(f x)], f = 2^j pi."""
+    """c_i = MLP([phi(tau_i); phi(kappa)]), tau_i = i / k, kappa = k / K; phi = [sin(f x), cos(f x)], f = 2^j pi.
 
-    def __init__(self, d_cond: int, n_freqs: int, **_: int) -> None:
+    Past K, ``beyond_budget`` decides: ``ratio`` keeps the formula, ``clamp`` holds kappa at 1,
+    ``replay`` runs loop i with loop min(i, K)'s context of a K-loop run.
+    """
+
+    def __init__(self, d_cond: int, n_freqs: int, beyond_budget: str = "clamp", **_: int) -> None:
         super().__init__()
-        self.n_freqs = n_freqs
+        self.n_freqs, self.beyond_budget = n_freqs, beyond_budget
         self.mlp = nn.Sequential(nn.Linear(4 * n_freqs, d_cond), nn.SiLU(), nn.Linear(d_cond, d_cond))
 
     def forward(self, loop: int, loops: int, max_loops: int) -> Tensor:
@@ -235,7 +239,12 @@ class ELRConditioner(nn.Module):
         def phi(x: float) -> Tensor:
             return torch.cat(((freqs * x).sin(), (freqs * x).cos()))
 
-        return self.mlp(torch.cat((phi(loop / loops), phi(loops / max_loops))).to(self.mlp[0].weight.dtype))
+        tau, kappa = loop / loops, loops / max_loops
+        if loops > max_loops and self.beyond_budget != "ratio":
+            kappa = 1.0
+            if self.beyond_budget == "replay":
+                tau = min(loop, max_loops) / max_loops
+        return self.mlp(torch.cat((phi(tau), phi(kappa))).to(self.mlp[0].weight.dtype))
 
 
 class ELRCore(nn.Module):
