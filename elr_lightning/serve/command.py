@@ -67,6 +67,10 @@ def serve_parser() -> CommandParser:
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="Largest request body accepted; a larger one gets a 413 before it is read.",
     )
+    parser.add_argument(
+        "--chat_template", type=Optional[str], default=None,
+        help="Jinja chat template file (e.g. an export's chat_template.jinja) for /v1/chat/completions.",
+    )  # fmt: skip
     parser.add_argument("--accelerator", type=str, default="auto", help="LitServe accelerator: auto, cpu or cuda.")
     parser.add_argument("--dtype", type=Literal["float32", "bfloat16"], default="float32", help="Autocast dtype.")
     parser.add_argument(
@@ -140,6 +144,7 @@ def serve_command(argv: list[str]) -> None:
         raise ImportError('elr serve needs LitServe; install it with pip install "elr-lightning[serve]"') from err
     from elr_lightning.generation import load_model
     from elr_lightning.serve.api import CompletionsSpec, ELRServeAPI
+    from elr_lightning.serve.chat import ChatTemplate, special_texts
 
     apply_trust_argument(args.trust_module)  # exported: the workers inherit it
     verify_checkpoint_path(args.ckpt_path, "--ckpt_path")
@@ -178,7 +183,10 @@ def serve_command(argv: list[str]) -> None:
     accelerator = resolve_accelerator(args.accelerator)
     check_fits(memory, available_bytes(accelerator), accelerator)
     name = os.path.splitext(os.path.basename(args.ckpt_path))[0]
-    spec = CompletionsSpec(config, tokenizer, name, loops_default, loops_max, max_context, args.max_request_bytes)
+    chat = None if args.chat_template is None else ChatTemplate.from_file(args.chat_template, *special_texts(tokenizer))
+    spec = CompletionsSpec(
+        config, tokenizer, name, loops_default, loops_max, max_context, args.max_request_bytes, chat_template=chat
+    )
     api = ELRServeAPI(args.ckpt_path, spec, args.kv_cache, args.max_batch_size, args.dtype, args.log_level)
     server = ls.LitServer(api, accelerator=args.accelerator, devices=1, workers_per_device=1, timeout=False)
 
