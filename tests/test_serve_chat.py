@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -13,7 +21,6 @@ from _elr_ckpt import write_checkpoint  # noqa: E402
 from elr_lightning.generation import generate, load_model  # noqa: E402
 from elr_lightning.serve.chat import ChatError, ChatTemplate, chat_response, completion_body  # noqa: E402
 from elr_lightning.tokenizers import ByteTokenizer  # noqa: E402
-from test_serve import post, start_server, stop_server, free_port  # noqa: E402
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
@@ -24,6 +31,13 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 def test_messages_render_with_the_generation_prompt() -> None:
     assert ChatTemplate(TEMPLATE).render(MESSAGES) == "<|system|>Be brief.\n<|user|>def f\n<|assistant|>"
+
+
+def test_a_template_survives_the_pickling_that_sends_it_to_the_server_s_workers() -> None:
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(ChatTemplate(TEMPLATE, eos_token="</s>")))
+    assert copy.render(MESSAGES) == ChatTemplate(TEMPLATE).render(MESSAGES) and copy.eos_token == "</s>"
 
 
 def test_a_chat_body_becomes_the_completion_body_of_its_rendered_prompt() -> None:
@@ -78,14 +92,49 @@ def test_a_completion_answer_is_reshaped_as_a_chat_answer_and_errors_pass() -> N
     assert chat_response(error) is error
 
 
+def post(url: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def serve(checkpoint: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, int]:
+    """``elr serve`` in a session of its own on a free port, once ``/health`` answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with open(log, "wb") as err:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "elr_lightning.cli", "serve", "--ckpt_path", str(checkpoint), "--port", str(port),
+             "--accelerator", "cpu", *flags],
+            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=err,
+        )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while True:
+        assert server.poll() is None, log.read_text()[-2000:]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return server, port
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            os.killpg(server.pid, signal.SIGKILL)
+            raise AssertionError("the server did not become healthy in 120 s")
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_server_chat_equals_generate_on_the_rendered_prompt(tmp_path: Path) -> None:
     openai = pytest.importorskip("openai")
     checkpoint = tmp_path / "tiny.ckpt"
     write_checkpoint(checkpoint)
     (tmp_path / "chat.jinja").write_text(TEMPLATE)
-    port = free_port()
-    server = start_server(checkpoint, port, tmp_path / "server.log", "--chat_template", str(tmp_path / "chat.jinja"))
+    server, port = serve(checkpoint, tmp_path / "server.log", "--chat_template", str(tmp_path / "chat.jinja"))
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
         tok, model = ByteTokenizer(), load_model(str(checkpoint))[0]
@@ -105,4 +154,9 @@ def test_server_chat_equals_generate_on_the_rendered_prompt(tmp_path: Path) -> N
             {"messages": MESSAGES, "loops": 9}).encode())  # fmt: skip
         assert status == 400 and error["error"]["param"] == "loops"
     finally:
-        assert stop_server(server)
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            raise

@@ -136,7 +136,7 @@ def server(request, exported, tmp_path_factory: pytest.TempPathFactory):
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(exported[1]), "--port", str(port),
              "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--hf-overrides", overrides,
-             "--served-model-name", "tiny", "--seed", "0"],
+             "--served-model-name", "tiny", "--seed", "0", "--distributed-executor-backend", "uni"],
             env=ENV, start_new_session=True, stdout=err, stderr=subprocess.STDOUT,
         )  # fmt: skip
     base = f"http://127.0.0.1:{port}"

@@ -32,6 +32,26 @@ class ChatError(ValueError):
         self.param = param
 
 
+def _raise_exception(message: str) -> None:
+    """The templates' ``raise_exception(message)``: refuse the conversation with ``message``."""
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def _compile(source: str) -> Any:
+    """``source`` compiled in Jinja's immutable sandbox; raises ``ValueError`` if it does not parse."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(source)
+    except TemplateError as err:
+        raise ValueError(f"the chat template does not parse: {err}") from err
+
+
 class ChatTemplate:
     """A Jinja chat template, rendered in a sandbox.
 
@@ -43,19 +63,15 @@ class ChatTemplate:
     """
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
+        self.template = _compile(source)
 
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
+    def __getstate__(self) -> dict[str, str]:
+        """The template's text (the server's workers get a copy; a compiled template does not pickle)."""
+        return {"source": self.source, "bos_token": self.bos_token, "eos_token": self.eos_token}
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            self.template = env.from_string(source)
-        except TemplateError as err:
-            raise ValueError(f"the chat template does not parse: {err}") from err
-        self.bos_token, self.eos_token = bos_token, eos_token
+    def __setstate__(self, state: dict[str, str]) -> None:
+        self.__init__(**state)
 
     @classmethod
     def from_file(cls, path: str, bos_token: str = "", eos_token: str = "") -> "ChatTemplate":

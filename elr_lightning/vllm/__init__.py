@@ -27,6 +27,8 @@ class ELRVerifyConfig:
       refused here, at ``vllm serve`` / ``LLM(...)`` start, in one line.
     * Prefix caching is turned off: a cached block holds the keys and values of the k that wrote it,
       and a request at another k must not reuse them.
+    * Eager mode (no CUDA graphs, no ``torch.compile``): each step chooses how many loops to run from
+      its requests' k, which a captured graph would freeze at the capture's k.
     * Under ``last_loop``, chunked prefill is turned off (and ``max_num_batched_tokens`` raised to the
       context length): a prompt's tokens must meet at every loop in one pass, as ``elr generate``
       prefills them; a chunk would see the earlier chunks' last-loop keys only.
@@ -43,6 +45,9 @@ class ELRVerifyConfig:
         if cache.enable_prefix_caching:
             log.info("elr_lightning: prefix caching off (a cached block belongs to the k that computed it)")
             cache.enable_prefix_caching = False
+        if not model_config.enforce_eager:
+            log.info("elr_lightning: eager mode (each step picks its loops in Python; a captured graph would fix them)")
+            model_config.enforce_eager = True
         if served.last_loop and scheduler.enable_chunked_prefill:
             log.info("elr_lightning: last_loop cache: chunked prefill off, prompts prefill in one pass")
             scheduler.enable_chunked_prefill = False
