@@ -124,6 +124,22 @@ def serving_tokenizer(raw: Mapping[str, Any], override: Optional[str], config: M
     return choose_tokenizer(checkpoint_tokenizer(raw), override, config.vocab_size)
 
 
+def without_broken_mcp() -> None:
+    """Keep LitServe's MCP endpoint off unless LitServe can build it.
+
+    LitServe 0.2.19 turns the endpoint on when the ``mcp`` package is importable but defines its server
+    class only when ``fastmcp`` is, so with ``mcp`` alone (vLLM requires ``mcp>=2``: the ``vllm`` extras
+    install it) every server fails at start with ``NameError: name 'MCPServer' is not defined``.
+    ``elr serve`` uses no MCP. The HTTP workers are forked from this process and inherit the setting.
+    """
+    import importlib.util
+
+    import litserve.server
+
+    if importlib.util.find_spec("fastmcp") is None:
+        litserve.server._MCP_AVAILABLE = False
+
+
 def serve_command(argv: list[str]) -> None:
     """``elr serve``: run the completions server until SIGINT or SIGTERM.
 
@@ -188,6 +204,7 @@ def serve_command(argv: list[str]) -> None:
         config, tokenizer, name, loops_default, loops_max, max_context, args.max_request_bytes, chat_template=chat
     )
     api = ELRServeAPI(args.ckpt_path, spec, args.kv_cache, args.max_batch_size, args.dtype, args.log_level)
+    without_broken_mcp()
     server = ls.LitServer(api, accelerator=args.accelerator, devices=1, workers_per_device=1, timeout=False)
 
     main_pid = os.getpid()
