@@ -88,8 +88,7 @@ def _with_loops(original):
     @functools.wraps(original)
     def init_model_kwargs(self, num_reqs: Optional[int] = None) -> dict[str, Any]:
         kwargs = original(self, num_reqs)
-        model = getattr(self, "model", None)
-        if getattr(model, "elr_loops_per_token", False):
+        if getattr(self.get_model(), "elr_loops_per_token", False):  # get_model: the model, unwrapped
             loops = token_loops(self, self.input_batch.num_reqs if num_reqs is None else num_reqs)
             if loops is not None:
                 kwargs["loops"] = loops
