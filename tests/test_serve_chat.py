@@ -106,7 +106,7 @@ def serve(checkpoint: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, i
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file()))}
     with open(log, "wb") as err:
         server = subprocess.Popen(
             [sys.executable, "-m", "elr_lightning.cli", "serve", "--ckpt_path", str(checkpoint), "--port", str(port),

