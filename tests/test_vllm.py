@@ -44,6 +44,8 @@ PROMPTS = ("def main(", "import os\nimport sys\n", "class A:\n    x = 1", "for i
 NEW = 10
 LOGPROB_ATOL = 1e-4
 POLICIES = ("per_loop", "last_loop")
+#: The servers' default k (``--hf-overrides``; the folder's own is 1): what a request without k gets.
+SERVED_DEFAULT = 2
 TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 MESSAGES = [{"role": "system", "content": "Write Python."}, {"role": "user", "content": "A loop"}]
 TOK = ByteTokenizer()
@@ -134,7 +136,7 @@ def server(request, exported, tmp_path_factory: pytest.TempPathFactory):
     """``vllm serve EXPORT`` under one policy; yields ``(base url, policy)``."""
     policy, port = request.param, free_port()
     log = tmp_path_factory.mktemp("serve") / "vllm.log"
-    overrides = json.dumps({"elr_kv_cache": policy})
+    overrides = json.dumps({"elr_kv_cache": policy, "default_loops": SERVED_DEFAULT})
     with open(log, "wb") as err:
         proc = subprocess.Popen(
             [*VLLM_SERVE, str(exported[1]), "--port", str(port),
@@ -182,7 +184,7 @@ def test_server_completions_equal_elr_generate_at_every_k(server, reference) -> 
     for k in KS:
         tokens, logprobs = complete(base, PROMPTS[1], k)
         assert_matches(tokens, logprobs, reference(PROMPTS[1], k, policy), k)
-    assert complete(base, PROMPTS[1], None)[0] == reference(PROMPTS[1], 1, policy)[0]
+    assert complete(base, PROMPTS[1], None)[0] == reference(PROMPTS[1], SERVED_DEFAULT, policy)[0]
 
 
 def test_server_chat_uses_the_folder_chat_template_and_equals_elr_generate(server, reference) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -107,3 +108,27 @@ def test_token_loops_follow_the_batch_order_and_each_request_s_tokens() -> None:
     )
     assert token_loops(runner, 3).tolist() == [2, 2, 2, 2, 3, 6, 6]
     assert token_loops(runner, 0) is None
+
+
+def test_the_v2_runner_state_passes_each_token_s_k_from_its_request_slot(monkeypatch) -> None:
+    """Model Runner V2 (CUDA builds): k kept per request slot by ``add_request``, expanded per token in batch order."""
+    if not os.environ.get("CI"):
+        pytest.importorskip("vllm.v1.worker.gpu.model_states.default")
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    from elr_lightning.vllm.loops import elr_model_state
+
+    def base_init(self, vllm_config, model, encoder_cache, device):
+        self.model_config, self.max_num_reqs, self.device = vllm_config.model_config, 4, device
+
+    monkeypatch.setattr(DefaultModelState, "__init__", base_init)
+    monkeypatch.setattr(DefaultModelState, "add_request", lambda self, index, data: None)
+    monkeypatch.setattr(DefaultModelState, "prepare_inputs", lambda self, batch, states: {})
+    config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config(default_loops=2)))
+    state = elr_model_state()(config, None, None, torch.device("cpu"))
+    for slot, extra in ((0, {"loops": 6}), (3, None), (1, {"loops": 1})):
+        state.add_request(slot, SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra)))
+    with pytest.raises(ValueError, match="vllm_xargs.loops"):
+        state.add_request(2, SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"loops": 9})))
+    batch = SimpleNamespace(num_reqs=3, idx_mapping_np=np.array([3, 0, 1, 0]), num_scheduled_tokens=np.array([2, 1, 3, 0]))
+    assert state.prepare_inputs(batch, None)["loops"].tolist() == [2, 2, 6, 1, 1, 1]

@@ -15,6 +15,9 @@ vLLM process, by the ``vllm.general_plugins`` entry point):
   (``query_start_loc``). This is the method through which vLLM already passes per-request model
   inputs (``token_type_ids``, ``lookback_token_ids``); other models are untouched.
 
+Where vLLM runs its Model Runner V2 (the default of CUDA builds with Triton), the model's
+``get_model_state_cls`` returns :func:`elr_model_state`'s class instead, which passes the same ``loops``.
+
 docs/lab-vllm.md records the channels tried.
 """
 
@@ -80,8 +83,44 @@ def token_loops(runner: Any, num_reqs: int) -> Optional[torch.Tensor]:
         params = runner.requests[req_id].sampling_params
         extra = None if params is None else params.extra_args
         ks[row] = request_loops(extra, served.default_loops, served.budget)
-    counts = np.diff(runner.query_start_loc.np[: num_reqs + 1])
-    return torch.from_numpy(np.repeat(ks, counts)).to(runner.device)
+    return torch.from_numpy(np.repeat(ks, np.diff(runner.query_start_loc.np[: num_reqs + 1]))).to(runner.device)
+
+
+def elr_model_state() -> type:
+    """Model Runner V2's ``ModelState`` for ELR models: the same ``loops`` keyword, from per-slot k.
+
+    vLLM 0.32 runs V2 by default where Triton runs (CUDA builds), and asks the model for its state class
+    (``get_model_state_cls``); V2 never calls the V1 runner's ``_init_model_kwargs``. The class keeps each
+    request slot's k (set by ``add_request`` from the request's ``extra_args``) and adds each scheduled
+    token's k to the model inputs in ``prepare_inputs``, as ``diffusion_gemma.py`` keeps its per-slot
+    step caps. Imported only when V2 asks: V2's modules need Triton.
+    """
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    class ELRModelState(DefaultModelState):
+        """``DefaultModelState`` plus each request slot's loop count k."""
+
+        def __init__(self, vllm_config: Any, model: Any, encoder_cache: Any, device: torch.device) -> None:
+            super().__init__(vllm_config, model, encoder_cache, device)
+            self.served = served_elr(self.model_config.hf_config)
+            self.slot_loops = np.full(self.max_num_reqs, self.served.default_loops, dtype=np.int64)
+
+        def add_request(self, req_index: int, new_req_data: Any) -> None:
+            """Record the new request's k in its slot."""
+            super().add_request(req_index, new_req_data)
+            params = new_req_data.sampling_params
+            extra = None if params is None else params.extra_args
+            self.slot_loops[req_index] = request_loops(extra, self.served.default_loops, self.served.budget)
+
+        def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
+            """The default inputs plus ``loops``: each scheduled token's request's k, in batch order."""
+            inputs = super().prepare_inputs(input_batch, req_states)
+            ks = self.slot_loops[input_batch.idx_mapping_np[: input_batch.num_reqs]]
+            counts = input_batch.num_scheduled_tokens[: input_batch.num_reqs]
+            inputs["loops"] = torch.from_numpy(np.repeat(ks, counts)).to(self.device)
+            return inputs
+
+    return ELRModelState
 
 
 def _with_loops(original):

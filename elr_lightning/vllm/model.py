@@ -42,6 +42,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
 from elr_lightning.vllm.config import ServedELR, served_elr
+from elr_lightning.vllm.loops import elr_model_state
 
 
 def _rope_parameters(config) -> dict:
@@ -302,6 +303,11 @@ class ELRForCausalLM(nn.Module):
 
     #: Tells :mod:`elr_lightning.vllm.loops`'s runner hook to pass per-token loop counts.
     elr_loops_per_token = True
+
+    @staticmethod
+    def get_model_state_cls() -> type:
+        """Model Runner V2's per-request state (CUDA builds): :func:`~elr_lightning.vllm.loops.elr_model_state`."""
+        return elr_model_state()
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
