@@ -361,6 +361,45 @@ def place_export(new: Path, out: Path) -> None:
             (out / name).unlink()
 
 
+def _read_config(path: Path) -> dict[str, Any]:
+    """An export's ``config.json`` as a dictionary, refused in one line naming the file otherwise."""
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError(f"--hf {str(path)!r} nests too deeply to be a config.json; use the one `elr export` wrote") from None
+    except ValueError as err:  # not UTF-8, not JSON, or an integer of too many digits
+        raise ValueError(f"--hf {str(path)!r} is not a readable config.json ({err}); use the one `elr export` wrote") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--hf {str(path)!r} holds a JSON {type(fields).__name__}, not an object; use the one `elr export` wrote")
+    return fields
+
+
+def _update_from_config(fields: dict[str, Any], source: str) -> StateUpdate:
+    """The state update ``config.json``'s ``state_update``, ``fixed_delta_beta`` and ``injection`` describe.
+
+    Raises:
+        ValueError: A key missing or of the wrong type or value, naming it, the file and the fix.
+    """
+    def bad(key: str, want: str) -> ValueError:
+        got = f"is {fields[key]!r}" if key in fields else "is missing"
+        return ValueError(f"{source}: {key} {got}; it must be {want} (as `elr export` writes it)")
+
+    rule = fields.get("state_update")
+    if not isinstance(rule, str) or rule not in UPDATE_RULES:
+        raise bad("state_update", f"one of {sorted(UPDATE_RULES)}")
+    if rule == "fixed_delta":
+        beta = fields.get("fixed_delta_beta")
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 < beta <= 1.0:
+            raise bad("fixed_delta_beta", "a number in (0, 1]")
+        return FixedDelta(float(beta))
+    if rule == "adaptive_delta":
+        injection = fields.get("injection", "sum")
+        if injection not in ("sum", "mean"):
+            raise bad("injection", "'sum' or 'mean'")
+        return AdaptiveDelta(injection=injection)
+    return UPDATE_RULES[rule]()
+
+
 def import_hf(directory: str | os.PathLike) -> Any:
     """Rebuild an :class:`~elr_lightning.module.ELRModule` from an export (weights bit for bit).
 
@@ -381,20 +420,12 @@ def import_hf(directory: str | os.PathLike) -> Any:
     for name in ("config.json", "model.safetensors"):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"--hf {str(directory)!r} has no {name}; give the directory `elr export` wrote")
-    fields = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    source = str(directory / "config.json")
+    fields = _read_config(directory / "config.json")
     if fields.get("model_type") != "elr":
         raise ValueError(f"--hf {str(directory)!r}: model_type is {fields.get('model_type')!r}, not 'elr'")
-    source = str(directory / "config.json")
     arch = ModelConfig(**checked_arch(fields.get("elr_arch"), "elr_arch", source))  # checked before a layer imports
-    rule = fields["state_update"]
-    if rule not in UPDATE_RULES:
-        raise ValueError(f"--hf config.json: state_update={rule!r} is not one of {sorted(UPDATE_RULES)}")
-    if rule == "fixed_delta":
-        update: StateUpdate = FixedDelta(fields["fixed_delta_beta"])
-    elif rule == "adaptive_delta":
-        update = AdaptiveDelta(injection=fields.get("injection", "sum"))
-    else:
-        update = UPDATE_RULES[rule]()
+    update = _update_from_config(fields, source)
     cond = fields.get("conditioning")
     conditioner = plugin_from_config(
         {"class_path": f"{LoopConditioner.__module__}.LoopConditioner", "init_args": cond}, Conditioner, "conditioning", source
