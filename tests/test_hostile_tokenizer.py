@@ -18,6 +18,7 @@ pytest.importorskip("tokenizers")
 
 from _elr_ckpt import SERVE_ARCH, write_checkpoint  # noqa: E402
 from elr_lightning.hf.export import import_hf  # noqa: E402
+from elr_lightning.prompts import check_sampling  # noqa: E402
 from elr_lightning.serve.api import CompletionsSpec, RequestError  # noqa: E402
 from elr_lightning.tokenizers import HFTokenizer, TokenizerFailure  # noqa: E402
 
@@ -104,12 +105,16 @@ def test_generate_takes_a_tiny_temperature_as_greedy_and_prints_depth_statistics
               "--no_echo_prompt"]  # fmt: skip
     tiny, greedy = _cli([*common, "--temperature", "1e-300"], tmp_path), _cli([*common, "--temperature", "0"], tmp_path)
     assert tiny.returncode == 0 and tiny.stdout == greedy.stdout, tiny.stderr[-2000:]
-    refused = _cli([*common, "--temperature", "nan"], tmp_path)
-    assert refused.returncode == 1 and "temperature=nan must be a finite number" in refused.stderr
     auto = _cli([*common, "--loops", "auto", "--stats"], tmp_path)
     assert auto.returncode == 0, auto.stderr[-2000:]
     assert "loops auto (budget 3, kl threshold 0.001)" in auto.stderr and "loops k=" not in auto.stderr
     assert "loops per decoded token: mean" in auto.stderr
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
+def test_the_library_refuses_a_temperature_that_is_not_a_finite_number_at_least_0(temperature: float) -> None:
+    with pytest.raises(ValueError, match="must be a finite number >= 0"):
+        check_sampling(temperature, None, None, 4)
 
 
 def _export_folder(root: Path, **fields: object) -> Path:
@@ -153,3 +158,16 @@ def test_import_hf_names_a_missing_state_update(tmp_path: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="state_update is missing; it must be one of"):
         import_hf(folder)
+
+
+def test_import_hf_refuses_damaged_or_mismatched_weights_in_one_line(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder = _export_folder(tmp_path / "export")
+    (folder / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="is not a readable safetensors file") as info:
+        import_hf(folder)
+    save_file({"model.embed.weight": torch.zeros(3, 3)}, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="does not fit config.json's elr_arch") as mismatch:
+        import_hf(folder)
+    assert "\n" not in str(info.value) + str(mismatch.value)

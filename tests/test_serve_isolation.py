@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -172,3 +173,22 @@ def test_server_answers_a_poisoned_request_alone_and_bounds_hostile_bodies(
     assert clean, "processes of the server were left running after SIGTERM"
     text = log.read_text()
     assert "Traceback" not in text and "ClientDisconnect" not in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_serve_sizes_its_limits_by_the_architecture_its_workers_build(checkpoint: Path, tmp_path: Path) -> None:
+    """``elr.arch`` may differ from ``hyper_parameters.arch`` in ``max_seq_len`` (the load allows it); the server
+    read its limits from the first and built its workers from the second, which failed in worker setup."""
+    raw = torch.load(checkpoint, weights_only=True)
+    raw["elr"]["arch"]["max_seq_len"] = 2 * raw["hyper_parameters"]["arch"]["max_seq_len"]
+    torch.save(raw, tmp_path / "longer.ckpt")
+    port = free_port()
+    server = start_server(tmp_path / "longer.ckpt", port, tmp_path / "server.log")
+    try:
+        models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30).read())
+        assert models["data"][0]["max_seq_len"] == SERVE_ARCH.max_seq_len
+        status, answer = post(f"http://127.0.0.1:{port}/v1/completions", b'{"prompt": "def", "max_tokens": 3}')
+        assert status == 200 and answer["usage"]["completion_tokens"] == 3
+    finally:
+        clean = stop_server(server)
+    assert clean

@@ -20,7 +20,6 @@ the export does not know.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import uuid
@@ -35,6 +34,7 @@ from elr_lightning.checkpoint_io import write_atomically
 from elr_lightning.checkpoint_schema import checked_arch, plugin_from_config
 from elr_lightning.conditioning import Conditioner, LoopConditioner
 from elr_lightning.config import ModelConfig
+from elr_lightning.hf.config_json import read_json_object
 from elr_lightning.layers import Block
 from elr_lightning.mixers import Attention, GatedDeltaProduct, MoE, SwiGLU
 from elr_lightning.model import LoopedLM
@@ -361,19 +361,6 @@ def place_export(new: Path, out: Path) -> None:
             (out / name).unlink()
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    """An export's ``config.json`` as a dictionary, refused in one line naming the file otherwise."""
-    try:
-        fields = json.loads(path.read_text(encoding="utf-8"))
-    except RecursionError:
-        raise ValueError(f"--hf {str(path)!r} nests too deeply to be a config.json; use the one `elr export` wrote") from None
-    except ValueError as err:  # not UTF-8, not JSON, or an integer of too many digits
-        raise ValueError(f"--hf {str(path)!r} is not a readable config.json ({err}); use the one `elr export` wrote") from None
-    if not isinstance(fields, dict):
-        raise ValueError(f"--hf {str(path)!r} holds a JSON {type(fields).__name__}, not an object; use the one `elr export` wrote")
-    return fields
-
-
 def _update_from_config(fields: dict[str, Any], source: str) -> StateUpdate:
     """The state update ``config.json``'s ``state_update``, ``fixed_delta_beta`` and ``injection`` describe.
 
@@ -421,7 +408,7 @@ def import_hf(directory: str | os.PathLike) -> Any:
         if not (directory / name).is_file():
             raise FileNotFoundError(f"--hf {str(directory)!r} has no {name}; give the directory `elr export` wrote")
     source = str(directory / "config.json")
-    fields = _read_config(directory / "config.json")
+    fields = read_json_object(directory / "config.json", "use the one `elr export` wrote")
     if fields.get("model_type") != "elr":
         raise ValueError(f"--hf {str(directory)!r}: model_type is {fields.get('model_type')!r}, not 'elr'")
     arch = ModelConfig(**checked_arch(fields.get("elr_arch"), "elr_arch", source))  # checked before a layer imports
@@ -431,14 +418,26 @@ def import_hf(directory: str | os.PathLike) -> Any:
         {"class_path": f"{LoopConditioner.__module__}.LoopConditioner", "init_args": cond}, Conditioner, "conditioning", source
     ) if cond else None
     module = ELRModule(arch=arch, update=update, conditioner=conditioner)
+    weights = directory / "model.safetensors"
+    try:
+        loaded = st.load_file(str(weights))
+    except Exception as err:  # safetensors raises its own SafetensorError for a damaged header
+        raise ValueError(f"--hf {str(weights)!r} is not a readable safetensors file ({err}); export it again") from None
     state = {}
-    for name, tensor in st.load_file(str(directory / "model.safetensors")).items():
+    for name, tensor in loaded.items():
         state[name.removeprefix("model.") if name.startswith("model.") else name.replace("lm_head.", "head.")] = tensor
-    if arch.tie_embeddings:
+    if arch.tie_embeddings and "embed.weight" in state:
         state["head.weight"] = state["embed.weight"]
     if conditioner is not None:
-        state[_ACTIVE_FLAG] = torch.tensor(bool(fields.get("conditioning_active", True)))
-    module.model.load_state_dict(state, strict=True)
+        active = fields.get("conditioning_active", True)
+        if not isinstance(active, bool):
+            raise ValueError(f"{source}: conditioning_active is {active!r}; it must be true or false (as `elr export` writes it)")
+        state[_ACTIVE_FLAG] = torch.tensor(active)
+    try:
+        module.model.load_state_dict(state, strict=True)
+    except RuntimeError as err:  # missing, unexpected or mis-shaped tensors
+        problem = " ".join(str(err).split())
+        raise ValueError(f"--hf {str(weights)!r} does not fit config.json's elr_arch ({problem[:300]}); export it again") from None
     if fields.get("elr_tokenizer") == "byte":
         module.tokenizer = ByteTokenizer()
     elif (directory / "tokenizer.json").is_file():

@@ -106,13 +106,24 @@ class _StopText:
         hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
         if hits:
             return self._release(min(hits)), True
-        hold = 0
+        return self._release(len(self.text) - self._held()), False
+
+    def _held(self) -> int:
+        """Length of the longest tail of the text that begins some stop string (shorter than it).
+
+        Only the tails that start with the stop string's first character and end with the
+        character it has there are compared: a long stop string costs about the length of the text
+        it could still begin per token, not its square.
+        """
+        text, hold = self.text, 0
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:n]):
-                    hold = n
+            i = text.find(s[0], max(0, len(text) - len(s) + 1))
+            while i != -1 and len(text) - i > hold:
+                if s[len(text) - i - 1] == text[-1] and s.startswith(text[i:]):
+                    hold = len(text) - i
                     break
-        return self._release(len(self.text) - hold), False
+                i = text.find(s[0], i + 1)
+        return hold
 
     def flush(self) -> str:
         return self._release(len(self.text))
