@@ -192,3 +192,33 @@ def test_serve_sizes_its_limits_by_the_architecture_its_workers_build(checkpoint
     finally:
         clean = stop_server(server)
     assert clean
+
+
+def test_a_request_that_failed_alone_gets_its_own_error_plain_and_streamed(spec: CompletionsSpec) -> None:
+    import asyncio
+
+    from litserve.utils import LitAPIStatus
+
+    from elr_lightning.serve.api import _collect
+
+    failed = json.dumps({"text": "", "finish_reason": "error", "completion_tokens": 2, "loops": 0,
+                         "error": "ValueError: the model's logits for this request are NaN or +inf"})  # fmt: skip
+
+    async def pieces():
+        yield json.dumps({"text": "ab", "finish_reason": None, "completion_tokens": 1, "loops": 1}), LitAPIStatus.OK
+        yield failed, LitAPIStatus.OK
+
+    answer = asyncio.run(_collect(pieces()))
+    body = json.loads(answer.body)["error"]
+    assert answer.status_code == 500 and body["type"] == "server_error" and "NaN or +inf" in body["message"]
+
+    spec.request_queue = type("Queue", (), {"put": lambda self, item: None})()
+    spec.response_buffer, spec.response_queue_id = {}, 0
+    job = CompletionRequest((97,), 1, 4)
+
+    async def stream() -> list[str]:
+        return [chunk async for chunk in spec._sse("u", {"id": "cmpl-u"}, job, pieces())]
+
+    chunks = asyncio.run(stream())
+    assert json.loads(chunks[0].removeprefix("data: "))["choices"][0]["text"] == "ab"
+    assert "NaN or +inf" in json.loads(chunks[-1].removeprefix("data: "))["error"]["message"]
