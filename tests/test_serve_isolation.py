@@ -115,7 +115,7 @@ def test_an_unknown_model_is_a_404_with_openais_error_shape(spec: CompletionsSpe
     assert json.loads(info.value.response().body) == {
         "error": {
             "message": "The model `gpt-4` does not exist; this server serves `tiny` (GET /v1/models)",
-            "type": "NotFoundError",
+            "type": "invalid_request_error",
             "param": "model",
             "code": "model_not_found",
         }

@@ -38,12 +38,12 @@ from typing import Any, Literal, Optional, Union
 import litserve as ls
 import torch
 from fastapi import Request
-from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, StreamingResponse
 from litserve.loops.continuous_batching_loop import ContinuousBatchingLoop, Output
 from litserve.specs.base import LitSpec
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 from typing_extensions import override
 
 from elr_lightning.config import ModelConfig
@@ -227,12 +227,12 @@ class CompletionsSpec(LitSpec):
             first = err.errors()[0]
             param = str(first["loc"][0]) if first["loc"] else "body"
             raise RequestError(f"{param}: {first['msg']}", param) from err
-        loops = self.depth(body)
-        if body.model is not None and body.model != self.model_name:
+        if body.model is not None and body.model != self.model_name:  # as OpenAI answers an unknown model
             raise RequestError(
                 f"The model `{body.model}` does not exist; this server serves `{self.model_name}` (GET /v1/models)",
-                "model", 404, "NotFoundError", "model_not_found",
+                "model", 404, code="model_not_found",
             )
+        loops = self.depth(body)
         try:
             ids = tuple(self.tokenizer.encode(body.prompt))
         except ValueError as err:  # a character the model's alphabet lacks, or the tokenizer failed on the text
