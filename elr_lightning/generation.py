@@ -82,6 +82,11 @@ def filter_logits(logits: Tensor, top_k: Optional[int] = None, top_p: Optional[f
     return logits
 
 
+#: Temperatures below this are greedy, as in vLLM: dividing fp32 logits by a smaller one can overflow
+#: them to ``inf`` (a NaN distribution), and long before that the softmax is already one-hot.
+MIN_TEMPERATURE = 1e-5
+
+
 def sample_next(
     logits: Tensor,
     temperature: float = 1.0,
@@ -94,7 +99,7 @@ def sample_next(
 
     Args:
         logits: Next-token logits.
-        temperature: Softmax temperature; 0 means greedy.
+        temperature: Softmax temperature; below :data:`MIN_TEMPERATURE` (0 included) means greedy.
         top_k: Sample among the ``top_k`` most likely tokens only.
         top_p: Sample from the nucleus of mass ``top_p`` only.
         greedy: Take the argmax (same as ``temperature=0``).
@@ -103,7 +108,7 @@ def sample_next(
     Returns:
         ``[B]`` int64 token ids.
     """
-    if greedy or temperature == 0:
+    if greedy or temperature < MIN_TEMPERATURE:
         return logits.argmax(dim=-1)
     scaled = filter_logits(logits.float() / temperature, top_k, top_p)
     return torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator).squeeze(-1)

@@ -21,7 +21,6 @@ learns its step from there. The conditioning heads (eq. 4) start at zero, so the
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from torch import Tensor
 from elr_lightning.arguments import CommandParser, add_switch, command_parser
 from elr_lightning.checkpoint_io import write_file
 from elr_lightning.config import ModelConfig
+from elr_lightning.hf.config_json import read_json_object
 from elr_lightning.hf.source_weights import SafetensorsWeights
 from elr_lightning.tokenizers import HFTokenizer
 
@@ -164,9 +164,7 @@ def read_hf_config(directory: Path) -> Any:
 
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"--hf {str(directory)!r} has no config.json; give a Hugging Face model folder")
-    raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    if not isinstance(raw, dict):
-        raise ValueError(f"--hf {str(directory)!r}: config.json holds a {type(raw).__name__}, not a model config")
+    raw = read_json_object(directory / "config.json", "give a Hugging Face model folder")
     if "auto_map" in raw:
         raise ValueError(
             f"--hf {str(directory)!r}: config.json has auto_map, which asks to run the model's own Python code; "
