@@ -8,10 +8,12 @@ import os
 import posixpath
 from typing import Any, Mapping, Optional
 
+import torch
 from lightning.pytorch import LightningModule
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
+from elr_lightning.checkpoint_schema import CheckpointConfigError
 from elr_lightning.plugin_config import plain_hyperparameters
 from elr_lightning.resume import check_resumed_schedule, planned_steps
 from elr_lightning.tokenizer_checkpoint import checkpoint_tokenizer, tokenizer_state
@@ -79,6 +81,55 @@ def drop_foreign_paths(trainer: Any, checkpoint: dict[str, Any]) -> list[str]:
             "outside the run's own folder"
         )
     return dropped
+
+
+def check_sizes_before_build(target: type, arguments: Mapping[str, Any], checkpoint: Mapping[str, Any], source: str) -> None:
+    """Refuse a checkpoint whose configuration declares sizes its tensors do not hold, before anything real is built.
+
+    A few bytes of configuration (``arch.vocab_size = 50_000_000``, a width, a layer count) would
+    otherwise allocate gigabytes when the module is built, before the state dict's shapes are
+    compared. Here the architecture is validated (its bounds: :data:`~elr_lightning.config.MAX_LOOPS`,
+    :data:`~elr_lightning.config.MAX_SEQ_LEN`), its layer count is compared with the number of tensors
+    present (every layer holds at least one), and then ``target`` is built on the meta device, which
+    allocates no memory, and every tensor's shape compared with the checkpoint's.
+
+    Args:
+        target: The ``ELRModule`` class the checkpoint names.
+        arguments: Its checked constructor arguments (:func:`~elr_lightning.checkpoint_schema.module_arguments`).
+        checkpoint: The checkpoint read as data.
+        source: The file, for messages.
+
+    Raises:
+        CheckpointConfigError: One line naming the field or the first tensors whose shapes differ.
+    """
+    from elr_lightning.config import ModelConfig
+
+    state = checkpoint.get("state_dict")
+    arch = arguments.get("arch")
+    if not isinstance(state, Mapping) or arch is None:
+        return
+    try:
+        config = ModelConfig(**arch) if isinstance(arch, Mapping) else arch
+    except (ValueError, TypeError) as err:
+        raise CheckpointConfigError(f"{source!r}: hyper_parameters.{err}") from None
+    layers = config.n_in + config.n_rec + config.n_out
+    if layers > len(state):
+        raise CheckpointConfigError(
+            f"{source!r}: hyper_parameters.arch declares {layers} layers (n_in + n_rec + n_out), but the checkpoint "
+            f"holds {len(state)} tensors; it does not describe its own weights, use another checkpoint"
+        )
+    with torch.device("meta"):
+        probe = target(**{**arguments, "arch": config})
+    shapes = [
+        f"{key} {tuple(state[key].shape)} in the file, {tuple(tensor.shape)} by hyper_parameters"
+        for key, tensor in probe.state_dict().items()
+        if hasattr(state.get(key), "shape") and tuple(state[key].shape) != tuple(tensor.shape)
+    ]
+    if shapes:
+        raise CheckpointConfigError(
+            f"{source!r}: hyper_parameters.arch does not fit the checkpoint's tensors ({listed(shapes, 2)}); "
+            "it was changed after saving, use another checkpoint"
+        )
 
 
 def record_checkpoint(module: LightningModule, checkpoint: dict[str, Any]) -> None:
