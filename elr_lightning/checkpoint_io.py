@@ -35,6 +35,7 @@ from elr_lightning.plugin_config import plain_hyperparameters
 from elr_lightning.safe_load import (
     UnsafeCheckpointError,
     check_archive,
+    check_regular_file,
     check_sharded_index,
     load_sharded,
     load_weights_only,
@@ -331,6 +332,7 @@ def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
         )
     if path in ("last", "best", "hpc") and not os.path.exists(path):
         return  # Lightning finds a local file, which the strategy's AtomicCheckpointIO checks as it loads it
+    check_regular_file(path, field)
     if os.path.isdir(path):
         check_sharded_folder(path, field)
         read_sharded_meta(path, check_config=False)
@@ -463,6 +465,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         refuse_url(str(path), "--ckpt_path")
+        check_regular_file(str(path), "--ckpt_path")
         if os.path.isdir(path):
             raise ValueError(
                 f"--ckpt_path {str(path)!r} is a sharded checkpoint folder (save_distributed_checkpoint: true), which "

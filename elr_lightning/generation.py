@@ -37,7 +37,13 @@ from elr_lightning.cache import KVCache, PolicyLike
 from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
 from elr_lightning.decode import AdaptiveDepth, Decoder, Depth, budget
 from elr_lightning.checkpoint_schema import CheckpointConfigError
-from elr_lightning.safe_load import OversizedCheckpointError, UnsafeCheckpointError, read_checkpoint, refuse_url
+from elr_lightning.safe_load import (
+    OversizedCheckpointError,
+    UnsafeCheckpointError,
+    check_regular_file,
+    read_checkpoint,
+    refuse_url,
+)
 from elr_lightning.serving import FoldedLM
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
@@ -434,6 +440,7 @@ def load_model(
         ValueError: The file is not a readable ELR Lightning checkpoint.
     """
     refuse_url(ckpt_path)
+    check_regular_file(ckpt_path)
     sharded = is_sharded_checkpoint(ckpt_path)  # written under FSDP with save_distributed_checkpoint
     if sharded:
         raw = read_sharded_checkpoint(ckpt_path, weights="meta" if meta else True)

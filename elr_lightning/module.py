@@ -30,7 +30,7 @@ from elr_lightning.optim import adamw, param_groups, warmup_cosine
 from elr_lightning.parameter_usage import check_plain_ddp
 from elr_lightning.plugin_config import PluginConfigError, plain_hyperparameters
 from elr_lightning.roles import copy_with_roles
-from elr_lightning.safe_load import check_archive, refuse_url, refusing_pickles, source_name
+from elr_lightning.safe_load import check_archive, check_regular_file, refuse_url, refusing_pickles, source_name
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats, loop_gains, rank_utilisation
 from elr_lightning.tokenizers import Tokenizer
@@ -536,16 +536,18 @@ class ELRModule(LightningModule):
         name = source_name(checkpoint_path)
         if isinstance(checkpoint_path, (str, os.PathLike)):
             refuse_url(checkpoint_path, "checkpoint_path")
+            check_regular_file(checkpoint_path, "checkpoint_path")
             check_archive(os.fspath(checkpoint_path))
         with refusing_pickles(name):
             checkpoint = pl_load(checkpoint_path, map_location=map_location or _default_map_location, weights_only=True)
         overrides = load_hparams_from_yaml(hparams_file) if hparams_file is not None else None
-        return cls.from_checkpoint_dict(checkpoint, name, overrides, strict, **kwargs)
+        size = os.path.getsize(checkpoint_path) if isinstance(checkpoint_path, (str, os.PathLike)) else None
+        return cls.from_checkpoint_dict(checkpoint, name, overrides, strict, available=size, **kwargs)
 
     @classmethod
     def from_checkpoint_dict(
         cls, checkpoint: dict[str, Any], source: str, overrides: Optional[Mapping[str, Any]] = None,
-        strict: Optional[bool] = None, **kwargs: Any,
+        strict: Optional[bool] = None, available: Optional[int] = None, **kwargs: Any,
     ) -> Any:  # fmt: skip
         """The module a checkpoint already read as data describes, as :meth:`load_from_checkpoint` builds it.
 
@@ -560,10 +562,12 @@ class ELRModule(LightningModule):
             source: The file or folder, for messages.
             overrides: Hyperparameters that replace the checkpoint's (a ``hparams_file``'s).
             strict: As for :meth:`load_from_checkpoint`.
+            available: The bytes of the file it was read from, which its tensors may not exceed (twice,
+                for tied weights); ``None`` for a sharded folder, whose index bounds them.
             kwargs: Constructor arguments that replace the checkpoint's.
         """
         target, arguments = module_arguments(checkpoint, cls, source, overrides)
-        check_sizes_before_build(target, {**arguments, **kwargs}, checkpoint, source)
+        check_sizes_before_build(target, {**arguments, **kwargs}, checkpoint, source, available)
         for key in (*LEGACY_HPARAMS_KEYS, "hparams_name"):
             checkpoint.pop(key, None)
         checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = dict(arguments)  # what hooks read is what was checked

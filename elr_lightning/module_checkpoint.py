@@ -83,7 +83,13 @@ def drop_foreign_paths(trainer: Any, checkpoint: dict[str, Any]) -> list[str]:
     return dropped
 
 
-def check_sizes_before_build(target: type, arguments: Mapping[str, Any], checkpoint: Mapping[str, Any], source: str) -> None:
+def check_sizes_before_build(
+    target: type,
+    arguments: Mapping[str, Any],
+    checkpoint: Mapping[str, Any],
+    source: str,
+    available: Optional[int] = None,
+) -> None:
     """Refuse a checkpoint whose configuration declares sizes its tensors do not hold, before anything real is built.
 
     A few bytes of configuration (``arch.vocab_size = 50_000_000``, a width, a layer count) would
@@ -91,13 +97,18 @@ def check_sizes_before_build(target: type, arguments: Mapping[str, Any], checkpo
     compared. Here the architecture is validated (its bounds: :data:`~elr_lightning.config.MAX_LOOPS`,
     :data:`~elr_lightning.config.MAX_SEQ_LEN`), its layer count is compared with the number of tensors
     present (every layer holds at least one), and then ``target`` is built on the meta device, which
-    allocates no memory, and every tensor's shape compared with the checkpoint's.
+    allocates no memory, and every tensor's shape compared with the checkpoint's. The shapes must
+    be backed by data: a tensor may not declare more bytes than its storage holds (a view that
+    repeats one value, stride 0, declares any shape over 4 bytes), and the state dict's tensors
+    together at most twice the file's bytes (tied weights count twice).
 
     Args:
         target: The ``ELRModule`` class the checkpoint names.
         arguments: Its checked constructor arguments (:func:`~elr_lightning.checkpoint_schema.module_arguments`).
         checkpoint: The checkpoint read as data.
         source: The file, for messages.
+        available: The bytes of the file the checkpoint was read from; ``None`` where its sizes
+            were bounded otherwise (a sharded folder's index).
 
     Raises:
         CheckpointConfigError: One line naming the field or the first tensors whose shapes differ.
@@ -108,6 +119,7 @@ def check_sizes_before_build(target: type, arguments: Mapping[str, Any], checkpo
     arch = arguments.get("arch")
     if not isinstance(state, Mapping) or arch is None:
         return
+    _check_tensors_backed(state, source, available)
     try:
         config = ModelConfig(**arch) if isinstance(arch, Mapping) else arch
     except (ValueError, TypeError) as err:
@@ -129,6 +141,27 @@ def check_sizes_before_build(target: type, arguments: Mapping[str, Any], checkpo
         raise CheckpointConfigError(
             f"{source!r}: hyper_parameters.arch does not fit the checkpoint's tensors ({listed(shapes, 2)}); "
             "it was changed after saving, use another checkpoint"
+        )
+
+
+def _check_tensors_backed(state: Mapping[str, Any], source: str, available: Optional[int]) -> None:
+    """Refuse state-dict tensors that declare more bytes than their storage, or than the file, holds."""
+    total = 0
+    for key, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):  # a meta tensor keeps its storage's size too
+            continue
+        declared = tensor.numel() * tensor.element_size()
+        held = tensor.untyped_storage().nbytes()
+        if declared > held:
+            raise CheckpointConfigError(
+                f"{source!r}: state_dict.{key} declares {list(tensor.shape)} ({declared} bytes) over {held} bytes of "
+                "data (a view that repeats them), which building the model would allocate; use another checkpoint"
+            )
+        total += declared
+    if available is not None and total > 2 * available:
+        raise CheckpointConfigError(
+            f"{source!r}: the state_dict's tensors declare {total} bytes over a file of {available} (they share their "
+            "data), which building the model would allocate; use another checkpoint"
         )
 
 

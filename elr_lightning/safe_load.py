@@ -86,6 +86,27 @@ def refuse_url(path: Union[str, os.PathLike], field: str = "checkpoint") -> None
         )
 
 
+def check_regular_file(path: Union[str, os.PathLike], field: str = "checkpoint") -> None:
+    """Refuse a path that exists but is neither a regular file nor a folder (a FIFO, a device, a socket).
+
+    Opening a FIFO blocks until another process writes to it, and a device such as ``/dev/zero``
+    never ends; a checkpoint is a file (or a sharded checkpoint's folder). Links are followed: the
+    path is the user's own.
+
+    Raises:
+        ValueError: One line naming ``field`` and the path.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # nothing there: the caller says so
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise ValueError(
+            f"{field} {os.fspath(path)!r} is not a regular file (a FIFO, device or socket), which reading could block "
+            "or never end; give a checkpoint file or a sharded checkpoint folder"
+        )
+
+
 def check_archive(path: str) -> None:
     """Refuse a ``torch.save`` archive whose members declare more bytes than the file holds, before any is read.
 
@@ -173,6 +194,7 @@ def load_weights_only(path: Union[str, os.PathLike], map_location: Any = "cpu", 
     """
     path = os.fspath(path)
     refuse_url(path)
+    check_regular_file(path)
     check_archive(path)
     mmap = zipfile.is_zipfile(path) if mmap is None else mmap
     with refusing_pickles(path):
@@ -366,7 +388,8 @@ def check_index_storage(folder: str, metadata: Any) -> None:
     link, no FIFO or device), with ``offset`` and ``length`` inside that file; every tensor's
     declared bytes (its shape times its dtype's size) must be held by the bytes stored for it, so an
     index that declares a 4,000,000 x 128 embedding over a few bytes is refused before anything is
-    allocated.
+    allocated. The entries stored in one file may not declare more bytes than it holds in all
+    (entries that overlap would each be allocated anew).
 
     Raises:
         UnsafeCheckpointError: A shard path that leaves the folder or is not a regular file.
@@ -381,6 +404,7 @@ def check_index_storage(folder: str, metadata: Any) -> None:
         raise ValueError(f"checkpoint folder {folder!r}: its .metadata is not a torch.distributed.checkpoint index; {fix}")
     stored: dict[str, int] = {}
     sizes: dict[str, int] = {}
+    used: dict[str, int] = {}
     for index, info in storage.items():
         fqn = str(getattr(index, "fqn", index))
         relative = getattr(info, "relative_path", None)
@@ -393,6 +417,12 @@ def check_index_storage(folder: str, metadata: Any) -> None:
                 f"{shown(length)} of {relative!r}, which holds {sizes[relative]} bytes; {fix}"
             )
         stored[fqn] = stored.get(fqn, 0) + length
+        used[relative] = used.get(relative, 0) + length
+        if used[relative] > sizes[relative]:  # entries sharing bytes would each be allocated anew
+            raise OversizedCheckpointError(
+                f"checkpoint folder {folder!r}: its .metadata stores {used[relative]} bytes in {relative!r}, which "
+                f"holds {sizes[relative]} (its entries overlap); {fix}"
+            )
     for fqn, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
             continue

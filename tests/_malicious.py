@@ -383,3 +383,41 @@ def linked_meta(folder: Path, victim: Path) -> Path:
     (folder / "meta.pt").unlink()
     os.symlink(victim, folder / "meta.pt")
     return folder
+
+
+def repeated_view(path: Path, rows: int = 50_000_000) -> Path:
+    """A checkpoint of ``rows`` tokens whose embedding and head are one float repeated (stride 0): 2 KB on disk.
+
+    Its ``arch`` and its shapes agree, so only the bytes behind the shapes tell it from a real one.
+    """
+    raw = cli_checkpoint(path)
+    for saved in (raw["hyper_parameters"]["arch"], raw["elr"]["arch"]):
+        saved["vocab_size"] = rows
+    for key in ("model.embed.weight", "model.head.weight"):
+        raw["state_dict"][key] = torch.zeros(1).expand(rows, ARCH["d_model"])
+    torch.save(raw, path)
+    return path
+
+
+def sharded_overlapping(folder: Path) -> Path:
+    """A sharded folder whose index stores every tensor in the same bytes of one shard (each read anew)."""
+    import dataclasses
+
+    sharded_good(folder)
+
+    def change(index: Any) -> None:
+        first = next(iter(index.storage_data.values()))
+        for key, info in index.storage_data.items():
+            index.storage_data[key] = dataclasses.replace(
+                info, relative_path=first.relative_path, offset=0, length=max(info.length, first.length)
+            )
+
+    return _rewrite_index(folder, change)
+
+
+def fifo_checkpoint(path: Path) -> Path:
+    """A FIFO named like a checkpoint: opening it to read blocks until someone writes."""
+    import os
+
+    os.mkfifo(path)
+    return path

@@ -57,8 +57,11 @@ REFUSED = {
     "instantiator": "hyper_parameters._instantiator: ['x'] is not Lightning's instantiator",
     "bomb": "is compressed (4293918720 bytes from",
     "difficulties": "datamodule_hyper_parameters.eval_difficulties=300000 is out of range",
+    "repeated": "state_dict.model.embed.weight declares [50000000, 16] (3200000000 bytes) over 4 bytes of data",
+    "dcp_overlap": "(its entries overlap)",
+    "fifo_ckpt": "is not a regular file (a FIFO, device or socket)",
 }
-FOLDERS = ("dcp_absolute", "dcp_dotdot", "dcp_symlink", "dcp_fifo", "dcp_huge", "meta_link")
+FOLDERS = ("dcp_absolute", "dcp_dotdot", "dcp_symlink", "dcp_fifo", "dcp_huge", "dcp_overlap", "meta_link")
 
 
 class _Payload(http.server.BaseHTTPRequestHandler):
@@ -113,6 +116,9 @@ def files(tmp_path_factory: pytest.TempPathFactory, server: str) -> dict[str, An
         "instantiator": hostile.with_hparams(root / "instantiator.ckpt", _instantiator=["x"]),
         "bomb": hostile.deflated_member(root / "bomb.ckpt"),
         "difficulties": hostile.depth_checkpoint(root / "difficulties.ckpt", eval_difficulties=[300000]),
+        "repeated": hostile.repeated_view(root / "repeated.ckpt"),
+        "dcp_overlap": hostile.sharded_overlapping(root / "dcp_overlap"),
+        "fifo_ckpt": hostile.fifo_checkpoint(root / "fifo.ckpt"),
     }
 
 
@@ -145,20 +151,24 @@ COMMANDS = {
     "vocab": ["generate", "export"],
     "seq": ["generate", "serve"],
     "difficulties": ["eval"],
+    "repeated": ["generate", "export"],
+    "fifo_ckpt": ["generate", "validate", "eval"],
 }
 #: The Python loaders each artifact goes through (a folder is no file for ``load_from_checkpoint``).
 PYTHON = {"load_model", "load_model(meta=True)", "verify_checkpoint_path", "ELRModule.load_from_checkpoint",
           "Trainer.validate, no callbacks"}  # fmt: skip
 #: Artifacts that are data to a loader that does not build the checkpoint's model: the file check
 #: passes them, and a trainer given its own model refuses them by comparing architectures instead.
-NOT_ITS_CHECK = {"verify_checkpoint_path": {"loops", "vocab", "seq", "layers", "val_loops", "instantiator"},
-                 "Trainer.validate, no callbacks": {"loops", "vocab", "seq", "layers", "val_loops", "instantiator"}}  # fmt: skip
+NOT_ITS_CHECK = {
+    "verify_checkpoint_path": {"loops", "vocab", "seq", "layers", "val_loops", "instantiator", "repeated"},
+    "Trainer.validate, no callbacks": {"loops", "vocab", "seq", "layers", "val_loops", "instantiator", "repeated"},
+}
 #: The artifacts, in the groups that share one bounded process.
 GROUPS = {
-    "urls": ["url_http", "url_file"],
+    "paths": ["url_http", "url_file", "fifo_ckpt"],
     "folders": list(FOLDERS),
     "sizes": ["loops", "vocab", "seq", "layers"],
-    "fields": ["val_loops", "instantiator", "bomb", "difficulties"],
+    "fields": ["val_loops", "instantiator", "bomb", "difficulties", "repeated"],
 }
 
 
@@ -241,9 +251,13 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the mapped size from /proc (Linux)")
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(field=st.sampled_from([*SIZE_FIELDS, "val_loops", "difficulties", "index_rows"]), value=HUGE)
+@given(field=st.sampled_from([*SIZE_FIELDS, "val_loops", "difficulties", "index_rows", "repeated_rows"]), value=HUGE)
 def test_a_checkpoint_with_mutated_sizes_is_refused_within_the_memory_bound(field: str, value: int, base: Path) -> None:
-    """Any huge size is refused in one line before allocating: a real load under 1 GB of fresh address space."""
+    """Any huge size is refused in one line before allocating: a real load under 1 GB of fresh address space.
+
+    Sizes of ``arch`` and the hyperparameters, saved difficulties, a DCP index's shapes, and the rows
+    of an embedding that repeats one value (its shape agreeing with ``arch``).
+    """
     from elr_lightning.depth.evaluate import saved_difficulties
 
     for stale in base.iterdir():
@@ -255,6 +269,8 @@ def test_a_checkpoint_with_mutated_sizes_is_refused_within_the_memory_bound(fiel
         path, load = hostile.with_hparams(base / "m.ckpt", val_loops=[1, value]), load_model
     elif field == "difficulties":
         path, load = hostile.depth_checkpoint(base / "m.ckpt", eval_difficulties=[value]), saved_difficulties
+    elif field == "repeated_rows":
+        path, load = hostile.repeated_view(base / "m.ckpt", rows=value), load_model
     else:
         path, load = hostile.sharded_huge_tensor(base / "index", rows=value, width=64), load_model
     try:
