@@ -567,7 +567,7 @@ class ELRModule(LightningModule):
             kwargs: Constructor arguments that replace the checkpoint's.
         """
         target, arguments = module_arguments(checkpoint, cls, source, overrides)
-        check_sizes_before_build(target, {**arguments, **kwargs}, checkpoint, source, available)
+        check_sizes_before_build(target, {**arguments, **kwargs}, checkpoint, source, available, strict)
         for key in (*LEGACY_HPARAMS_KEYS, "hparams_name"):
             checkpoint.pop(key, None)
         checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = dict(arguments)  # what hooks read is what was checked

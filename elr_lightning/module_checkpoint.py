@@ -89,6 +89,7 @@ def check_sizes_before_build(
     checkpoint: Mapping[str, Any],
     source: str,
     available: Optional[int] = None,
+    strict: Optional[bool] = None,
 ) -> None:
     """Refuse a checkpoint whose configuration declares sizes its tensors do not hold, before anything real is built.
 
@@ -97,7 +98,8 @@ def check_sizes_before_build(
     compared. Here the architecture is validated (its bounds: :data:`~elr_lightning.config.MAX_LOOPS`,
     :data:`~elr_lightning.config.MAX_SEQ_LEN`), its layer count is compared with the number of tensors
     present (every layer holds at least one), and then ``target`` is built on the meta device, which
-    allocates no memory, and every tensor's shape compared with the checkpoint's. The shapes must
+    allocates no memory, and every tensor's shape (and, loading strictly, name) compared with the
+    checkpoint's. The shapes must
     be backed by data: a tensor may not declare more bytes than its storage holds (a view that
     repeats one value, stride 0, declares any shape over 4 bytes), and the state dict's tensors
     together at most twice the file's bytes (tied weights count twice).
@@ -109,6 +111,8 @@ def check_sizes_before_build(
         source: The file, for messages.
         available: The bytes of the file the checkpoint was read from; ``None`` where its sizes
             were bounded otherwise (a sharded folder's index).
+        strict: ``False`` (``load_from_checkpoint(strict=False)``) skips the comparison of the tensors'
+            names, as the load does; shapes are compared always.
 
     Raises:
         CheckpointConfigError: One line naming the field or the first tensors whose shapes differ.
@@ -132,9 +136,10 @@ def check_sizes_before_build(
         )
     with torch.device("meta"):
         probe = target(**{**arguments, "arch": config})
+    own = probe.state_dict()
     shapes = [
         f"{key} {tuple(state[key].shape)} in the file, {tuple(tensor.shape)} by hyper_parameters"
-        for key, tensor in probe.state_dict().items()
+        for key, tensor in own.items()
         if hasattr(state.get(key), "shape") and tuple(state[key].shape) != tuple(tensor.shape)
     ]
     if shapes:
@@ -142,6 +147,13 @@ def check_sizes_before_build(
             f"{source!r}: hyper_parameters.arch does not fit the checkpoint's tensors ({listed(shapes, 2)}); "
             "it was changed after saving, use another checkpoint"
         )
+    if strict is not False and probe.strict_loading:
+        problems = state_dict_differences(state, own)
+        if problems:
+            raise CheckpointConfigError(
+                f"{source!r}: its hyper_parameters do not describe its tensors: {'; '.join(problems)}; build the "
+                "model with the checkpoint's own values, or use another checkpoint"
+            )
 
 
 def _check_tensors_backed(state: Mapping[str, Any], source: str, available: Optional[int]) -> None:

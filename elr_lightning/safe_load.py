@@ -296,7 +296,9 @@ def load_sharded(state: dict[str, Any], folder: str, **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load(state, checkpoint_id=folder)`` reading the shards as data.
 
     Through :class:`DataOnlyLoadPlanner`; a refusal it raises on any rank reaches the caller as the
-    one-line :class:`UnsafeCheckpointError`, not wrapped in torch's ``CheckpointException``.
+    one-line :class:`UnsafeCheckpointError`, not wrapped in torch's ``CheckpointException``; any other
+    failure of a rank (a shard whose sizes differ from the index's) as a one-line ``ValueError``
+    naming the folder.
 
     Args:
         state: The state to load into, as for ``dcp.load``.
@@ -309,10 +311,16 @@ def load_sharded(state: dict[str, Any], folder: str, **kwargs: Any) -> None:
     try:
         load(state, checkpoint_id=folder, planner=DataOnlyLoadPlanner(folder), **kwargs)
     except CheckpointException as err:
-        refused = [exc for exc, _ in err.failures.values() if isinstance(exc, UnsafeCheckpointError)]
+        failures = [exc for exc, _ in err.failures.values()]
+        refused = [exc for exc in failures if isinstance(exc, UnsafeCheckpointError)]
         if refused:
             raise refused[0] from None
-        raise
+        first = failures[0] if failures else err
+        said = " ".join(str(first).split())
+        raise ValueError(
+            f"checkpoint folder {folder!r} does not hold what its .metadata declares ({type(first).__name__}: "
+            f"{shown(said, 300)}); use a folder written by save_distributed_checkpoint"
+        ) from err
 
 
 def check_sharded_index(folder: str) -> None:
