@@ -33,6 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from elr_lightning.errors import install_extra
+
+
 def chunked_delta_product(
     q: Tensor,
     k: Tensor,
@@ -163,7 +166,7 @@ def fla_unsupported(
         return "the tensors are not on CUDA"
     why = _fla_shapes_unsupported(q, k, v)
     if why is None and _fla_kernel() is None:
-        return "fla does not import (pip install 'elr-lightning[fla]')"
+        return f"fla does not import ({install_extra('fla')})"
     return why
 
 
