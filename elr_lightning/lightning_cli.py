@@ -71,6 +71,22 @@ class ELRCLI(LightningCLI):
         if "tokenizer" in init_args:
             load_tokenizer(init_args["tokenizer"])
 
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """Lightning's trainer; with :class:`StepProgressBar` where Lightning would pick its rich bar unconfigured."""
+        from lightning.pytorch.callbacks import ProgressBar
+        from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+        from elr_lightning.callbacks.step_progress_bar import StepProgressBar
+
+        trainer = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = trainer.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        shows_bar = trainer.get("enable_progress_bar") is not False
+        if _RICH_AVAILABLE and shows_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
+
     def before_fit(self) -> None:
         """On a GPU, log the run's estimated peak memory per rank once, and warn if it exceeds the device."""
         from elr_lightning.estimate_fit import log_fit_estimate  # it reads configs through this module
