@@ -33,9 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from elr_lightning.errors import install_extra
-
-
 def chunked_delta_product(
     q: Tensor,
     k: Tensor,
@@ -166,7 +163,7 @@ def fla_unsupported(
         return "the tensors are not on CUDA"
     why = _fla_shapes_unsupported(q, k, v)
     if why is None and _fla_kernel() is None:
-        return f"fla does not import ({install_extra('fla')})"
+        return "fla does not import (install the fla extra)"
     return why
 
 
