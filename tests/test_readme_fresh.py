@@ -78,6 +78,9 @@ def test_readme_commands_run_as_written_in_a_fresh_environment(tmp_path):
     # the figures the README quotes, within the tolerance the docs state
     summary = json.loads(table.read_text())
     quoted = json.loads((ROOT / "docs" / "results" / "quickstart_depth.json").read_text())["eval"]["exact"]
-    for depth, k in (("6", "1"), ("6", "6")):
-        got, expected = 100 * summary["exact"][depth][k], 100 * quoted[depth][k]
-        assert abs(got - expected) <= EXACT_TOLERANCE_POINTS, (depth, k, got, expected)
+    moved = {
+        (depth, k): (round(100 * summary["exact"][depth][k], 1), round(100 * value, 1))
+        for depth, row in quoted.items() for k, value in row.items()
+        if abs(100 * summary["exact"][depth][k] - 100 * value) > EXACT_TOLERANCE_POINTS
+    }  # fmt: skip
+    assert not moved, f"(difficulty, k): (this run, quoted) beyond {EXACT_TOLERANCE_POINTS} points: {moved}"
