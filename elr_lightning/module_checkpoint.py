@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
@@ -51,11 +52,15 @@ def drop_foreign_paths(trainer: Any, checkpoint: dict[str, Any]) -> list[str]:
     followed) inside the ``dirpath`` of the callback that restores it; every other one is removed
     from ``checkpoint`` in place, with one warning line. Called by
     :meth:`~elr_lightning.module.ELRModule.on_load_checkpoint`, before Lightning restores the
-    callbacks' state.
+    callbacks' state. Outside ``fit`` (``validate``, ``test``) no checkpoint callback saves or
+    deletes a file, so nothing is dropped and nothing is said.
 
     Returns:
         The paths dropped.
     """
+    state_fn = getattr(getattr(trainer, "state", None), "fn", None)
+    if state_fn is not None and state_fn != TrainerFn.FITTING:
+        return []
     dropped = []
     states = checkpoint.get("callbacks")
     for callback in getattr(trainer, "checkpoint_callbacks", []):

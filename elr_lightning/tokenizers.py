@@ -26,6 +26,8 @@ from typing import Any, Optional
 
 import torch
 
+from elr_lightning.errors import install_extra
+
 EOS_CANDIDATES: tuple[str, ...] = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>")
 """Special tokens that :class:`HFTokenizer` accepts as end-of-sequence, in order of preference."""
 
@@ -339,7 +341,7 @@ class HFTokenizer(Tokenizer):
         except ImportError as err:
             raise ImportError(
                 'data.tokenizer: HF tokenizer files need the "tokenizers" package; '
-                'install it with pip install "elr-lightning[hf]"'
+                f"install it with {install_extra('hf')}"
             ) from err
         try:
             self._spec: dict[str, Any] = json.loads(raw)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from elr_lightning.checkpoint_io import save_figure, write_file
+from elr_lightning.checkpoint_io import print_written, save_figure, write_file
 from elr_lightning.decode import AdaptiveDepth
 from elr_lightning.depth.score import Table, default_loops, format_table, heatmap, score, score_adaptive
 from elr_lightning.depth.tasks import TASKS, DepthTask
@@ -82,8 +82,7 @@ def run_depth_eval(args: Any, model: LoopedLM, task: DepthTask) -> dict[str, Any
     distinct held-out instances of every cell, fewer than ``limit`` where the held-out space is smaller),
     each ``{difficulty: {k: value}}``.
     """
-    from elr_lightning.eval.adapter import check_loops
-    from elr_lightning.loop_points import auto_label, parse_points, parse_thresholds
+    from elr_lightning.loop_points import auto_label, check_loops, parse_points, parse_thresholds
 
     max_loops = model.config.max_loops
     if args.loops is None:
@@ -118,9 +117,11 @@ def run_depth_eval(args: Any, model: LoopedLM, task: DepthTask) -> dict[str, Any
             )
     print(_report(table, task, summary))
     os.makedirs(args.output_dir, exist_ok=True)
-    write_file(os.path.join(args.output_dir, "summary.json"), json.dumps(summary, indent=2))
+    written = os.path.join(args.output_dir, "summary.json"), os.path.join(args.output_dir, "depth_heatmap.png")
+    write_file(written[0], json.dumps(summary, indent=2))
     figure = heatmap(table, title=f"{task.name}: exact match (%); right of the line: k > K", max_loops=max_loops)
-    save_figure(figure, os.path.join(args.output_dir, "depth_heatmap.png"))
+    save_figure(figure, written[1])
+    print_written("eval", written[0], written[1:])
     if args.log_dir:
         _log_tensorboard(table, figure, args.log_dir, task)
     return summary

@@ -30,9 +30,10 @@ import torch
 from torch import Tensor
 
 from elr_lightning.arguments import CommandParser, add_switch, command_parser
-from elr_lightning.checkpoint_io import write_atomically
+from elr_lightning.checkpoint_io import new_file_mode, write_atomically
 from elr_lightning.checkpoint_schema import checked_arch, plugin_from_config
 from elr_lightning.conditioning import Conditioner, LoopConditioner
+from elr_lightning.errors import install_extra
 from elr_lightning.config import ModelConfig
 from elr_lightning.hf.config_json import read_json_object
 from elr_lightning.layers import Block
@@ -81,7 +82,7 @@ def _hf():
         import transformers
     except ImportError as err:
         raise ImportError(
-            'Hugging Face export and import need transformers and safetensors; pip install "elr-lightning[hf]"'
+            f"Hugging Face export and import need transformers and safetensors; install them with {install_extra('hf')}"
         ) from err
     return transformers, safetensors.torch
 
@@ -313,6 +314,7 @@ def _write_export(model: LoopedLM, tokenizer: Tokenizer, config: Any, tensors: d
         str(out)
     )
     st.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out / "model.safetensors", new_file_mode())  # safetensors creates it 0600, whatever the umask
     package = Path(__file__).parent.parent
     for name, source in REMOTE_CODE.items():
         shutil.copyfile(package.joinpath(*source), out / name)

@@ -22,7 +22,6 @@ learns its step from there. The conditioning heads (eq. 4) start at zero, so the
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -31,7 +30,7 @@ import torch
 from torch import Tensor
 
 from elr_lightning.arguments import CommandParser, add_switch, command_parser
-from elr_lightning.checkpoint_io import write_file
+from elr_lightning.checkpoint_io import refuse_to_replace, write_file
 from elr_lightning.config import ModelConfig
 from elr_lightning.hf.config_json import read_json_object
 from elr_lightning.hf.source_weights import SafetensorsWeights
@@ -511,11 +510,7 @@ def retrofit_command(argv: list[str]) -> None:
     conditioner = {"d_cond": 64, "rank": 8}
     tokenizer = Path(args.tokenizer) if args.tokenizer is not None else directory / "tokenizer.json"
     ckpt, tok_out, yaml_out = out / "retrofit.ckpt", out / "tokenizer.json", out / "retrofit.yaml"
-    held = [path.name for path in (ckpt, tok_out, yaml_out) if os.path.lexists(path)]
-    if held and not args.overwrite:
-        raise FileExistsError(
-            f"--out {str(out)!r} already holds {', '.join(held)}; choose a new folder, or add --overwrite to replace them"
-        )
+    refuse_to_replace("--out", out, (ckpt.name, tok_out.name, yaml_out.name), args.overwrite)
     module = build_module(directory, split, args.max_loops, args.max_seq_len, tokenizer, conditioner, DTYPES[args.dtype])
     save_module_checkpoint(module, ckpt, overwrite=args.overwrite)
     write_file(tok_out, module.tokenizer.to_json(), overwrite=args.overwrite)

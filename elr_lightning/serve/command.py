@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional
 
 from elr_lightning.arguments import CommandParser, add_loops, command_parser
 from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, verify_checkpoint_path
+from elr_lightning.errors import install_extra
 from elr_lightning.config import ModelConfig
 from elr_lightning.safe_load import read_checkpoint
 from elr_lightning.serve.memory import (
@@ -126,7 +127,7 @@ def serve_command(argv: list[str]) -> None:
     try:
         import litserve as ls
     except ImportError as err:
-        raise ImportError('elr serve needs LitServe; install it with pip install "elr-lightning[serve]"') from err
+        raise ImportError(f"elr serve needs LitServe; install it with {install_extra('serve')}") from err
     from elr_lightning.generation import load_model
     from elr_lightning.serve.api import CompletionsSpec, ELRServeAPI
 
