@@ -48,7 +48,7 @@ from typing_extensions import override
 
 from elr_lightning.config import ModelConfig
 from elr_lightning.decode import AdaptiveDepth, Depth
-from elr_lightning.serve.command import DEFAULT_BODY_TIMEOUT_S
+from elr_lightning.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine
 from elr_lightning.tokenizers import Tokenizer
 
@@ -171,7 +171,7 @@ class CompletionsSpec(LitSpec):
         loops_default: Union[int, Literal["auto"]],
         loops_max: int,
         max_context: Optional[int] = None,
-        max_request_bytes: int = 4 << 20,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     ) -> None:
         super().__init__()

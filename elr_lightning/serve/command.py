@@ -15,6 +15,7 @@ from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_chec
 from elr_lightning.errors import install_extra
 from elr_lightning.config import ModelConfig
 from elr_lightning.safe_load import read_checkpoint
+from elr_lightning.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from elr_lightning.serve.memory import (
     available_bytes,
     check_fits,
@@ -27,12 +28,6 @@ from elr_lightning.serve.memory import (
 from elr_lightning.tokenizer_checkpoint import checkpoint_tokenizer, choose_tokenizer
 from elr_lightning.tokenizers import Tokenizer
 from elr_lightning.trust import add_trust_argument, apply_trust_argument
-
-#: Default ``--body_timeout``: seconds a client has to send its whole request body.
-DEFAULT_BODY_TIMEOUT_S = 30.0
-
-#: Default ``--max_request_bytes``: 4 MiB, room for a 131,072-token prompt of plain text.
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 def serve_parser() -> CommandParser:
