@@ -19,6 +19,9 @@ from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 from elr_lightning.sampling import OneLoopOverride
 
+#: The repository's root folder (tests sit one or two folders below it).
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
 settings.register_profile("elr", deadline=None, max_examples=25, derandomize=True)
 settings.load_profile("elr")
 
@@ -40,7 +43,7 @@ def fresh_dynamo() -> Iterator[None]:
 
 def load_bench(name: str) -> ModuleType:
     """``bench/<name>.py`` as a module (the benches are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO_ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -141,7 +141,7 @@ def test_every_public_name_has_a_docstring() -> None:
 def test_generate_documents_every_parameter() -> None:
     import inspect
 
-    from elr_lightning.generation import generate
+    from elr_lightning.inference.generate import generate
 
     documented = re.findall(r"^        (\w+):", generate.__doc__ or "", flags=re.M)
     assert documented == list(inspect.signature(generate).parameters)

@@ -13,18 +13,18 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from elr_lightning.callbacks.delayed_mixed_depth import DelayedSampler, load_weights_where_present
-from elr_lightning.checkpoint_io import AtomicCheckpointIO, upgrade_checkpoint
+from elr_lightning.checkpoints.io import AtomicCheckpointIO, upgrade_checkpoint
 from elr_lightning.cli import main
 from elr_lightning.conditioning import LoopConditioner
-from elr_lightning.generation import load_model
+from elr_lightning.inference.generate import load_model
 from elr_lightning.hf.export import save_module_checkpoint
 from elr_lightning.module import ELRModule
-from elr_lightning.checkpoint_schema import build_plugin
+from elr_lightning.checkpoints.schema import build_plugin
 from elr_lightning.plugin_config import PluginConfigError, plugin_config
-from elr_lightning.safe_load import UnsafeCheckpointError
+from elr_lightning.checkpoints.safe_load import UnsafeCheckpointError
 from elr_lightning.sampling import LoopSampler, OneLoopOverride, Synchronized
 from elr_lightning.tokenizers import ByteTokenizer
-from elr_lightning.trust import TRUST_ENV, UntrustedModuleError
+from elr_lightning.checkpoints.trust import TRUST_ENV, UntrustedModuleError
 from elr_lightning.updates import FixedDelta, StateUpdate
 
 from conftest import tiny_config

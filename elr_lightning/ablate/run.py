@@ -5,7 +5,7 @@ YAML file so it can be rerun alone with ``elr fit --config``. All arms share the
 order. Each ``(arm, seed)`` run keeps its checkpoints and a CSV log under ``OUT/runs/<arm>-s<seed>``
 and a TensorBoard run under ``OUT/tensorboard/<arm>-s<seed>``; a finished run writes
 ``result.json`` there and is skipped on the next call, an interrupted one resumes from its
-``last.ckpt``. The report (:mod:`elr_lightning.ablate_report`) goes to ``OUT/ablate.md``,
+``last.ckpt``. The report (:mod:`elr_lightning.ablate.report`) goes to ``OUT/ablate.md``,
 ``OUT/loss_vs_k.png`` and ``OUT/results.json``. With ``--reasoning N`` each run is also scored on the
 synthetic reasoning tasks (:func:`reasoning_scores`) and the report gains their table by task,
 difficulty and k. With ``--depth N``, a config that trains on a depth task
@@ -32,9 +32,9 @@ from typing import Any, Callable, Optional, Union
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from elr_lightning.ablate_report import write_report
+from elr_lightning.ablate.report import write_report
 from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
-from elr_lightning.checkpoint_io import write_file
+from elr_lightning.checkpoints.io import write_file
 
 #: An arm's change to a config dict (edited in place), given the loop budget K.
 ArmEdit = Callable[[dict[str, Any], int], None]
@@ -247,10 +247,10 @@ def reasoning_scores(config: dict[str, Any], n: int) -> dict[str, dict[str, dict
     Returns:
         ``{task: {level: {k: accuracy}}}`` with string keys, as stored in ``result.json``.
     """
-    from elr_lightning.generation import load_model
+    from elr_lightning.inference.generate import load_model
     from elr_lightning.reasoning import GENERATORS, score_levels
-    from elr_lightning.tokenizer_checkpoint import choose_tokenizer
-    from elr_lightning.trust import named_packages, trust_modules
+    from elr_lightning.checkpoints.tokenizer import choose_tokenizer
+    from elr_lightning.checkpoints.trust import named_packages, trust_modules
 
     # The checkpoint's plug-ins and layers come from the user's own config, which trained it.
     trust_modules(*named_packages(config.get("model")))
@@ -277,7 +277,7 @@ def depth_scores(config: dict[str, Any], n: int) -> dict[str, Any]:
     """
     from elr_lightning.depth import DepthDataModule
     from elr_lightning.depth.score import default_loops, score
-    from elr_lightning.generation import load_model
+    from elr_lightning.inference.generate import load_model
 
     data = DepthDataModule(**((config.get("data") or {}).get("init_args") or {}))
     model, _ = load_model(os.path.join(config["trainer"]["default_root_dir"], "checkpoints", "last.ckpt"))

@@ -12,13 +12,13 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from elr_lightning.checkpoint_io import AtomicCheckpointIO, remove_orphans, replace_atomically
+from elr_lightning.checkpoints.io import AtomicCheckpointIO, remove_orphans, replace_atomically
 
 
 class AtomicModelCheckpoint(ModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` with crash-safe files; takes the same arguments.
 
-    * In ``setup`` it installs :class:`~elr_lightning.checkpoint_io.AtomicCheckpointIO` in place of
+    * In ``setup`` it installs :class:`~elr_lightning.checkpoints.io.AtomicCheckpointIO` in place of
       the strategy's default ``TorchCheckpointIO``: every checkpoint is written to a temporary file
       beside it and renamed over it, and a damaged file is refused with a clear error on resume. A
       strategy with its own checkpoint IO (e.g. sharded checkpoints written as folders) keeps it,

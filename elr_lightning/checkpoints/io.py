@@ -9,7 +9,7 @@ never a mix. The checks that a loaded checkpoint fits its model (:func:`state_di
 that a checkpoint about to be written is finite (:func:`non_finite_tensors`) live here too.
 
 Every loader of the library reads checkpoints with ``torch.load(..., weights_only=True)``, which runs
-no code from the file (:mod:`elr_lightning.safe_load`); a file that holds a pickled object is refused,
+no code from the file (:mod:`elr_lightning.checkpoints.safe_load`); a file that holds a pickled object is refused,
 never unpickled. :func:`upgrade_checkpoint` (``elr upgrade-checkpoint OLD NEW --trust``) converts a
 checkpoint of an earlier version, whose plug-ins are pickled objects, once and by its owner's choice.
 """
@@ -31,7 +31,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from elr_lightning.plugin_config import plain_hyperparameters
-from elr_lightning.safe_load import (
+from elr_lightning.checkpoints.safe_load import (
     UnsafeCheckpointError,
     check_sharded_index,
     load_sharded,
@@ -197,10 +197,10 @@ def read_sharded_checkpoint(folder: str, weights: Union[bool, Literal["meta"]] =
     with ``weights``, the full ``state_dict`` gathered from every rank's shard. Optimizer state is
     left out: the result serves inference (``elr generate``, ``eval``, ``serve``, ``export``), not
     resuming. The index is checked before torch unpickles it
-    (:func:`~elr_lightning.safe_load.check_sharded_index`), ``meta.pt`` is read with
+    (:func:`~elr_lightning.checkpoints.safe_load.check_sharded_index`), ``meta.pt`` is read with
     ``weights_only=True`` and its configuration checked against the schema
-    (:func:`~elr_lightning.checkpoint_schema.check_checkpoint_config`), and the shards are read as
-    data (:class:`~elr_lightning.safe_load.DataOnlyLoadPlanner`).
+    (:func:`~elr_lightning.checkpoints.schema.check_checkpoint_config`), and the shards are read as
+    data (:class:`~elr_lightning.checkpoints.safe_load.DataOnlyLoadPlanner`).
 
     Args:
         folder: The checkpoint folder.
@@ -256,7 +256,7 @@ def read_sharded_meta(folder: str, check_config: bool = True) -> dict[str, Any]:
     Args:
         folder: The checkpoint folder.
         check_config: Check its configuration against the schema
-            (:func:`~elr_lightning.checkpoint_schema.check_checkpoint_config`); a resumed ``fit`` builds
+            (:func:`~elr_lightning.checkpoints.schema.check_checkpoint_config`); a resumed ``fit`` builds
             its model from its own config instead, and needs no trust in the modules it names.
 
     Raises:
@@ -264,7 +264,7 @@ def read_sharded_meta(folder: str, check_config: bool = True) -> dict[str, Any]:
         UnsafeCheckpointError: It holds a pickled object.
         UntrustedModuleError: It names a class of a module that is not trusted.
     """
-    from elr_lightning.checkpoint_schema import check_checkpoint_config
+    from elr_lightning.checkpoints.schema import check_checkpoint_config
 
     meta = os.path.join(folder, "meta.pt")
     try:
@@ -294,7 +294,7 @@ def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
     checked (one read of the file). A file that is not a zip archive is refused unless it is the
     legacy pickle format, which has no checksum: then a warning says so, once. A folder must be a
     sharded (``torch.distributed.checkpoint``) checkpoint: a ``.metadata`` file that names nothing but
-    an index's own classes (:func:`~elr_lightning.safe_load.check_sharded_index`) and a readable
+    an index's own classes (:func:`~elr_lightning.checkpoints.safe_load.check_sharded_index`) and a readable
     ``meta.pt`` that holds no pickled object (:func:`read_sharded_meta`). Remote
     URLs and Lightning's keywords (``last``, ``best``, ``hpc``, ``registry``) are left to Lightning.
 
@@ -400,7 +400,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     this plugin cannot load) is refused naming the strategy that resumes it.
     Without an explicit ``weights_only`` (Lightning's default ``None``), a file is read with
     ``weights_only=True``, whatever the environment says (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``), and a
-    file that holds a pickled object is refused in one line (:mod:`elr_lightning.safe_load`). Only a
+    file that holds a pickled object is refused in one line (:mod:`elr_lightning.checkpoints.safe_load`). Only a
     caller's explicit ``weights_only=False`` unpickles, as in Lightning; no ``elr`` command passes it.
 
     :class:`~elr_lightning.callbacks.AtomicModelCheckpoint` installs this plugin by itself; add it

@@ -11,11 +11,11 @@ from typing import Any, Mapping, Optional
 from lightning.pytorch import LightningModule
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from elr_lightning.checkpoint_io import listed, non_finite_tensors, state_dict_differences
+from elr_lightning.checkpoints.io import listed, non_finite_tensors, state_dict_differences
 from elr_lightning.plugin_config import plain_hyperparameters
-from elr_lightning.resume import check_resumed_schedule, planned_steps
-from elr_lightning.tokenizer_checkpoint import checkpoint_tokenizer, tokenizer_state
-from elr_lightning.trust import shown
+from elr_lightning.checkpoints.resume import check_resumed_schedule, planned_steps
+from elr_lightning.checkpoints.tokenizer import checkpoint_tokenizer, tokenizer_state
+from elr_lightning.checkpoints.trust import shown
 
 #: ``arch`` fields that a checkpoint may differ in: they set the init, the RoPE table's length or route replay only.
 ARCH_FREE_FIELDS = ("init_std", "max_seq_len", "route_replay")

@@ -6,7 +6,7 @@ pickled object: unpickling one calls whatever the file names (``__reduce__``), w
 checkpoint runs a shell command. Such a file is refused in one line naming the object and the way
 out (:class:`UnsafeCheckpointError`); no command falls back to ``weights_only=False``. A checkpoint
 of an earlier elr-lightning version (pickled plug-ins) is converted once, by its owner, with
-``elr upgrade-checkpoint OLD NEW --trust`` (:func:`~elr_lightning.checkpoint_io.upgrade_checkpoint`).
+``elr upgrade-checkpoint OLD NEW --trust`` (:func:`~elr_lightning.checkpoints.io.upgrade_checkpoint`).
 
 A sharded checkpoint folder's ``.metadata`` (the index of ``torch.distributed.checkpoint``) is a
 plain pickle that torch reads with ``pickle.load``: :func:`check_sharded_index` reads it first with
@@ -16,8 +16,8 @@ Its tensor shards are read with :class:`DataOnlyLoadPlanner`, since torch's own 
 the non-tensor entries (``torch.load(..., weights_only=False)``) it is asked for.
 
 What the checkpoint says about its model is then checked against the schema of
-:mod:`elr_lightning.checkpoint_schema` (plain data; classes only in a seam's fields, and only from
-trusted modules, :mod:`elr_lightning.trust`); :func:`read_checkpoint` does both.
+:mod:`elr_lightning.checkpoints.schema` (plain data; classes only in a seam's fields, and only from
+trusted modules, :mod:`elr_lightning.checkpoints.trust`); :func:`read_checkpoint` does both.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from typing_extensions import override
 
-from elr_lightning.checkpoint_schema import check_checkpoint_config
+from elr_lightning.checkpoints.schema import check_checkpoint_config
 
 
 class UnsafeCheckpointError(ValueError):
@@ -120,7 +120,7 @@ def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = "cpu", cl
         UnsafeCheckpointError: The file holds a pickled object.
         UntrustedModuleError: It names a class of a module that is not trusted.
         CheckpointConfigError: Its configuration breaks the schema
-            (:func:`~elr_lightning.checkpoint_schema.check_checkpoint_config`).
+            (:func:`~elr_lightning.checkpoints.schema.check_checkpoint_config`).
     """
     raw = load_weights_only(path, map_location)
     check_checkpoint_config(raw, os.fspath(path), cls)

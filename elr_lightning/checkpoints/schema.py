@@ -11,7 +11,7 @@ feeds, before anything is built:
 - a field typed by a seam's base class (a state update, a loop sampler, a conditioner: the
   classes of :class:`~elr_lightning.plugin_config.RecordsInitArgs`) holds
   ``{"class_path": ..., "init_args": {...}}``; the class path is resolved by
-  :func:`~elr_lightning.trust.trusted_class` (a subclass of that seam, defined in a trusted module,
+  :func:`~elr_lightning.checkpoints.trust.trusted_class` (a subclass of that seam, defined in a trusted module,
   nothing imported otherwise) and its ``init_args`` are checked against that class's constructor
   in turn. The layers ``arch.mixers`` and the pattern entries name are checked the same way;
 - every free-form field (typed ``Any``, or not typed) is a leaf of plain types: ``None``, a
@@ -22,7 +22,7 @@ Nothing else is ever turned into an object: no string is read as YAML, no class 
 seam's field is resolved, and Lightning's ``_instantiator`` is never used (the module's
 constructor is called with the checked arguments). A value that breaks the schema is refused in
 one line naming the field (:class:`CheckpointConfigError`); an untrusted module, naming the way
-to trust it (:class:`~elr_lightning.trust.UntrustedModuleError`).
+to trust it (:class:`~elr_lightning.checkpoints.trust.UntrustedModuleError`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Optional, TypeVar, Union
 
 from elr_lightning.plugin_config import RecordsInitArgs
-from elr_lightning.trust import LIGHTNING_INSTANTIATORS, shown, trusted_class
+from elr_lightning.checkpoints.trust import LIGHTNING_INSTANTIATORS, shown, trusted_class
 
 __all__ = [
     "CheckpointConfigError",
@@ -243,7 +243,7 @@ def _plugin(value: Any, base: type, field: str, ctx: _Context) -> Any:
 def plugin_from_config(value: Mapping[str, Any], base: type, field: str, source: str = "config") -> Any:
     """Build the seam plug-in that ``value`` (``{"class_path": ..., "init_args": {...}}``) describes.
 
-    The class must be a subclass of ``base`` defined in a trusted module (:mod:`elr_lightning.trust`),
+    The class must be a subclass of ``base`` defined in a trusted module (:mod:`elr_lightning.checkpoints.trust`),
     and every argument must fit its constructor's type hints, nested plug-ins included.
 
     Args:
@@ -385,10 +385,10 @@ def build_plugin(value: Optional[T | Mapping[str, Any]], base: type[T], field: s
     A ``{"class_path": ..., "init_args": {...}}`` dict (as
     :func:`~elr_lightning.plugin_config.plugin_config` writes it into every checkpoint) is built by
     :func:`plugin_from_config`: only a subclass of ``base`` defined in a trusted module
-    (:mod:`elr_lightning.trust`), with arguments that fit its constructor's type hints, nested
+    (:mod:`elr_lightning.checkpoints.trust`), with arguments that fit its constructor's type hints, nested
     plug-ins included. A description is data, so it
     names code only the user trusts: ``elr_lightning``'s own and the modules given to
-    :func:`~elr_lightning.trust.trust_modules` (a YAML config builds its plug-ins through
+    :func:`~elr_lightning.checkpoints.trust.trust_modules` (a YAML config builds its plug-ins through
     LightningCLI instead, and hands this function objects).
 
     Raises:

@@ -19,7 +19,7 @@ class path read from a checkpoint (or an export's ``config.json``) is resolved b
 The name is checked as a string before anything is imported, so an untrusted one imports nothing;
 it is refused in one line naming the module, the field and the way out. Which fields hold class
 paths, and that every other value is plain data, is the schema of
-:mod:`elr_lightning.checkpoint_schema`. A YAML config given to ``elr fit`` is the user's own and
+:mod:`elr_lightning.checkpoints.schema`. A YAML config given to ``elr fit`` is the user's own and
 imports what it names, as in LightningCLI.
 """
 

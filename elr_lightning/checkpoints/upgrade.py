@@ -1,7 +1,7 @@
 """``elr upgrade-checkpoint OLD NEW --trust``: convert a checkpoint of an earlier version, running its code once.
 
 Checkpoints of elr-lightning before plug-ins were saved as ``class_path`` + ``init_args`` hold the
-plug-ins as pickled objects, which no loader of the library unpickles (:mod:`elr_lightning.safe_load`).
+plug-ins as pickled objects, which no loader of the library unpickles (:mod:`elr_lightning.checkpoints.safe_load`).
 This command is the explicit, local way out for a file its owner made or trusts: it unpickles OLD
 (running the code the file names) and creates NEW, which holds only tensors and plain data.
 """
@@ -12,9 +12,9 @@ import os
 import sys
 
 from elr_lightning.arguments import CommandParser, add_switch, command_parser
-from elr_lightning.checkpoint_io import upgrade_checkpoint, verify_checkpoint_path
-from elr_lightning.safe_load import UnsafeCheckpointError, load_weights_only
-from elr_lightning.trust import TRUST_FLAG, named_packages
+from elr_lightning.checkpoints.io import upgrade_checkpoint, verify_checkpoint_path
+from elr_lightning.checkpoints.safe_load import UnsafeCheckpointError, load_weights_only
+from elr_lightning.checkpoints.trust import TRUST_FLAG, named_packages
 
 
 def upgrade_parser() -> CommandParser:

@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from elr_lightning.checkpoint_io import save_figure, write_file
-from elr_lightning.decode import AdaptiveDepth
+from elr_lightning.checkpoints.io import save_figure, write_file
+from elr_lightning.inference.decode import AdaptiveDepth
 from elr_lightning.depth.score import Table, default_loops, format_table, heatmap, score, score_adaptive
 from elr_lightning.depth.tasks import TASKS, DepthTask
 from elr_lightning.model import LoopedLM

@@ -30,11 +30,11 @@ from typing import Any, Literal, Optional
 import torch
 
 from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
-from elr_lightning.checkpoint_io import save_figure, write_file
+from elr_lightning.checkpoints.io import save_figure, write_file
 from elr_lightning.errors import refuse_unread_flags
 from elr_lightning.loop_points import auto_label, parse_thresholds
-from elr_lightning.tokenizer_checkpoint import choose_tokenizer
-from elr_lightning.trust import add_trust_argument, apply_trust_argument
+from elr_lightning.checkpoints.tokenizer import choose_tokenizer
+from elr_lightning.checkpoints.trust import add_trust_argument, apply_trust_argument
 
 def eval_parser() -> CommandParser:
     """The parser of ``elr eval``."""
@@ -97,7 +97,7 @@ def run_eval(args: Any) -> dict[str, Any]:
         raise FileNotFoundError(f"--ckpt_path: checkpoint {args.ckpt_path!r} does not exist")
     apply_trust_argument(args.trust_module)
     from elr_lightning.depth.evaluate import depth_task_of, run_depth_eval
-    from elr_lightning.generation import load_model
+    from elr_lightning.inference.generate import load_model
 
     loaded = None
     if args.tasks in (None, "depth"):

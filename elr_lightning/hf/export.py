@@ -31,16 +31,16 @@ import torch
 from torch import Tensor
 
 from elr_lightning.arguments import CommandParser, add_switch, command_parser
-from elr_lightning.checkpoint_io import write_atomically
-from elr_lightning.checkpoint_schema import checked_arch, plugin_from_config
+from elr_lightning.checkpoints.io import write_atomically
+from elr_lightning.checkpoints.schema import checked_arch, plugin_from_config
 from elr_lightning.conditioning import Conditioner, LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.layers import Block
 from elr_lightning.mixers import Attention, GatedDeltaProduct, MoE, SwiGLU
 from elr_lightning.model import LoopedLM
-from elr_lightning.tokenizer_checkpoint import choose_tokenizer
+from elr_lightning.checkpoints.tokenizer import choose_tokenizer
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
-from elr_lightning.trust import add_trust_argument, apply_trust_argument
+from elr_lightning.checkpoints.trust import add_trust_argument, apply_trust_argument
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
 
 #: ``ModelConfig`` fields the modeling file implements; a field outside it must keep its default.
@@ -365,7 +365,7 @@ def import_hf(directory: str | os.PathLike) -> Any:
     """Rebuild an :class:`~elr_lightning.module.ELRModule` from an export (weights bit for bit).
 
     The folder is data: ``config.json``'s ``elr_arch`` and ``conditioning`` are checked against
-    their schema before anything is built (:func:`~elr_lightning.checkpoint_schema.checked_arch`:
+    their schema before anything is built (:func:`~elr_lightning.checkpoints.schema.checked_arch`:
     plain data, layers only from trusted modules), and the weights are safetensors.
 
     Raises:
@@ -418,7 +418,7 @@ def import_hf(directory: str | os.PathLike) -> Any:
 def save_module_checkpoint(module: Any, path: str | os.PathLike, overwrite: bool = True) -> None:
     """Write ``module`` as a Lightning checkpoint that ``ELRModule.load_from_checkpoint`` reads (no optimizer).
 
-    The file is written atomically (:func:`~elr_lightning.checkpoint_io.write_atomically`).
+    The file is written atomically (:func:`~elr_lightning.checkpoints.io.write_atomically`).
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is false; it is left as it is.
@@ -455,7 +455,7 @@ def export_parser() -> CommandParser:
 
 def export_command(argv: list[str]) -> None:
     """``elr export --ckpt_path X --out DIR [--tokenizer T] [--overwrite]``."""
-    from elr_lightning.generation import load_model
+    from elr_lightning.inference.generate import load_model
 
     args = export_parser().parse_args(argv)
     _hf()

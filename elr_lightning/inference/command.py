@@ -1,6 +1,6 @@
 """``elr generate``: stream a continuation of a prompt from a checkpoint at any loop count.
 
-The command-line face of :mod:`elr_lightning.generation`: argument parsing, prompt and checkpoint
+The command-line face of :mod:`elr_lightning.inference.generate`: argument parsing, prompt and checkpoint
 checks, streaming detokenisation and the ``--stats`` report.
 """
 
@@ -14,7 +14,7 @@ from typing import Literal, Optional
 import torch
 
 from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
-from elr_lightning.cache import (
+from elr_lightning.inference.cache import (
     CACHE_POLICIES,
     KVCache,
     kv_cache_bytes,
@@ -22,13 +22,13 @@ from elr_lightning.cache import (
     recurrent_state_bytes,
     resolve_policy,
 )
-from elr_lightning.checkpoint_io import verify_checkpoint_path
+from elr_lightning.checkpoints.io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.errors import refuse_unread_flags
-from elr_lightning.generation import generate, load_model
-from elr_lightning.tokenizer_checkpoint import choose_tokenizer
+from elr_lightning.inference.generate import generate, load_model
+from elr_lightning.checkpoints.tokenizer import choose_tokenizer
 from elr_lightning.tokenizers import IncrementalDecoder
-from elr_lightning.trust import add_trust_argument, apply_trust_argument
+from elr_lightning.checkpoints.trust import add_trust_argument, apply_trust_argument
 
 
 def generate_parser() -> CommandParser:

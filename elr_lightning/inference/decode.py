@@ -1,15 +1,15 @@
 """The one decode loop of generation and serving: rows in slots, each at its own position and depth.
 
 A :class:`Decoder` holds a batch of *slots*, each a sequence with its own length in one
-:class:`~elr_lightning.cache.KVCache`. :meth:`Decoder.prefill` runs a prompt alone into a free
-slot (exactly the forward pass :func:`~elr_lightning.generation.generate` runs for one prompt);
+:class:`~elr_lightning.inference.cache.KVCache`. :meth:`Decoder.prefill` runs a prompt alone into a free
+slot (exactly the forward pass :func:`~elr_lightning.inference.generate.generate` runs for one prompt);
 :meth:`Decoder.step` decodes one token for any set of slots at once, whatever their lengths and
 loop counts:
 
 * the embedding, the input block, the final norm and the head run once over all rows;
 * rows all at one k run the recurrent and output blocks at k with its conditioning constants
-  computed once (:func:`~elr_lightning.serving.serving_model`), exactly as :meth:`Decoder.prefill`
-  and :func:`~elr_lightning.generation.generate` do;
+  computed once (:func:`~elr_lightning.inference.fold.serving_model`), exactly as :meth:`Decoder.prefill`
+  and :func:`~elr_lightning.inference.generate.generate` do;
 * otherwise loop i runs once, on the rows whose k reaches it, each row under its own context
   c_i(i, k, K) (eq. 4's operands computed once per (sublayer, i, k) and stacked per row): a step
   costs sum(k) row-loops, not max(k) x rows (DESIGN §7), and a row's logits equal those of its k
@@ -47,11 +47,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from elr_lightning.cache import KVCache, PolicyLike, resolve_policy
+from elr_lightning.inference.cache import KVCache, PolicyLike, resolve_policy
 from elr_lightning.context import LoopContext, Positions
 from elr_lightning.core import check_loops
 from elr_lightning.model import LoopedLM
-from elr_lightning.serving import FoldedLM, split_constants, serving_model
+from elr_lightning.inference.fold import FoldedLM, split_constants, serving_model
 
 #: Exit criteria of :class:`AdaptiveDepth`, by name: what changed between loop i - 1 and loop i.
 #:
@@ -106,7 +106,7 @@ class Decoder:
         max_len: Longest sequence a slot holds (prompt plus generated tokens).
         kv_cache: A policy name, a :class:`KVCache` subclass, or a fresh instance (``max_len`` from it).
         autocast_dtype: Run the model under ``torch.autocast`` with this dtype, or ``None``.
-        fold: Decode with each k's conditioning constants (:func:`~elr_lightning.serving.serving_model`).
+        fold: Decode with each k's conditioning constants (:func:`~elr_lightning.inference.fold.serving_model`).
     """
 
     def __init__(
@@ -137,7 +137,7 @@ class Decoder:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def runner(self, loops: int) -> Union[LoopedLM, FoldedLM]:
-        """The module that decodes at ``loops``: :func:`~elr_lightning.serving.serving_model`, asked once per k.
+        """The module that decodes at ``loops``: :func:`~elr_lightning.inference.fold.serving_model`, asked once per k.
 
         Kept for the decoder's life, which must not outlast a change of the weights (a decoder
         serves one generation, or a server's inference worker).
@@ -321,7 +321,7 @@ def _output(runner: Union[LoopedLM, FoldedLM], s: Tensor, ctx: LoopContext) -> T
 class _RowConstants:
     """Eq. (4)'s operands per sublayer in the split form, stacked per row of a step, and the stacked contexts.
 
-    The split form is :class:`~elr_lightning.serving.ConditionedBlock`'s on the CPU (the norm's
+    The split form is :class:`~elr_lightning.inference.fold.ConditionedBlock`'s on the CPU (the norm's
     per-token scalar taken after the pre-map), so a row runs the op sequence of its k decoded alone:
     ``(u, down^T, up^T, shift, root_eps, gate)``, each but ``root_eps`` with a leading row axis.
     Each (sublayer, i, k) is computed once from the modulator's ``modulation`` (the conditioner's

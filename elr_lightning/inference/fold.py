@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
-from elr_lightning.cache import KVCache
+from elr_lightning.inference.cache import KVCache
 from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext
 from elr_lightning.core import LoopedForward, RecurrentCore, check_loops

@@ -1,21 +1,21 @@
 """Text generation with a looped LM at any loop count k, or adaptive per token, with a pluggable KV-cache policy (DESIGN §7).
 
 Each prompt is prefilled alone (the whole prompt through the input block, k loops of the
-recurrent block and the output block) into its row of a :class:`~elr_lightning.cache.KVCache`;
+recurrent block and the output block) into its row of a :class:`~elr_lightning.inference.cache.KVCache`;
 decoding then feeds one token per row and step through the
-:class:`~elr_lightning.decode.Decoder` that ``elr serve`` also runs, reading past keys and values
+:class:`~elr_lightning.inference.decode.Decoder` that ``elr serve`` also runs, reading past keys and values
 from the cache:
 
-* :class:`~elr_lightning.cache.PerLoopCache` keeps one store per (recurrent layer, loop): exact, it
+* :class:`~elr_lightning.inference.cache.PerLoopCache` keeps one store per (recurrent layer, loop): exact, it
   reproduces the cache-free forward, and holds ``D_eff(k) = L_in + k L_rec + L_out`` layer caches (eq. 1).
-* :class:`~elr_lightning.cache.LastLoopCache` keeps one store per recurrent layer that every loop
+* :class:`~elr_lightning.inference.cache.LastLoopCache` keeps one store per recurrent layer that every loop
   overwrites: a new token's loop i attends to the past tokens' last-loop keys and values plus its
   own loop-i ones, and the attention KV memory stays at the k = 1 level, ``D_eff(1)`` layer caches.
 
 Input and output layers keep one store each under both policies. A new policy is a subclass of
-:class:`~elr_lightning.cache.KVCache` that overrides ``key``; pass the class as ``kv_cache``.
+:class:`~elr_lightning.inference.cache.KVCache` that overrides ``key``; pass the class as ``kv_cache``.
 
-``loops="auto"`` decodes each new token at its own depth (:class:`~elr_lightning.decode.AdaptiveDepth`):
+``loops="auto"`` decodes each new token at its own depth (:class:`~elr_lightning.inference.decode.AdaptiveDepth`):
 up to ``max_loops`` loops, leaving once the ``exit_criterion`` falls below ``threshold``.
 
 Left padding of a tensor prompt is stripped per row; every row starts at position 0, so a padded
@@ -34,15 +34,15 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from elr_lightning.cache import KVCache, PolicyLike
-from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
-from elr_lightning.decode import AdaptiveDepth, Decoder, Depth, budget
-from elr_lightning.checkpoint_schema import CheckpointConfigError
-from elr_lightning.safe_load import UnsafeCheckpointError, read_checkpoint
-from elr_lightning.serving import FoldedLM
+from elr_lightning.inference.cache import KVCache, PolicyLike
+from elr_lightning.checkpoints.io import is_sharded_checkpoint, read_sharded_checkpoint
+from elr_lightning.inference.decode import AdaptiveDepth, Decoder, Depth, budget
+from elr_lightning.checkpoints.schema import CheckpointConfigError
+from elr_lightning.checkpoints.safe_load import UnsafeCheckpointError, read_checkpoint
+from elr_lightning.inference.fold import FoldedLM
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
-from elr_lightning.prompts import (
+from elr_lightning.inference.prompts import (
     PromptLike,
     check_sampling,
     make_cache,
@@ -52,7 +52,7 @@ from elr_lightning.prompts import (
     same_device,
     unwrap,
 )
-from elr_lightning.trust import UntrustedModuleError
+from elr_lightning.checkpoints.trust import UntrustedModuleError
 
 __all__ = ["GenerationOutput", "filter_logits", "generate", "load_model", "sample_next", "stream_generate"]
 
@@ -322,16 +322,16 @@ def generate(
 
     Args:
         model: The model (an :class:`ELRModule` is unwrapped to its ``LoopedLM``), or one already
-            folded for ``loops`` by :func:`~elr_lightning.serving.fold_conditioning`.
+            folded for ``loops`` by :func:`~elr_lightning.inference.fold.fold_conditioning`.
         prompt: ``[B, T]`` (or ``[T]``) token ids, left-padded when ``attention_mask`` marks padding,
             or a list of token-id lists, left-padded here.
         loops: The loop count k (any k >= 1; above ``arch.max_loops`` extrapolates), ``"auto"`` for
-            adaptive depth per new token, or an :class:`~elr_lightning.decode.AdaptiveDepth`.
+            adaptive depth per new token, or an :class:`~elr_lightning.inference.decode.AdaptiveDepth`.
         max_loops: Budget of ``"auto"`` (``None``: ``arch.max_loops``); the prompt runs at it.
         threshold: Exit threshold of ``"auto"``: a token leaves once its change is below it
             (``None``: 0.001).
         exit_criterion: ``"kl"`` (Huginn's, the default) or ``"delta"`` (relative state change); see
-            :data:`~elr_lightning.decode.EXIT_CRITERIA`. ``max_loops``, ``threshold`` and
+            :data:`~elr_lightning.inference.decode.EXIT_CRITERIA`. ``max_loops``, ``threshold`` and
             ``exit_criterion`` are refused with another ``loops`` (they would be ignored).
         attention_mask: ``[B, T]`` with 1 on real tokens, 0 on (left) padding; honoured in every
             loop of prefill and decode.
@@ -351,14 +351,14 @@ def generate(
         callback: Called with each step's ``[B]`` tokens, in order, as they are produced.
         output_logits: Keep every step's next-token logits in :attr:`GenerationOutput.logits`.
         fold: Whether to decode with each loop's conditioning constants computed once for this
-            ``loops`` and the weights shared (:func:`~elr_lightning.serving.serving_model`, built
+            ``loops`` and the weights shared (:func:`~elr_lightning.inference.fold.serving_model`, built
             anew in every call from the weights as they are, so no change of the weights between
             calls is missed): the same logits to fp32 round-off, without running the conditioner
             per token. ``None`` (default) follows
             ``model.serve_folded`` (on), and a model whose conditioning has no constant form decodes
             as it is, with one warning; ``True`` asks for it (``NotImplementedError`` if impossible);
             ``False`` decodes with the model as it is. A model already folded
-            (:func:`~elr_lightning.serving.fold_conditioning`) is used as it is.
+            (:func:`~elr_lightning.inference.fold.fold_conditioning`) is used as it is.
 
     Returns:
         The prompt with its continuations, the new tokens, optionally the logits, and the cache.
@@ -408,17 +408,17 @@ def load_model(
     """Load a Lightning checkpoint of an :class:`ELRModule` (or subclass) for generation.
 
     The file is data, never code: it is read with ``torch.load(..., weights_only=True)`` and a file
-    that holds a pickled object is refused (:mod:`elr_lightning.safe_load`; a checkpoint of an
+    that holds a pickled object is refused (:mod:`elr_lightning.checkpoints.safe_load`; a checkpoint of an
     earlier version is converted once with ``elr upgrade-checkpoint OLD NEW --trust``). What it says
-    about the model is checked against the schema of :mod:`elr_lightning.checkpoint_schema` before
+    about the model is checked against the schema of :mod:`elr_lightning.checkpoints.schema` before
     anything is imported: plain data everywhere, and classes (plug-ins, layers) only in the seams'
     fields, only from the library and the modules you trust (``--trust_module``, ``ELR_TRUST_MODULES``
-    or :func:`~elr_lightning.trust.trust_modules`); a module already imported is not trusted for
+    or :func:`~elr_lightning.checkpoints.trust.trust_modules`); a module already imported is not trusted for
     that. Then the plug-ins are built as they describe.
 
     Args:
         ckpt_path: Path of a ``.ckpt`` file written by ``elr fit`` or ``Trainer.save_checkpoint``, or of a
-            sharded checkpoint folder (read with :func:`~elr_lightning.checkpoint_io.read_sharded_checkpoint`).
+            sharded checkpoint folder (read with :func:`~elr_lightning.checkpoints.io.read_sharded_checkpoint`).
         map_location: Device to load the weights onto.
         meta: Build the model on the meta device and read no weights: every check of a real load (the
             file, the modules it names, the plug-ins, the tensors' names and shapes) in little time and

@@ -1,8 +1,8 @@
 """Prompt and cache preparation for generation: padding, checks, the depth of a call, the cache.
 
-:func:`~elr_lightning.generation.generate` and the serving engine take prompts as token lists or
+:func:`~elr_lightning.inference.generate.generate` and the serving engine take prompts as token lists or
 left-padded tensors; these helpers validate them, strip the padding per row (the
-:class:`~elr_lightning.decode.Decoder` runs every row from position 0), check the sampling
+:class:`~elr_lightning.inference.decode.Decoder` runs every row from position 0), check the sampling
 arguments and build the KV cache.
 """
 
@@ -14,11 +14,11 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from elr_lightning.cache import KVCache, PolicyLike, resolve_policy
+from elr_lightning.inference.cache import KVCache, PolicyLike, resolve_policy
 from elr_lightning.core import check_loops
-from elr_lightning.decode import AdaptiveDepth, Depth
+from elr_lightning.inference.decode import AdaptiveDepth, Depth
 from elr_lightning.errors import refuse_unread_flags
-from elr_lightning.serving import FoldedLM
+from elr_lightning.inference.fold import FoldedLM
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 
@@ -39,10 +39,10 @@ def resolve_depth(
     """The depth a call decodes at: ``loops`` as an integer k, or adaptive for ``"auto"``.
 
     Args:
-        loops: k >= 1, ``"auto"``, or an :class:`~elr_lightning.decode.AdaptiveDepth`.
+        loops: k >= 1, ``"auto"``, or an :class:`~elr_lightning.inference.decode.AdaptiveDepth`.
         max_loops: Budget of ``"auto"`` (``None``: ``trained``).
         threshold: Exit threshold of ``"auto"`` (``None``: 0.001).
-        criterion: Exit criterion of ``"auto"`` (:data:`~elr_lightning.decode.EXIT_CRITERIA`; ``None``: ``kl``).
+        criterion: Exit criterion of ``"auto"`` (:data:`~elr_lightning.inference.decode.EXIT_CRITERIA`; ``None``: ``kl``).
         trained: The model's ``arch.max_loops``.
 
     Raises:

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
 from elr_lightning.arguments import CommandParser, add_loops, command_parser
-from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, verify_checkpoint_path
-from elr_lightning.checkpoint_schema import checked_arch
+from elr_lightning.checkpoints.io import is_sharded_checkpoint, read_sharded_checkpoint, verify_checkpoint_path
+from elr_lightning.checkpoints.schema import checked_arch
 from elr_lightning.config import ModelConfig
-from elr_lightning.safe_load import read_checkpoint
+from elr_lightning.checkpoints.safe_load import read_checkpoint
 from elr_lightning.serve.memory import (
     available_bytes,
     check_fits,
@@ -24,9 +24,9 @@ from elr_lightning.serve.memory import (
     resolve_accelerator,
     serving_memory,
 )
-from elr_lightning.tokenizer_checkpoint import checkpoint_tokenizer, choose_tokenizer
+from elr_lightning.checkpoints.tokenizer import checkpoint_tokenizer, choose_tokenizer
 from elr_lightning.tokenizers import Tokenizer
-from elr_lightning.trust import add_trust_argument, apply_trust_argument
+from elr_lightning.checkpoints.trust import add_trust_argument, apply_trust_argument
 
 #: Default ``--max_request_bytes``: 4 MiB, room for a 131,072-token prompt of plain text.
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
@@ -101,7 +101,7 @@ def checkpoint_arch(raw: Mapping[str, Any], ckpt_path: str) -> ModelConfig:
 
     Raises:
         ValueError: The checkpoint holds no ELRModule hyperparameters.
-        CheckpointConfigError: Its ``arch`` breaks the schema (:func:`~elr_lightning.checkpoint_schema.checked_arch`).
+        CheckpointConfigError: Its ``arch`` breaks the schema (:func:`~elr_lightning.checkpoints.schema.checked_arch`).
         UntrustedModuleError: Its ``arch`` names a layer of a module that is not trusted.
     """
     hparams = raw.get("hyper_parameters")
@@ -138,7 +138,7 @@ def serve_command(argv: list[str]) -> None:
         import litserve as ls
     except ImportError as err:
         raise ImportError('elr serve needs LitServe; install it with pip install "elr-lightning[serve]"') from err
-    from elr_lightning.generation import load_model
+    from elr_lightning.inference.generate import load_model
     from elr_lightning.serve.api import CompletionsSpec, ELRServeAPI
 
     apply_trust_argument(args.trust_module)  # exported: the workers inherit it

@@ -12,9 +12,10 @@ import torch
 import yaml
 from typing_extensions import override
 
-from elr_lightning.ablate import ARMS, arm_config, largest_divisor_at_most, run_ablation
-from elr_lightning.ablate_report import FAILS, HOLDS, MISSING, NOISE, paper_checks, summarise
+from elr_lightning.ablate.run import ARMS, arm_config, largest_divisor_at_most, run_ablation
+from elr_lightning.ablate.report import FAILS, HOLDS, MISSING, NOISE, paper_checks, summarise
 from elr_lightning.cli import main, run
+from conftest import REPO_ROOT
 
 STEPS = 4
 
@@ -226,7 +227,7 @@ def test_a_difference_inside_the_seed_spread_is_marked_as_such():
 
 
 def test_the_shipped_quickstart_arm_saves_checkpoints_once(tmp_path):
-    with open(os.path.join(os.path.dirname(__file__), "..", "config", "quickstart.yaml")) as f:
+    with open(os.path.join(REPO_ROOT, "config", "quickstart.yaml")) as f:
         base = yaml.safe_load(f)
     config = arm_config(base, "elr", seed=0, out=str(tmp_path))
     checkpoints = [c for c in config["trainer"]["callbacks"] if "Checkpoint" in c["class_path"]]

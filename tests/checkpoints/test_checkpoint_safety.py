@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import switch_module
+from conftest import REPO_ROOT, switch_module
 from elr_lightning.callbacks import AtomicModelCheckpoint
 from elr_lightning.data import TextDataModule
 from elr_lightning.module import ELRModule
@@ -64,7 +64,7 @@ def test_non_finite_weights_never_replace_the_last_good_checkpoint(tmp_path: Pat
 
 
 def test_every_shipped_config_writes_checkpoints_atomically() -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = REPO_ROOT
     found = {}
     for path in [*(root / "config").glob("*.yaml"), *(root / "callbacks").glob("*.yaml")]:
         config = yaml.safe_load(path.read_text()) or {}

@@ -28,23 +28,23 @@ from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import _malicious as hostile
-from conftest import switch_module
+from conftest import REPO_ROOT, switch_module
 from test_cli_errors import TINY_CONFIG
 from elr_lightning.callbacks import AtomicModelCheckpoint
 from elr_lightning.callbacks.delayed_mixed_depth import load_weights_where_present
-from elr_lightning.checkpoint_io import AtomicCheckpointIO, read_sharded_checkpoint, upgrade_checkpoint, verify_checkpoint_path
+from elr_lightning.checkpoints.io import AtomicCheckpointIO, read_sharded_checkpoint, upgrade_checkpoint, verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import TextDataModule
-from elr_lightning.generation import load_model
+from elr_lightning.inference.generate import load_model
 from elr_lightning.hf.export import export_hf, import_hf
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
-from elr_lightning.safe_load import UnsafeCheckpointError
+from elr_lightning.checkpoints.safe_load import UnsafeCheckpointError
 from elr_lightning.tokenizers import ByteTokenizer
-from elr_lightning.checkpoint_schema import CheckpointConfigError
-from elr_lightning.trust import UntrustedModuleError
+from elr_lightning.checkpoints.schema import CheckpointConfigError
+from elr_lightning.checkpoints.trust import UntrustedModuleError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 #: What the victim file outside every run folder holds; no entry point may change it.

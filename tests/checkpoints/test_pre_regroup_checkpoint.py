@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from elr_lightning.conditioning import LoopConditioner
-from elr_lightning.generation import load_model
+from elr_lightning.inference.generate import load_model
 from elr_lightning.sampling import OneLoopOverride
 from elr_lightning.tokenizers import ByteTokenizer
 from elr_lightning.updates import AdaptiveDelta
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,12 @@ import torch
 import yaml
 
 from elr_lightning.callbacks import AtomicModelCheckpoint, DelayedMixedDepth, ZeroInitConditioning
-from elr_lightning.checkpoint_io import AtomicCheckpointIO, CorruptCheckpointError
-from conftest import SWITCH_ARCH, switch_module
+from elr_lightning.checkpoints.io import AtomicCheckpointIO, CorruptCheckpointError
+from conftest import REPO_ROOT, SWITCH_ARCH, switch_module
 from elr_lightning.data import TextDataModule
 from elr_lightning.module import ELRModule
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 ARCH = SWITCH_ARCH
 #: The kill-and-resume run's model: a Gated DeltaProduct recurrent layer between attention layers.
 HYBRID_ARCH = {**SWITCH_ARCH, "token_pattern": {"in": ["attention"], "rec": ["gdp"], "out": ["attention"]}}

@@ -13,9 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from _elr_ckpt import write_checkpoint
-from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint
+from elr_lightning.checkpoints.io import is_sharded_checkpoint, read_sharded_checkpoint
 from elr_lightning.cli import main
-from elr_lightning.generation import load_model
+from elr_lightning.inference.generate import load_model
 
 
 def shard_like_fsdp(ckpt: Path, folder: Path) -> None:

@@ -16,9 +16,9 @@ from conftest import fit_two_steps
 from elr_lightning.cli import main, run
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import TextDataModule
-from elr_lightning.generation import generate, load_model
+from elr_lightning.inference.generate import generate, load_model
 from elr_lightning.module import ELRModule
-from elr_lightning.tokenizer_checkpoint import checkpoint_tokenizer, choose_tokenizer, tokenizer_from_state, tokenizer_state
+from elr_lightning.checkpoints.tokenizer import checkpoint_tokenizer, choose_tokenizer, tokenizer_from_state, tokenizer_state
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 pytest.importorskip("tokenizers")

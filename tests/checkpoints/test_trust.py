@@ -13,17 +13,18 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import elr_lightning.trust as trust
-from elr_lightning.checkpoint_schema import CheckpointConfigError, module_arguments
+import elr_lightning.checkpoints.trust as trust
+from elr_lightning.checkpoints.schema import CheckpointConfigError, module_arguments
 from elr_lightning.cli import main
 from elr_lightning.config import ModelConfig
-from elr_lightning.generation import load_model
+from elr_lightning.inference.generate import load_model
 from elr_lightning.hf.export import save_module_checkpoint
 from elr_lightning.module import ELRModule
-from elr_lightning.trust import UntrustedModuleError, named_packages, trust_modules, trusted_class
+from elr_lightning.checkpoints.trust import UntrustedModuleError, named_packages, trust_modules, trusted_class
 from elr_lightning.updates import FixedDelta, StateUpdate
+from conftest import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 ARCH = dict(vocab_size=256, d_model=16, n_heads=2, n_in=1, n_rec=1, n_out=0, max_seq_len=32, max_loops=2)
 
 #: First components of the names drawn: imported or not, importable or not, packages with a
@@ -48,7 +49,7 @@ def test_a_name_outside_the_trusted_modules_is_refused_without_importing_anythin
     ("elr_lightning.updates.FixedDelta", None),
     ("elr_lightning.sampling.OneLoopOverride", "names OneLoopOverride, which is not a StateUpdate subclass"),
     ("elr_lightning.updates.no_such.Thing", "names nothing importable"),
-    ("elr_lightning.trust.os.PathLike", "names PathLike, which is not a StateUpdate subclass"),
+    ("elr_lightning.checkpoints.trust.os.PathLike", "names PathLike, which is not a StateUpdate subclass"),
     ("elr_lightning.updates.math", "names a module, not a class"),
     ("not a class path", "is not a class path"),
 ])  # fmt: skip
@@ -72,7 +73,7 @@ def test_lightning_checkpoints_name_only_their_allowed_instantiator() -> None:
     """A LightningCLI checkpoint names ``lightning.pytorch.cli.instantiate_module``; the schema accepts it (and
     never calls it) even before ``lightning.pytorch.cli`` is imported, and refuses any other instantiator."""
     script = (
-        "import sys; from elr_lightning.checkpoint_schema import module_arguments, CheckpointConfigError\n"
+        "import sys; from elr_lightning.checkpoints.schema import module_arguments, CheckpointConfigError\n"
         "from elr_lightning.module import ELRModule\n"
         "assert 'lightning.pytorch.cli' not in sys.modules\n"
         "hp = {'_instantiator': 'lightning.pytorch.cli.instantiate_module', '_class_path': 'elr_lightning.ELRModule'}\n"

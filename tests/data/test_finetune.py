@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from _bpe import train_bpe
-from conftest import tiny_config
+from conftest import REPO_ROOT, tiny_config
 from elr_lightning import IGNORE_INDEX
 from elr_lightning.cli import run
 from elr_lightning.conditioning import LoopConditioner
@@ -22,7 +22,7 @@ from elr_lightning.data import PromptCompletionDataModule
 from elr_lightning.module import ELRModule
 from elr_lightning.sampling import OneLoopOverride
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 EXAMPLE = ROOT / "config" / "finetune_example.yaml"
 NEWLINE = 10  # the byte tokenizer's end mark
 

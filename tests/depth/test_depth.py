@@ -11,19 +11,19 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import tiny_config
-from elr_lightning.decode import AdaptiveDepth
+from conftest import REPO_ROOT, tiny_config
+from elr_lightning.inference.decode import AdaptiveDepth
 from elr_lightning.depth import TASKS, DepthDataModule, get_task, is_heldout
 from elr_lightning.depth.datamodule import DepthSteps, instances
 from elr_lightning.depth.score import decode_teacher_forced, score, score_adaptive
 from elr_lightning.batches import IGNORE_INDEX
 from elr_lightning.model import LoopedLM
-from elr_lightning.tokenizer_checkpoint import tokenizer_from_state, tokenizer_state
+from elr_lightning.checkpoints.tokenizer import tokenizer_from_state, tokenizer_state
 from elr_lightning.tokenizers import CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 
 
 def _solve(task: str, text: str) -> list[str | None]:
@@ -249,7 +249,7 @@ def _depth_config(tmp_path) -> str:
 
 @pytest.mark.slow
 def test_ablate_scores_depth_arms_and_checks_the_targets(tmp_path):
-    from elr_lightning.ablate import run_ablation
+    from elr_lightning.ablate.run import run_ablation
 
     results = run_ablation(_depth_config(tmp_path), str(tmp_path / "out"), arms=["baseline", "elr"], depth=4,
                            log=lambda line: None)  # fmt: skip

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 STRATEGIES = {
     "ddp": "elr_lightning.strategies.OneLoopOverrideDDPStrategy",

@@ -15,10 +15,10 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noq
 
 from _bpe import train_bpe  # noqa: E402
 from conftest import perturbed_model  # noqa: E402
-from elr_lightning.cache import LastLoopCache  # noqa: E402
+from elr_lightning.inference.cache import LastLoopCache  # noqa: E402
 from elr_lightning.config import ModelConfig  # noqa: E402
 from elr_lightning.eval import ELRLM  # noqa: E402
-from elr_lightning.generation import generate  # noqa: E402
+from elr_lightning.inference.generate import generate  # noqa: E402
 from elr_lightning.model import LoopedLM  # noqa: E402
 from elr_lightning.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer  # noqa: E402
 

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("lm_eval")
 
 from _bpe import stdlib_text  # noqa: E402
-from conftest import fit_two_steps  # noqa: E402
+from conftest import REPO_ROOT, fit_two_steps  # noqa: E402
 from elr_lightning.cli import main  # noqa: E402
 from elr_lightning.conditioning import LoopConditioner  # noqa: E402
 from elr_lightning.config import ModelConfig  # noqa: E402
@@ -27,7 +27,7 @@ from elr_lightning.module import ELRModule  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 ARCH = ModelConfig(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_loops=4, max_seq_len=128)
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import fit_two_steps
-from elr_lightning.ablate import run_ablation
+from conftest import REPO_ROOT, fit_two_steps
+from elr_lightning.ablate.run import run_ablation
 from elr_lightning.cli import main, run
 from elr_lightning.config import ModelConfig
 from elr_lightning.module import ELRModule
@@ -21,7 +21,7 @@ from elr_lightning.tokenizers import ByteTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 TASKS = ROOT / "elr_lightning" / "eval" / "tasks"
 ARCH = ModelConfig(vocab_size=256, d_model=32, n_heads=2, n_in=1, n_rec=1, n_out=1, max_loops=3, max_seq_len=64)
 
@@ -56,7 +56,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_harness_generation_equals_the_ablation_scorer(checkpoint: Path):
     pytest.importorskip("lm_eval")
     from elr_lightning.eval import ELRLM
-    from elr_lightning.generation import load_model
+    from elr_lightning.inference.generate import load_model
 
     model, _ = load_model(str(checkpoint))
     prompts = [i.prompt for i in heldout_instances("hops", 1, 4) + heldout_instances("addition", 2, 4)]

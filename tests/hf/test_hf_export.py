@@ -24,7 +24,7 @@ from _elr_ckpt import SERVE_ARCH, write_checkpoint  # noqa: E402
 from elr_lightning.cli import main, run  # noqa: E402
 from elr_lightning.conditioning import LoopConditioner  # noqa: E402
 from elr_lightning.config import ModelConfig  # noqa: E402
-from elr_lightning.generation import generate, load_model  # noqa: E402
+from elr_lightning.inference.generate import generate, load_model  # noqa: E402
 from elr_lightning.hf.configuration_elr import ELRConfig  # noqa: E402
 from elr_lightning.hf.export import (  # noqa: E402
     export_hf,

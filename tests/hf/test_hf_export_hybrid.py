@@ -20,7 +20,7 @@ from _elr_ckpt import SERVE_ARCH  # noqa: E402
 from conftest import perturbed_model  # noqa: E402
 from test_hf_export import ATOL, in_process, run_remote  # noqa: E402
 from elr_lightning.config import ModelConfig  # noqa: E402
-from elr_lightning.generation import generate  # noqa: E402
+from elr_lightning.inference.generate import generate  # noqa: E402
 from elr_lightning.hf.export import export_hf, hf_config_fields, import_hf, save_module_checkpoint  # noqa: E402
 from elr_lightning.mixers import GatedDeltaProduct  # noqa: E402
 from elr_lightning.model import LoopedLM  # noqa: E402

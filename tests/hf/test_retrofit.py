@@ -15,7 +15,7 @@ import transformers  # noqa: E402
 from _bpe import train_bpe  # noqa: E402
 from elr_lightning.cli import run  # noqa: E402
 from elr_lightning.config import ModelConfig  # noqa: E402
-from elr_lightning.generation import load_model  # noqa: E402
+from elr_lightning.inference.generate import load_model  # noqa: E402
 from elr_lightning.hf.retrofit import Split, make_split  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

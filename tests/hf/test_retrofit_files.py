@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 
 pytest.importorskip("transformers")
 import transformers  # noqa: E402
@@ -16,7 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from elr_lightning.cli import run  # noqa: E402
-from elr_lightning.generation import load_model  # noqa: E402
+from elr_lightning.inference.generate import load_model  # noqa: E402
 from elr_lightning.hf.source_weights import SafetensorsWeights  # noqa: E402
 from test_retrofit import ATOL, logits_pair, save_tiny  # noqa: E402
 
@@ -156,7 +157,7 @@ def test_a_model_that_asks_to_run_its_own_code_is_refused_without_a_prompt(sourc
     config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.Evil"}
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "configuration_evil.py").write_text(f"open({str(tmp_path / 'MARKER')!r}, 'w').write('ran')\n")
-    root = Path(__file__).resolve().parents[1]
+    root = REPO_ROOT
     proc = subprocess.run(
         [sys.executable, "-m", "elr_lightning.cli", "retrofit", "--hf", str(folder), "--out", str(tmp_path / "out")],
         env={**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}, stdin=subprocess.DEVNULL,

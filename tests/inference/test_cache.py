@@ -14,15 +14,15 @@ from typing_extensions import override
 
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
-from elr_lightning.cache import CACHE_POLICIES, KVCache, LastLoopCache, PerLoopCache, kv_cache_bytes, layer_caches
-from elr_lightning.generation import generate
-from conftest import GQA_CONFIG, perturbed_model
+from elr_lightning.inference.cache import CACHE_POLICIES, KVCache, LastLoopCache, PerLoopCache, kv_cache_bytes, layer_caches
+from elr_lightning.inference.generate import generate
+from conftest import GQA_CONFIG, REPO_ROOT, perturbed_model
 from elr_lightning.model import LoopedLM
 from test_hybrid import HYBRID
 
 CONFIG = GQA_CONFIG
 
-_SPEC = importlib.util.spec_from_file_location("bench_last_loop", Path(__file__).resolve().parents[1] / "bench" / "last_loop.py")
+_SPEC = importlib.util.spec_from_file_location("bench_last_loop", REPO_ROOT / "bench" / "last_loop.py")
 LAST_LOOP_BENCH = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(LAST_LOOP_BENCH)
 

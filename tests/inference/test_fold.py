@@ -9,12 +9,12 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from conftest import GQA_CONFIG, PlainConditioner, perturbed_model
-from elr_lightning.cache import KVCache, LastLoopCache, PerLoopCache
+from elr_lightning.inference.cache import KVCache, LastLoopCache, PerLoopCache
 from elr_lightning.cli import run
 from elr_lightning.conditioning import LoopConditioner
-from elr_lightning.serving import FoldedLM, fold_conditioning
-from elr_lightning.cache import layer_caches
-from elr_lightning.generation import generate
+from elr_lightning.inference.fold import FoldedLM, fold_conditioning
+from elr_lightning.inference.cache import layer_caches
+from elr_lightning.inference.generate import generate
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 from elr_lightning.updates import FixedDelta

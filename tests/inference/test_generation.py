@@ -13,16 +13,16 @@ from torch.utils.data import DataLoader
 from elr_lightning.cli import run
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
-from elr_lightning.cache import LastLoopCache
-from elr_lightning.generation import filter_logits, generate, load_model, stream_generate
-from elr_lightning.prompts import left_pad
-from conftest import GQA_CONFIG, perturbed_model
+from elr_lightning.inference.cache import LastLoopCache
+from elr_lightning.inference.generate import filter_logits, generate, load_model, stream_generate
+from elr_lightning.inference.prompts import left_pad
+from conftest import GQA_CONFIG, REPO_ROOT, perturbed_model
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 from elr_lightning.tokenizers import ByteTokenizer, IncrementalDecoder
 
 CONFIG = GQA_CONFIG
-QUICKSTART = Path(__file__).resolve().parents[1] / "config" / "quickstart.yaml"
+QUICKSTART = REPO_ROOT / "config" / "quickstart.yaml"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

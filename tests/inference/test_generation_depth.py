@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import GQA_CONFIG, PlainConditioner, perturbed_model
-from elr_lightning.decode import AdaptiveDepth, Decoder
-from elr_lightning.generation import generate
+from elr_lightning.inference.decode import AdaptiveDepth, Decoder
+from elr_lightning.inference.generate import generate
 from elr_lightning.mixers import MoE
 from elr_lightning.model import LoopedLM
 from test_moe import moe_config

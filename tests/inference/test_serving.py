@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from conftest import GQA_CONFIG, PlainConditioner, perturbed_model
-from elr_lightning.cache import PerLoopCache
+from elr_lightning.inference.cache import PerLoopCache
 from elr_lightning.conditioning import LoopConditioner
-from elr_lightning.generation import generate
+from elr_lightning.inference.generate import generate
 from elr_lightning.model import LoopedLM
-from elr_lightning.serving import ConditionedBlock, FoldedLM, _build, conditioned_at, serving_model
+from elr_lightning.inference.fold import ConditionedBlock, FoldedLM, _build, conditioned_at, serving_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

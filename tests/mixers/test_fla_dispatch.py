@@ -18,7 +18,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import tiny_config
-from elr_lightning.generation import generate
+from elr_lightning.inference.generate import generate
 from elr_lightning.mixers import delta_rule
 from elr_lightning.mixers.delta_rule import chunked_delta_product, delta_product, fla_unsupported
 from elr_lightning.model import LoopedLM

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import GQA_CONFIG, perturbed_model, tiny_config
+from conftest import GQA_CONFIG, REPO_ROOT, perturbed_model, tiny_config
 from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext
 from elr_lightning.cost import cost_report
 from elr_lightning.flops import train_flops_per_token
-from elr_lightning.generation import generate
-from elr_lightning.serving import fold_conditioning, serving_model
+from elr_lightning.inference.generate import generate
+from elr_lightning.inference.fold import fold_conditioning, serving_model
 from elr_lightning.mixers import MoE
 from elr_lightning.mixers.dispatch import combine, expert_swiglu, grouped_mm_supported, plan_dispatch
 from elr_lightning.model import LoopedLM
@@ -29,7 +29,7 @@ from elr_lightning.strategies.common import loop_dependent_parameters, unused_pa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CONFIGS = Path(__file__).resolve().parents[1] / "config"
+CONFIGS = REPO_ROOT / "config"
 
 
 def moe_config(base: ModelConfig | None = None, **init_args) -> ModelConfig:

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 from _bpe import train_bpe
 from _elr_ckpt import SERVE_ARCH, write_checkpoint
-from conftest import perturbed_model
-from elr_lightning.decode import AdaptiveDepth
-from elr_lightning.generation import generate, load_model
+from conftest import REPO_ROOT, perturbed_model
+from elr_lightning.inference.decode import AdaptiveDepth
+from elr_lightning.inference.generate import generate, load_model
 from elr_lightning.serve.api import DEFAULT_THRESHOLD, Cancel, CompletionBody, CompletionsSpec, RequestError, relative_costs
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine, _StopText
 from elr_lightning.serve.command import checkpoint_arch, serving_tokenizer
@@ -263,7 +263,7 @@ def post(url: str, body: bytes) -> tuple[int, dict]:
 
 def start_server(checkpoint: Path, port: int, log: Path, *flags: str) -> subprocess.Popen:
     """``elr serve`` on ``port`` in a session of its own, stderr to ``log``; returns once ``/health`` answers."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     with open(log, "wb") as err:
         server = subprocess.Popen(
             [sys.executable, "-m", "elr_lightning.cli", "serve", "--ckpt_path", str(checkpoint), "--port", str(port),

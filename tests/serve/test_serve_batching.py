@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from _elr_ckpt import SERVE_ARCH, write_checkpoint
-from elr_lightning.decode import AdaptiveDepth
-from elr_lightning.generation import generate, load_model
+from elr_lightning.inference.decode import AdaptiveDepth
+from elr_lightning.inference.generate import generate, load_model
 from elr_lightning.serve.api import Cancel, CompletionsSpec, ELRServeAPI, RequestError
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine
 from elr_lightning.tokenizers import ByteTokenizer

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from starlette.requests import Request
 
 from _elr_ckpt import SERVE_ARCH
-from elr_lightning.decode import AdaptiveDepth
-from elr_lightning.generation import load_model
+from elr_lightning.inference.decode import AdaptiveDepth
+from elr_lightning.inference.generate import load_model
 from elr_lightning.serve.api import CompletionsSpec, RequestError
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine
 from elr_lightning.serve.memory import (

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 
 pytest.importorskip("litserve")
 
 import _malicious as hostile  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 def _bad_checkpoints(root: Path) -> dict[str, Path]:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import _dist_worker
-from conftest import tiny_config
+from conftest import REPO_ROOT, tiny_config
 from elr_lightning.cli import run as cli_main
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.model import LoopedLM
@@ -36,14 +36,14 @@ from elr_lightning.module import ELRModule
 from elr_lightning.roles import set_module_role
 from elr_lightning.sampling import OneLoopOverride
 from elr_lightning.strategies import DataParallelLayout, OneLoopOverrideDDPStrategy, OneLoopOverrideFSDPStrategy
-from elr_lightning.tokenizer_checkpoint import checkpoint_tokenizer
+from elr_lightning.checkpoints.tokenizer import checkpoint_tokenizer
 from elr_lightning.tokenizers import ByteTokenizer
 from elr_lightning.strategies.common import loop_dependent_parameters, unused_parameters, verify_loop_schedule
 from elr_lightning.strategies.fsdp import mixed_precision_policy, shard_looped_lm
 from elr_lightning.updates import StateUpdate
 
 WORKER = Path(_dist_worker.__file__)
-QUICKSTART = Path(__file__).resolve().parents[1] / "config" / "quickstart.yaml"
+QUICKSTART = REPO_ROOT / "config" / "quickstart.yaml"
 WORLD = 2
 PER_RANK_BATCH = 2
 STEPS = 4
