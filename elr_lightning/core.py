@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from elr_lightning.inference.cache import KVCache
+from elr_lightning.cache_store import KVCache
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext, Positions
