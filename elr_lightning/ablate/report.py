@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from statistics import mean
 from typing import Any, Mapping, Optional
 
-from elr_lightning.checkpoints.io import save_figure, write_file
+from elr_lightning.files import save_figure, write_file
 from elr_lightning.depth import report as depth_report
 from elr_lightning.reasoning.report import ablation_panels, ablation_section, plot_panels
 

@@ -34,7 +34,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from elr_lightning.ablate.report import write_report
 from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
-from elr_lightning.checkpoints.io import write_file
+from elr_lightning.files import write_file
 
 #: An arm's change to a config dict (edited in place), given the loop budget K.
 ArmEdit = Callable[[dict[str, Any], int], None]

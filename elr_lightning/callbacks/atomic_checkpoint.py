@@ -12,7 +12,8 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from elr_lightning.checkpoints.io import AtomicCheckpointIO, remove_orphans, replace_atomically
+from elr_lightning.checkpoints.io import AtomicCheckpointIO
+from elr_lightning.files import remove_orphans, replace_atomically
 
 
 class AtomicModelCheckpoint(ModelCheckpoint):

@@ -38,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from elr_lightning.arguments import CommandParser, command_parser
-from elr_lightning.checkpoints.io import remove_orphans, write_atomically
+from elr_lightning.files import remove_orphans, write_atomically
 from elr_lightning.data.base import document_separator
 from elr_lightning.data.datamodule import token_dtype
 from elr_lightning.data.readers import SpanReader, Unit, plan_units, unit_documents

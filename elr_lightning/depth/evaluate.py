@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from elr_lightning.checkpoints.io import save_figure, write_file
+from elr_lightning.files import save_figure, write_file
 from elr_lightning.inference.decode import AdaptiveDepth
 from elr_lightning.depth.score import Table, default_loops, format_table, heatmap, score, score_adaptive
 from elr_lightning.depth.tasks import TASKS, DepthTask

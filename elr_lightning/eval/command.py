@@ -30,7 +30,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
-from elr_lightning.checkpoints.io import save_figure, write_file
+from elr_lightning.files import save_figure, write_file
 from elr_lightning.errors import refuse_unread_flags
 from elr_lightning.loop_points import auto_label, parse_thresholds
 from elr_lightning.checkpoints.tokenizer import choose_tokenizer

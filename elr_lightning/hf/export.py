@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from elr_lightning.arguments import CommandParser, add_switch, command_parser
-from elr_lightning.checkpoints.io import write_atomically
+from elr_lightning.files import write_atomically
 from elr_lightning.checkpoints.schema import checked_arch, plugin_from_config
 from elr_lightning.conditioning import Conditioner, LoopConditioner
 from elr_lightning.config import ModelConfig
@@ -418,7 +418,7 @@ def import_hf(directory: str | os.PathLike) -> Any:
 def save_module_checkpoint(module: Any, path: str | os.PathLike, overwrite: bool = True) -> None:
     """Write ``module`` as a Lightning checkpoint that ``ELRModule.load_from_checkpoint`` reads (no optimizer).
 
-    The file is written atomically (:func:`~elr_lightning.checkpoints.io.write_atomically`).
+    The file is written atomically (:func:`~elr_lightning.files.write_atomically`).
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is false; it is left as it is.

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from elr_lightning.arguments import CommandParser, add_switch, command_parser
-from elr_lightning.checkpoints.io import write_file
+from elr_lightning.files import write_file
 from elr_lightning.config import ModelConfig
 from elr_lightning.hf.source_weights import SafetensorsWeights
 from elr_lightning.tokenizers import HFTokenizer
