@@ -82,7 +82,7 @@ EXTRA_COMMANDS: dict[str, Command] = {
     ),
     "ablate": Command(
         "train the paper's ablation arms on a config and check its claims",
-        "elr_lightning.ablate.run", "main", "ablate_parser",
+        "elr_lightning.ablate.command", "ablate_command", "ablate_parser",
     ),
     "prepare": Command(
         "tokenise a corpus into a prepared folder, in parallel",
