@@ -120,10 +120,18 @@ def switch_module(conditioner: bool = True, lr: float = 3e-3, **arch: Any) -> EL
     )
 
 
+def quiet_trainer(**overrides: Any) -> pl.Trainer:
+    """A CPU ``pl.Trainer`` that writes and prints nothing of its own: no logger, checkpointing, progress bar
+    or model summary; ``overrides`` set any of those and every other argument (a checkpoint callback needs
+    ``enable_checkpointing=True``)."""
+    quiet = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                 enable_model_summary=False)  # fmt: skip
+    return pl.Trainer(**{**quiet, **overrides})
+
+
 def fit_two_steps(module: pl.LightningModule, data: pl.LightningDataModule, path: Path) -> Path:
     """Train ``module`` 2 steps on ``data`` on the CPU, quietly and without validation, and save it at ``path``."""
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
     trainer.save_checkpoint(path)
     return path

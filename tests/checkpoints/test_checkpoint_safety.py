@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO_ROOT, switch_module
+from conftest import REPO_ROOT, quiet_trainer, switch_module
 from elr_lightning.callbacks import AtomicModelCheckpoint
 from elr_lightning.data import TextDataModule
 from elr_lightning.module import ELRModule
@@ -33,15 +33,7 @@ class PoisonAfterStep(pl.Callback):
 
 
 def _trainer(tmp_path: Path, max_steps: int, *callbacks: pl.Callback) -> pl.Trainer:
-    return pl.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=list(callbacks),
-    )
+    return quiet_trainer(max_steps=max_steps, limit_val_batches=0, callbacks=list(callbacks), enable_checkpointing=True)
 
 
 def _data(tmp_path: Path) -> TextDataModule:

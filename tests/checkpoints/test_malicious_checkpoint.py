@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import _malicious as hostile
-from conftest import REPO_ROOT, switch_module
+from conftest import REPO_ROOT, quiet_trainer, switch_module
 from test_cli_errors import TINY_CONFIG
 from elr_lightning.callbacks import AtomicModelCheckpoint
 from elr_lightning.callbacks.delayed_mixed_depth import load_weights_where_present
@@ -303,8 +303,7 @@ def test_no_command_changed_a_file_outside_its_run_folder(
 def _resume_trainer(dirpath: Path, callback_class: type, max_steps: int, top_k: int) -> pl.Trainer:
     callback = callback_class(dirpath=str(dirpath), monitor="step", mode="max", every_n_train_steps=1,
                               save_top_k=top_k, save_last=True)  # fmt: skip
-    return pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0, callbacks=[callback])  # fmt: skip
+    return quiet_trainer(max_steps=max_steps, limit_val_batches=0, callbacks=[callback], enable_checkpointing=True)
 
 
 @pytest.mark.parametrize("callback_class", [ModelCheckpoint, AtomicModelCheckpoint])

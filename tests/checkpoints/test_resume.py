@@ -21,7 +21,7 @@ import yaml
 
 from elr_lightning.callbacks import AtomicModelCheckpoint, DelayedMixedDepth, ZeroInitConditioning
 from elr_lightning.checkpoints.io import AtomicCheckpointIO, CorruptCheckpointError
-from conftest import REPO_ROOT, SWITCH_ARCH, switch_module
+from conftest import REPO_ROOT, SWITCH_ARCH, quiet_trainer, switch_module
 from elr_lightning.data import TextDataModule
 from elr_lightning.module import ELRModule
 
@@ -40,15 +40,7 @@ def fit(module: ELRModule, tmp_path: Path, max_steps: int, ckpt_path: Optional[s
     callbacks = [AtomicModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)]
     if module.model.conditioner is not None:
         callbacks += [DelayedMixedDepth(switch_step=1), ZeroInitConditioning()]
-    trainer = pl.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=callbacks,
-    )
+    trainer = quiet_trainer(max_steps=max_steps, limit_val_batches=0, callbacks=callbacks, enable_checkpointing=True)
     data = TextDataModule(seq_len=16, batch_size=4, max_bytes=20000, cache_dir=str(tmp_path / "cache"))
     trainer.fit(module, data, ckpt_path=ckpt_path, weights_only=True)
     return trainer
@@ -115,15 +107,8 @@ def test_a_write_cut_short_leaves_the_old_checkpoint_intact(saved, monkeypatch):
 
 
 def test_last_link_survives_the_removal_of_its_target(tmp_path):
-    trainer = pl.Trainer(
-        max_steps=3,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[AtomicModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last="link", every_n_train_steps=1)],
-    )
+    checkpoint = AtomicModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last="link", every_n_train_steps=1)
+    trainer = quiet_trainer(max_steps=3, limit_val_batches=0, callbacks=[checkpoint], enable_checkpointing=True)
     module = make_module(conditioner=False)
     trainer.fit(module, TextDataModule(seq_len=16, batch_size=4, max_bytes=20000, cache_dir=str(tmp_path / "cache")))
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)

@@ -25,6 +25,7 @@ from elr_lightning.data import (
     token_dtype,
 )
 from elr_lightning.tokenizers import ByteTokenizer
+from conftest import quiet_trainer
 
 # No two windows of these documents are equal: every few bytes carry a distinct number.
 DOCS = [
@@ -427,18 +428,9 @@ def resume_trainer(tmp_path: Path, max_steps: int, ckpt_dir: Optional[Path], **k
     callbacks = [] if ckpt_dir is None else [
         ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1)
     ]
-    return pl.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=ckpt_dir is not None,
-        callbacks=callbacks,
-        num_sanity_val_steps=0,
-        default_root_dir=tmp_path,
-        **kwargs,
+    return quiet_trainer(
+        max_steps=max_steps, devices=1, enable_checkpointing=ckpt_dir is not None, callbacks=callbacks,
+        num_sanity_val_steps=0, default_root_dir=tmp_path, **kwargs,
     )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -13,7 +12,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from lightning.pytorch.loggers import CSVLogger
 
-from conftest import tiny_config
+from conftest import quiet_trainer, tiny_config
 from elr_lightning.data import (
     FeistelPermutation,
     MixtureLoader,
@@ -155,17 +154,8 @@ def test_training_logs_the_realised_share_of_each_source(folders: list[Path], tm
     torch.manual_seed(0)
     module = ELRModule(arch=tiny_config(vocab_size=256), lr=0.003, warmup_steps=2)
     dm = PreparedDataModule([str(f) for f in folders], weights=[0.7, 0.3], seq_len=16, batch_size=5, val_batches=1)
-    trainer = pl.Trainer(
-        max_steps=6,
-        accelerator="cpu",
-        logger=CSVLogger(str(tmp_path / "logs"), name="mix"),
-        log_every_n_steps=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        limit_val_batches=1,
-        val_check_interval=3,
-    )
+    logger = CSVLogger(str(tmp_path / "logs"), name="mix")
+    trainer = quiet_trainer(max_steps=6, logger=logger, log_every_n_steps=1, limit_val_batches=1, val_check_interval=3)
     trainer.fit(module, dm)
     metrics = (tmp_path / "logs" / "mix" / "version_0" / "metrics.csv").read_text().splitlines()
     header = metrics[0].split(",")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from _bpe import train_bpe
-from conftest import REPO_ROOT, tiny_config
+from conftest import REPO_ROOT, quiet_trainer, tiny_config
 from elr_lightning import IGNORE_INDEX
 from elr_lightning.cli import run
 from elr_lightning.conditioning import LoopConditioner
@@ -212,10 +212,10 @@ def fit(path: Path, root: Path, steps: int, ckpt_path: Any = None, stop: int = 0
             trainer.should_stop = trainer.global_step == stop
 
     module = finetune_module()
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
-                         callbacks=[Losses(), pl.callbacks.ModelCheckpoint(dirpath=root, save_last=True,
-                                                                           every_n_train_steps=1)])  # fmt: skip
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=1)
+    trainer = quiet_trainer(
+        max_steps=steps, limit_val_batches=0, default_root_dir=root, callbacks=[Losses(), checkpoint], enable_checkpointing=True
+    )
     trainer.fit(module, datamodule=PromptCompletionDataModule(str(path), seq_len=24, batch_size=4, seed=5),
                 ckpt_path=ckpt_path, weights_only=True)  # fmt: skip
     return module, losses

@@ -5,10 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
-from conftest import GQA_CONFIG, PlainConditioner, perturbed_model
+from conftest import GQA_CONFIG, PlainConditioner, perturbed_model, quiet_trainer
 from elr_lightning.inference.cache import KVCache, LastLoopCache, PerLoopCache
 from elr_lightning.cli import run
 from elr_lightning.conditioning import LoopConditioner
@@ -131,15 +130,7 @@ def test_generate_with_fold_matches(model: LoopedLM, loops: int) -> None:
 def test_cli_generate_fold_streams_the_same_text(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     torch.manual_seed(0)
     module = ELRModule(arch=replace(GQA_CONFIG, vocab_size=256), conditioner=LoopConditioner(d_cond=8, rank=2))
-    trainer = Trainer(
-        max_steps=1,
-        limit_val_batches=0,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
     trainer.fit(module, DataLoader(torch.randint(0, 256, (4, 9)), batch_size=4))
     with torch.no_grad():
         for p in module.parameters():

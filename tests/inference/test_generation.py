@@ -7,7 +7,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from elr_lightning.cli import run
@@ -16,7 +15,7 @@ from elr_lightning.config import ModelConfig
 from elr_lightning.inference.cache import LastLoopCache
 from elr_lightning.inference.generate import filter_logits, generate, load_model, stream_generate
 from elr_lightning.inference.prompts import left_pad
-from conftest import GQA_CONFIG, REPO_ROOT, perturbed_model
+from conftest import GQA_CONFIG, REPO_ROOT, perturbed_model, quiet_trainer
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 from elr_lightning.tokenizers import ByteTokenizer, IncrementalDecoder
@@ -252,9 +251,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ELRModul
     torch.manual_seed(0)
     module = ELRModule(arch=CKPT_ARCH, conditioner=LoopConditioner(d_cond=8, rank=2))
     data = DataLoader(torch.randint(0, 256, (8, 17)), batch_size=4)
-    trainer = Trainer(
-        max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
-    )
+    trainer = quiet_trainer(max_steps=2)
     trainer.fit(module, data)
     path = tmp_path_factory.mktemp("ckpt") / "tiny.ckpt"
     trainer.save_checkpoint(path)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import GQA_CONFIG, REPO_ROOT, perturbed_model, tiny_config
+from conftest import GQA_CONFIG, REPO_ROOT, perturbed_model, quiet_trainer, tiny_config
 from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext
 from elr_lightning.cost import cost_report
@@ -332,9 +332,8 @@ def test_fit_logs_aux_loss_and_expert_load(tmp_path):
 
     module = ELRModule(arch=moe_config(balance_rate=0.01), virtual_ranks=1, warmup_steps=0)
     data = [torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    trainer = Trainer(
-        accelerator="cpu", max_steps=3, log_every_n_steps=1, logger=TensorBoardLogger(tmp_path, name="moe"),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    trainer = quiet_trainer(
+        max_steps=3, log_every_n_steps=1, logger=TensorBoardLogger(tmp_path, name="moe"), limit_val_batches=0,
         callbacks=[LoopCountPlots()],
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
