@@ -38,7 +38,6 @@ from elr_lightning.config import ModelConfig
 from elr_lightning.layers import Block
 from elr_lightning.mixers import Attention, GatedDeltaProduct, MoE, SwiGLU
 from elr_lightning.model import LoopedLM
-from elr_lightning.checkpoints.tokenizer import choose_tokenizer
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 from elr_lightning.checkpoints.trust import add_trust_argument, apply_trust_argument
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
@@ -455,15 +454,13 @@ def export_parser() -> CommandParser:
 
 def export_command(argv: list[str]) -> None:
     """``elr export --ckpt_path X --out DIR [--tokenizer T] [--overwrite]``."""
-    from elr_lightning.inference.generate import load_model
+    from elr_lightning.inference.open import open_checkpoint
 
     args = export_parser().parse_args(argv)
     _hf()
     check_export_folder(Path(args.out), args.overwrite)
-    apply_trust_argument(args.trust_module)
-    model, module = load_model(args.ckpt_path)
-    tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, model.config.vocab_size)
-    out = export_hf(model, tokenizer, args.out, overwrite=args.overwrite)
+    opened = open_checkpoint(args.ckpt_path, args.trust_module, args.tokenizer)
+    out = export_hf(opened.model, opened.tokenizer, args.out, overwrite=args.overwrite)
     print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
 
 

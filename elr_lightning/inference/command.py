@@ -22,13 +22,12 @@ from elr_lightning.inference.cache import (
     recurrent_state_bytes,
     resolve_policy,
 )
-from elr_lightning.checkpoints.io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.errors import refuse_unread_flags
-from elr_lightning.inference.generate import generate, load_model
-from elr_lightning.checkpoints.tokenizer import choose_tokenizer
+from elr_lightning.inference.generate import generate
+from elr_lightning.inference.open import open_checkpoint
 from elr_lightning.tokenizers import IncrementalDecoder
-from elr_lightning.checkpoints.trust import add_trust_argument, apply_trust_argument
+from elr_lightning.checkpoints.trust import add_trust_argument
 
 
 def generate_parser() -> CommandParser:
@@ -121,14 +120,12 @@ def generate_command(argv: list[str]) -> None:
     if (args.prompt is None) == (args.prompt_file is None):
         raise ValueError("give exactly one of --prompt and --prompt_file")
     text = _read_prompt(args.prompt, args.prompt_file)
-    apply_trust_argument(args.trust_module)
-    verify_checkpoint_path(args.ckpt_path, "--ckpt_path")
+    device = torch.device(args.device)
+    opened = open_checkpoint(args.ckpt_path, args.trust_module, args.tokenizer, device)
     if not text:
         raise ValueError("the prompt is empty; pass some text with --prompt or --prompt_file")
-    device = torch.device(args.device)
-    model, module = load_model(args.ckpt_path, map_location=device)
+    model, module, tokenizer = opened.model, opened.module, opened.tokenizer
     config = model.config
-    tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, config.vocab_size)
     budget = loops if loops != "auto" else args.max_loops or config.max_loops
     if budget < 1:
         raise ValueError(f"--max_loops {budget} must be >= 1")
