@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 from statistics import mean
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from elr_lightning.files import save_figure, write_file
 from elr_lightning.depth import report as depth_report
@@ -90,78 +90,96 @@ def _missing(claim: str, *names: str) -> Check:
     return Check(claim, f"needs arm(s) {', '.join(names)}", MISSING)
 
 
+def _near_baseline(elr: ArmSummary, base: ArmSummary, k_max: int) -> tuple[str, str]:
+    noise = max(elr.spread(1), base.spread(1)) / base.mean(1)
+    e, b = paired(elr, base)
+    rel = (e.mean(1) - b.mean(1)) / b.mean(1)
+    return f"{rel:+.2%} vs the baseline", _decide(0.005 - rel, noise)
+
+
+def _worse_at_every_k(elr: ArmSummary, other: ArmSummary, k_max: int) -> tuple[str, str]:
+    ks = [k for k in elr.loss if k in other.loss]
+    e, o = paired(elr, other)
+    diffs = {k: o.mean(k) - e.mean(k) for k in ks}
+    worst = min(ks, key=lambda k: diffs[k])
+    noise = max(elr.spread(worst), other.spread(worst))
+    return ", ".join(f"k={k} {d:+.4f}" for k, d in diffs.items()), _decide(diffs[worst], noise)
+
+
+def _f0_above_baseline(f0: ArmSummary, base: ArmSummary, k_max: int) -> tuple[str, str]:
+    f, b = paired(f0, base)
+    d = f.mean(1) - b.mean(1)
+    return f"{d:+.4f}", _decide(d, max(f0.spread(1), base.spread(1)))
+
+
+def _conditioning_helps(elr: ArmSummary, nc: ArmSummary, k_max: int) -> Optional[tuple[str, str]]:
+    if k_max < 2:
+        return None
+    ks = [k for k in range(2, k_max + 1) if k in elr.loss and k in nc.loss]
+    e, n = paired(elr, nc)
+    diffs = {k: n.mean(k) - e.mean(k) for k in ks}
+    worst = min(ks, key=lambda k: diffs[k])
+    figure = ", ".join(f"k={k} {d:+.4f} without" for k, d in diffs.items())
+    return figure, _decide(diffs[worst], max(elr.spread(worst), nc.spread(worst)))
+
+
+def _delayed_keeps_gain(elr: ArmSummary, delayed: ArmSummary, k_max: int) -> tuple[str, str]:
+    e, d = paired(elr, delayed)
+    g_elr, g_del = mean(e.gain(k_max)), mean(d.gain(k_max))
+    noise = max(max(g) - min(g) for g in (elr.gain(k_max), delayed.gain(k_max)))  # gains are paired per seed
+    if g_elr <= 0:
+        return f"ELR has no k = K gain ({g_elr:+.4f})", FAILS
+    return f"{g_del / g_elr:.0%} ({g_del:+.4f} of {g_elr:+.4f})", _decide(g_del - 0.8 * g_elr, noise)
+
+
+def _falls_with_k(elr: ArmSummary, k_max: int) -> Optional[tuple[str, str]]:
+    if not all(k in elr.loss for k in range(1, k_max + 1)):
+        return None
+    # The k's of a run share its weights, so the steps are paired within each seed: the claim holds
+    # when every seed falls at every step, fails when one step rises in every seed, else the seeds disagree.
+    per_seed = {k: [b - a for a, b in zip(elr.loss[k - 1], elr.loss[k])] for k in range(2, k_max + 1)}
+    figure = ", ".join(f"k={k - 1}->{k} {mean(d):+.4f}" for k, d in per_seed.items())
+    if all(d < 0 for steps in per_seed.values() for d in steps):
+        return figure, HOLDS
+    if any(all(d >= 0 for d in steps) for steps in per_seed.values()):
+        return figure, FAILS
+    return figure, NOISE
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One of the paper's claims (§6): the arms it compares and how its figure and status are found.
+
+    Attributes:
+        text: The claim, as the report's table shows it.
+        arms: The arms it needs, passed to ``judge`` in this order (then ``k_max``).
+        judge: ``(figure, status)``, or ``None`` where the arms cannot decide it (``n/a``).
+    """
+
+    text: str
+    arms: tuple[str, ...]
+    judge: Callable[..., Optional[tuple[str, str]]]
+
+
+#: The claims that :func:`paper_checks` checks, in the report's order (the specialist's last).
+CLAIMS: tuple[Claim, ...] = (
+    Claim("ELR within 0.5% of the baseline at k = 1", ("elr", "baseline"), _near_baseline),
+    Claim("replace update worse than adaptive delta at every k", ("elr", "replace"), _worse_at_every_k),
+    Claim("residual update worse than adaptive delta at every k", ("elr", "residual"), _worse_at_every_k),
+    Claim("f = 0 above the baseline at k = 1", ("f0", "baseline"), _f0_above_baseline),
+    Claim("conditioning lowers the loss at every k >= 2", ("elr", "no_cond"), _conditioning_helps),
+    Claim("delayed switch keeps >= 80% of ELR's k = K gain", ("elr", "delayed"), _delayed_keeps_gain),
+    Claim("ELR's loss falls strictly from k = 1 to K", ("elr",), _falls_with_k),
+)
+
+
 def paper_checks(arms: dict[str, ArmSummary], k_max: int) -> list[Check]:
-    """The checks of issue 10 / the paper's §6 on the arms present (others are ``n/a``)."""
+    """The checks of issue 10 / the paper's §6 (:data:`CLAIMS`) on the arms present (others are ``n/a``)."""
     checks = []
-    elr, base = arms.get("elr"), arms.get("baseline")
-    claim = "ELR within 0.5% of the baseline at k = 1"
-    if elr and base:
-        noise = max(elr.spread(1), base.spread(1)) / base.mean(1)
-        e, b = paired(elr, base)
-        rel = (e.mean(1) - b.mean(1)) / b.mean(1)
-        checks.append(Check(claim, f"{rel:+.2%} vs the baseline", _decide(0.005 - rel, noise)))
-    else:
-        checks.append(_missing(claim, "elr", "baseline"))
-    for rule in ("replace", "residual"):
-        claim = f"{rule} update worse than adaptive delta at every k"
-        other = arms.get(rule)
-        if elr and other:
-            ks = [k for k in elr.loss if k in other.loss]
-            e, o = paired(elr, other)
-            diffs = {k: o.mean(k) - e.mean(k) for k in ks}
-            worst = min(ks, key=lambda k: diffs[k])
-            noise = max(elr.spread(worst), other.spread(worst))
-            figure = ", ".join(f"k={k} {d:+.4f}" for k, d in diffs.items())
-            checks.append(Check(claim, figure, _decide(diffs[worst], noise)))
-        else:
-            checks.append(_missing(claim, "elr", rule))
-    claim = "f = 0 above the baseline at k = 1"
-    f0 = arms.get("f0")
-    if f0 and base:
-        f, b = paired(f0, base)
-        d = f.mean(1) - b.mean(1)
-        checks.append(Check(claim, f"{d:+.4f}", _decide(d, max(f0.spread(1), base.spread(1)))))
-    else:
-        checks.append(_missing(claim, "f0", "baseline"))
-    claim = "conditioning lowers the loss at every k >= 2"
-    nc = arms.get("no_cond")
-    if elr and nc and k_max >= 2:
-        ks = [k for k in range(2, k_max + 1) if k in elr.loss and k in nc.loss]
-        e, n = paired(elr, nc)
-        diffs = {k: n.mean(k) - e.mean(k) for k in ks}
-        worst = min(ks, key=lambda k: diffs[k])
-        figure = ", ".join(f"k={k} {d:+.4f} without" for k, d in diffs.items())
-        checks.append(Check(claim, figure, _decide(diffs[worst], max(elr.spread(worst), nc.spread(worst)))))
-    else:
-        checks.append(_missing(claim, "elr", "no_cond"))
-    claim = "delayed switch keeps >= 80% of ELR's k = K gain"
-    delayed = arms.get("delayed")
-    if elr and delayed:
-        e, d = paired(elr, delayed)
-        g_elr, g_del = mean(e.gain(k_max)), mean(d.gain(k_max))
-        noise = max(max(g) - min(g) for g in (elr.gain(k_max), delayed.gain(k_max)))  # gains are paired per seed
-        if g_elr <= 0:
-            checks.append(Check(claim, f"ELR has no k = K gain ({g_elr:+.4f})", FAILS))
-        else:
-            figure = f"{g_del / g_elr:.0%} ({g_del:+.4f} of {g_elr:+.4f})"
-            checks.append(Check(claim, figure, _decide(g_del - 0.8 * g_elr, noise)))
-    else:
-        checks.append(_missing(claim, "elr", "delayed"))
-    claim = "ELR's loss falls strictly from k = 1 to K"
-    if elr and all(k in elr.loss for k in range(1, k_max + 1)):
-        # The k's of a run share its weights, so the steps are paired within each seed: the claim holds
-        # when every seed falls at every step, fails when one step rises in every seed, else the seeds disagree.
-        per_seed = {k: [b - a for a, b in zip(elr.loss[k - 1], elr.loss[k])] for k in range(2, k_max + 1)}
-        figure = ", ".join(f"k={k - 1}->{k} {mean(d):+.4f}" for k, d in per_seed.items())
-        if all(d < 0 for steps in per_seed.values() for d in steps):
-            status = HOLDS
-        elif any(all(d >= 0 for d in steps) for steps in per_seed.values()):
-            status = FAILS
-        else:
-            status = NOISE
-        checks.append(Check(claim, figure, status))
-    else:
-        checks.append(_missing(claim, "elr"))
+    for claim in CLAIMS:
+        found = [arms.get(name) for name in claim.arms]
+        judged = claim.judge(*found, k_max) if all(found) else None
+        checks.append(Check(claim.text, *judged) if judged else _missing(claim.text, *claim.arms))
     checks.append(specialist_check(arms, k_max))
     return checks
 
