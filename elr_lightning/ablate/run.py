@@ -306,6 +306,69 @@ def _fit_subprocess(config_path: str, ckpt_path: Optional[str]) -> None:
     subprocess.run(args + (["--ckpt_path", ckpt_path] if ckpt_path else []), check=True)
 
 
+def _run_arm(
+    arm: str,
+    seed: int,
+    config: dict[str, Any],
+    out: str,
+    prefix: str,
+    subprocesses: bool,
+    callbacks: list[Any],
+    log: Callable[[str], None],
+    reasoning: Optional[int],
+    depth: Optional[int],
+) -> dict[str, Any]:
+    """Write one arm's config, train it (or resume it, or skip it when it finished earlier), score it; its result.
+
+    Raises:
+        ValueError: The run ended before its last step.
+    """
+    name = run_name(arm, seed)
+    path = os.path.join(out, "configs", f"{name}.yaml")
+    write_file(path, yaml.safe_dump(config, sort_keys=False))
+    root = config["trainer"]["default_root_dir"]
+    result_path = os.path.join(root, "result.json")
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            earlier = json.load(f)
+        if reasoning and "reasoning" not in earlier:
+            earlier["reasoning"] = reasoning_scores(config, reasoning)
+            _write_result(result_path, earlier)
+        if depth and "depth" not in earlier:
+            earlier["depth"] = depth_scores(config, depth)
+            _write_result(result_path, earlier)
+        log(f"{prefix}: finished earlier, skipped")
+        return earlier
+    last = os.path.join(root, "checkpoints", "last.ckpt")
+    resume = last if os.path.exists(last) else None
+    log(f"{prefix}: {ARMS[arm].description}; " + (f"resuming from {resume}" if resume else "training"))
+    start = time.perf_counter()
+    if subprocesses:
+        _fit_subprocess(path, resume)
+    else:
+        _fit_in_process(path, resume, callbacks)
+    max_steps = config["trainer"]["max_steps"]
+    step, loss, bpb = final_metrics(os.path.join(root, "metrics.csv"))
+    if step + 1 < max_steps:
+        raise ValueError(f"{name} stopped at step {step + 1} of {max_steps}; rerun `elr ablate` to resume it from {last}")
+    result = {
+        "arm": arm,
+        "seed": seed,
+        "steps": max_steps,
+        "loss": loss,
+        "bpb": bpb,
+        "seconds": round(time.perf_counter() - start, 1),
+        "config": path,
+    }
+    if reasoning:
+        result["reasoning"] = reasoning_scores(config, reasoning)
+    if depth:
+        result["depth"] = depth_scores(config, depth)
+    _write_result(result_path, result)
+    log(f"{prefix}: done in {result['seconds']} s; val loss " + ", ".join(f"k={k} {v:.4f}" for k, v in loss.items()))
+    return json.loads(json.dumps(result))
+
+
 def run_ablation(
     config_path: Union[str, list[str]],
     out: str,
@@ -360,54 +423,8 @@ def run_ablation(
     os.makedirs(os.path.join(out, "configs"), exist_ok=True)
     results = []
     for index, ((arm, seed), config) in enumerate(configs.items(), start=1):
-        name = run_name(arm, seed)
-        path = os.path.join(out, "configs", f"{name}.yaml")
-        write_file(path, yaml.safe_dump(config, sort_keys=False))
-        root = config["trainer"]["default_root_dir"]
-        result_path = os.path.join(root, "result.json")
-        prefix = f"[ablate {index}/{len(configs)}] {name}"
-        if os.path.exists(result_path):
-            with open(result_path) as f:
-                earlier = json.load(f)
-            if reasoning and "reasoning" not in earlier:
-                earlier["reasoning"] = reasoning_scores(config, reasoning)
-                _write_result(result_path, earlier)
-            if depth and "depth" not in earlier:
-                earlier["depth"] = depth_scores(config, depth)
-                _write_result(result_path, earlier)
-            results.append(earlier)
-            log(f"{prefix}: finished earlier, skipped")
-            continue
-        last = os.path.join(root, "checkpoints", "last.ckpt")
-        resume = last if os.path.exists(last) else None
-        log(f"{prefix}: {ARMS[arm].description}; " + (f"resuming from {resume}" if resume else "training"))
-        start = time.perf_counter()
-        if subprocesses:
-            _fit_subprocess(path, resume)
-        else:
-            _fit_in_process(path, resume, callbacks or [])
-        max_steps = config["trainer"]["max_steps"]
-        step, loss, bpb = final_metrics(os.path.join(root, "metrics.csv"))
-        if step + 1 < max_steps:
-            raise ValueError(
-                f"{name} stopped at step {step + 1} of {max_steps}; rerun `elr ablate` to resume it from {last}"
-            )
-        result = {
-            "arm": arm,
-            "seed": seed,
-            "steps": max_steps,
-            "loss": loss,
-            "bpb": bpb,
-            "seconds": round(time.perf_counter() - start, 1),
-            "config": path,
-        }
-        if reasoning:
-            result["reasoning"] = reasoning_scores(config, reasoning)
-        if depth:
-            result["depth"] = depth_scores(config, depth)
-        _write_result(result_path, result)
-        results.append(json.loads(json.dumps(result)))
-        log(f"{prefix}: done in {result['seconds']} s; val loss " + ", ".join(f"k={k} {v:.4f}" for k, v in loss.items()))
+        prefix = f"[ablate {index}/{len(configs)}] {run_name(arm, seed)}"
+        results.append(_run_arm(arm, seed, config, out, prefix, subprocesses, callbacks or [], log, reasoning, depth))
     report = write_report(results, out, max_loops_of(base), {name: arm.description for name, arm in ARMS.items()})
     log(f"[ablate] report: {report}")
     return results
