@@ -120,7 +120,7 @@ def test_last_link_survives_the_removal_of_its_target(tmp_path):
 
 # ---- a real run killed twice and resumed -------------------------------------------------------
 RECORDER = '''
-"""Test helper loaded by the `elr fit` subprocesses of tests/test_resume.py."""
+"""Test helper loaded by the `elr fit` subprocesses of tests/checkpoints/test_resume.py."""
 import faulthandler
 import json
 import os
