@@ -86,7 +86,7 @@ EXTRA_COMMANDS: dict[str, Command] = {
     ),
     "prepare": Command(
         "tokenise a corpus into a prepared folder, in parallel",
-        "elr_lightning.data.prepare", "prepare_command", "prepare_parser",
+        "elr_lightning.data.command", "prepare_command", "prepare_parser",
     ),
     "export": Command(
         "write a checkpoint as a Hugging Face folder (safetensors + remote code)",

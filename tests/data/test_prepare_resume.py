@@ -109,7 +109,7 @@ def test_a_prepare_killed_with_sigkill_resumes_to_the_same_folder(tmp_path: Path
     corpus.mkdir()
     for i in range(300):
         (corpus / f"{i:03d}.txt").write_text(f"file {i}\n" + "".join(f"line {j} of {i}\n" for j in range(200)))
-    command = "from elr_lightning.data.prepare import prepare_command; import sys; prepare_command(sys.argv[1:])"
+    command = "from elr_lightning.data.command import prepare_command; import sys; prepare_command(sys.argv[1:])"
     args = [sys.executable, "-c", command, str(corpus), "--shard_mb", "0.004", "--val_fraction", "0.1"]
     out = tmp_path / "killed"
     proc = subprocess.Popen([*args, "--out", str(out)], stderr=subprocess.DEVNULL, start_new_session=True)
