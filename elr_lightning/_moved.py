@@ -87,6 +87,7 @@ class MovedFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Optional[Sequence[str]], target: Optional[types.ModuleType] = None
     ) -> Optional[importlib.machinery.ModuleSpec]:
+        """A spec that builds the forwarding module for an old path; ``None`` (not mine) for any other name."""
         if fullname not in MOVED_MODULES:
             return None
         return importlib.machinery.ModuleSpec(fullname, _MovedLoader())
