@@ -63,3 +63,19 @@ def test_the_guides_old_imports_still_run() -> None:
     from elr_lightning.inference.generate import generate as new_generate, load_model as new_load
 
     assert (generate, load_model, trust_modules) == (new_generate, new_load, new_trust)
+
+
+def test_a_yaml_class_path_at_an_old_module_still_builds() -> None:
+    """A config written for 0.1 may name ``elr_lightning.checkpoint_io.AtomicCheckpointIO`` as a trainer plugin."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.plugins.io import CheckpointIO
+
+    from elr_lightning.checkpoints.io import AtomicCheckpointIO
+
+    sys.modules.pop("elr_lightning.checkpoint_io", None)
+    parser = ArgumentParser()
+    parser.add_argument("--io", type=CheckpointIO)
+    with pytest.warns(DeprecationWarning, match="checkpoint_io moved to elr_lightning.checkpoints.io"):
+        config = parser.parse_args(["--io", '{"class_path": "elr_lightning.checkpoint_io.AtomicCheckpointIO"}'])
+        built = parser.instantiate_classes(config)
+    assert type(built.io) is AtomicCheckpointIO
