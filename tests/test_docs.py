@@ -8,6 +8,8 @@
   the Python of the generation and checkpoints guides runs on a checkpoint, and the troubleshooting
   page's example prints the line it shows.
 * Every figure a page quotes agrees with the results file it names (``docs/_tools/results.py``).
+* Every ``from elr_lightning... import`` and ``::: elr_lightning...`` of the docs resolves at its
+  current path (an old path the regroup left, ``elr_lightning._moved``, fails too).
 * Every public name of the package has a docstring, as the API reference shows it (which renders
   only what has one), and ``generate`` documents each of its parameters.
 """
