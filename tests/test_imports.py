@@ -206,3 +206,16 @@ def test_the_package_root_holds_at_most_30_modules() -> None:
     root = {path.stem for path in PACKAGE.glob("*.py")}
     assert {"module", "updates", "sampling", "conditioning", "plugin_config"} <= root  # the seams never move
     assert len(root - ESTIMATE_AT_ROOT) <= 30, sorted(root)
+
+
+def test_the_tests_mirror_the_package() -> None:
+    """Each folder of tests/ is named after a package of elr_lightning and is on pytest's pythonpath (its
+    tests import each other's helpers by module name)."""
+    import tomllib
+
+    tests = Path(__file__).resolve().parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert folders and folders <= packages, folders - packages
+    config = tomllib.loads((tests.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert {f"tests/{name}" for name in folders} | {"tests"} == set(config["pythonpath"])
