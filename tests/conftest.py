@@ -21,6 +21,8 @@ from elr_lightning.sampling import OneLoopOverride
 
 #: The repository's root folder (tests sit one or two folders below it).
 REPO_ROOT = Path(__file__).resolve().parents[1]
+#: Files the tests read: a checkpoint written before the package regroup and what it computes.
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 settings.register_profile("elr", deadline=None, max_examples=25, derandomize=True)
 settings.load_profile("elr")

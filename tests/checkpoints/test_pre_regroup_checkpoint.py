@@ -8,19 +8,16 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import FIXTURES
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.inference.generate import load_model
 from elr_lightning.sampling import OneLoopOverride
 from elr_lightning.tokenizers import ByteTokenizer
 from elr_lightning.updates import AdaptiveDelta
-
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
-
 
 @pytest.fixture(scope="module")
 def loaded():

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FIXTURES
 from elr_lightning.inference.open import open_checkpoint
 from elr_lightning.tokenizers import ByteTokenizer
 
-FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "pre_regroup.ckpt"
+FIXTURE = FIXTURES / "pre_regroup.ckpt"
 
 
 def test_it_returns_the_model_in_eval_mode_its_module_and_the_saved_tokenizer() -> None:
