@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import uuid
+from collections.abc import Iterable, Sequence
 from typing import IO, Any, Callable, Union
 
 
@@ -132,7 +134,7 @@ def write_atomically(path: str, write: Callable[[IO[bytes]], None], overwrite: b
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, new_file_mode())
 
     replace_atomically(path, fill, overwrite)
 
@@ -163,3 +165,39 @@ def save_figure(figure: Any, path: Union[str, os.PathLike], **kwargs: Any) -> No
     """
     fmt = os.path.splitext(os.fspath(path))[1].lstrip(".") or "png"
     write_atomically(os.fspath(path), lambda f: figure.savefig(f, format=fmt, **kwargs))
+
+
+def new_file_mode() -> int:
+    """The mode a new file gets from ``open``: ``0o666`` less the user's umask (``0o644`` under umask 022)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def refuse_to_replace(
+    flag: str, folder: Union[str, os.PathLike], names: Iterable[str], overwrite: bool, what: str = "them"
+) -> None:
+    """The one rule of every command that writes named files into a folder: never replace one unasked.
+
+    Args:
+        flag: The command's option that names the folder (``--out``, ``--output_dir``).
+        folder: The folder.
+        names: The files the command is about to write there.
+        overwrite: The command's ``--overwrite``: replacing is allowed.
+        what: What replacing replaces, for the message.
+
+    Raises:
+        FileExistsError: One of ``names`` exists (a symbolic link counts) and ``overwrite`` is false,
+            naming them, the folder and the fix, in one line.
+    """
+    held = [name for name in names if os.path.lexists(os.path.join(folder, name))]
+    if held and not overwrite:
+        raise FileExistsError(
+            f"{flag} {os.fspath(folder)!r} already holds {', '.join(held)}; choose a new folder, "
+            f"or add --overwrite to replace {what}"
+        )
+
+
+def print_written(command: str, table: str, pictures: Sequence[str]) -> None:
+    """Say on stderr where ``elr COMMAND`` wrote its table (a JSON file) and its picture(s)."""
+    print(f"elr {command}: wrote the table to {table} and the picture to {', '.join(pictures)}", file=sys.stderr, flush=True)

@@ -23,13 +23,14 @@ from elr_lightning.checkpoints.schema import LEGACY_HPARAMS_KEYS, build_plugin, 
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
-from elr_lightning.checkpoints.record import check_loaded_checkpoint, record_checkpoint
+from elr_lightning.checkpoints.io import install_safe_checkpoint_io
+from elr_lightning.checkpoints.record import check_loaded_checkpoint, check_sizes_before_build, record_checkpoint
 from elr_lightning.module_checks import check_data_fits, check_meta_init, check_module_args, checked_sampler
 from elr_lightning.optim import adamw, param_groups, warmup_cosine
 from elr_lightning.parameter_usage import check_plain_ddp
 from elr_lightning.plugin_config import PluginConfigError, plain_hyperparameters
 from elr_lightning.roles import copy_with_roles
-from elr_lightning.checkpoints.safe_load import refusing_pickles, source_name
+from elr_lightning.checkpoints.safe_load import check_archive, check_regular_file, refuse_url, refusing_pickles, source_name
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
 from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats, loop_gains, rank_utilisation
 from elr_lightning.tokenizers import Tokenizer
@@ -287,6 +288,7 @@ class ELRModule(LightningModule):
         """Check the run before it starts (meta init, DDP, the data's fit to the model) and take the data
         module's tokenizer and bytes per token (for bits per byte)."""
         check_meta_init(self)
+        install_safe_checkpoint_io(self.trainer.strategy)  # before Lightning restores a --ckpt_path
         if stage == "fit":
             check_plain_ddp(self.trainer.strategy, self.model)
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -532,10 +534,40 @@ class ELRModule(LightningModule):
         if weights_only is False:
             return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, False, **kwargs)
         name = source_name(checkpoint_path)
+        if isinstance(checkpoint_path, (str, os.PathLike)):
+            refuse_url(checkpoint_path, "checkpoint_path")
+            check_regular_file(checkpoint_path, "checkpoint_path")
+            check_archive(os.fspath(checkpoint_path))
         with refusing_pickles(name):
             checkpoint = pl_load(checkpoint_path, map_location=map_location or _default_map_location, weights_only=True)
         overrides = load_hparams_from_yaml(hparams_file) if hparams_file is not None else None
-        target, arguments = module_arguments(checkpoint, cls, name, overrides)
+        size = os.path.getsize(checkpoint_path) if isinstance(checkpoint_path, (str, os.PathLike)) else None
+        return cls.from_checkpoint_dict(checkpoint, name, overrides, strict, available=size, **kwargs)
+
+    @classmethod
+    def from_checkpoint_dict(
+        cls, checkpoint: dict[str, Any], source: str, overrides: Optional[Mapping[str, Any]] = None,
+        strict: Optional[bool] = None, available: Optional[int] = None, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """The module a checkpoint already read as data describes, as :meth:`load_from_checkpoint` builds it.
+
+        For a checkpoint that is no single file (a sharded folder, read by
+        :func:`~elr_lightning.checkpoints.io.read_sharded_checkpoint`). Its configuration is checked
+        against the schema (:func:`~elr_lightning.checkpoints.schema.module_arguments`), and its sizes
+        against the tensors it holds, before anything is built
+        (:func:`~elr_lightning.checkpoints.record.check_sizes_before_build`).
+
+        Args:
+            checkpoint: The checkpoint, as ``torch.load(..., weights_only=True)`` returns it; changed in place.
+            source: The file or folder, for messages.
+            overrides: Hyperparameters that replace the checkpoint's (a ``hparams_file``'s).
+            strict: As for :meth:`load_from_checkpoint`.
+            available: The bytes of the file it was read from, which its tensors may not exceed (twice,
+                for tied weights); ``None`` for a sharded folder, whose index bounds them.
+            kwargs: Constructor arguments that replace the checkpoint's.
+        """
+        target, arguments = module_arguments(checkpoint, cls, source, overrides)
+        check_sizes_before_build(target, {**arguments, **kwargs}, checkpoint, source, available, strict)
         for key in (*LEGACY_HPARAMS_KEYS, "hparams_name"):
             checkpoint.pop(key, None)
         checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = dict(arguments)  # what hooks read is what was checked

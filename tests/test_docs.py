@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import json
 import re
 import shlex
 import sys
@@ -108,6 +109,43 @@ def test_quoted_figures_agree_with_the_results_files() -> None:
     starts = [f"{page.name}: {line[:60]}" for page in results.pages() for line in page.read_text().splitlines()
               if line.startswith("<!-- fig")]
     assert not starts, starts
+
+
+def test_results_fit_says_how_the_run_was_made_and_keeps_no_earlier_timings(tmp_path, monkeypatch) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    results = _tool("results")
+    with SummaryWriter(str(tmp_path / "run")) as writer:
+        for k, loss in ((1, 1.5), (2, 1.4)):
+            writer.add_scalar(f"val/loss_k{k}", loss, 99)
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"about": "an earlier run", "cpu_s": 1.0, "wall_s": 2.0, "max_rss_gb": 3.0, "eval": {}}))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    results.main(["fit", str(tmp_path / "run"), str(out), "--wall_s", "7.5", "--about", "a test machine"])
+    data = json.loads(out.read_text())
+    assert data["about"].startswith("OMP_NUM_THREADS=1 elr fit;") and data["about"].endswith("; a test machine")
+    assert data["wall_s"] == 7.5 and "cpu_s" not in data and "max_rss_gb" not in data  # this run's, or none
+    assert data["validations"] == {"100": {"loss": {"1": 1.5, "2": 1.4}}} and "eval" in data  # other keys kept
+
+
+def test_results_check_compares_a_rerun_within_the_stated_tolerances(tmp_path) -> None:
+    results = _tool("results")
+    quoted = json.loads((DOCS / "results" / "quickstart.json").read_text())
+    (tmp_path / "quickstart.json").write_text(json.dumps(quoted))
+    assert results.compare(str(tmp_path)) == []
+    losses = dict(quoted["validations"]["800"]["loss"])
+
+    def rerun(loss: dict, **more: float) -> None:
+        quoted["validations"]["800"]["loss"] = loss
+        (tmp_path / "quickstart.json").write_text(json.dumps({**quoted, **more}))
+
+    rerun({k: v + results.TOLERANCES["loss"] * 0.9 for k, v in losses.items()}, cpu_s=1.0)
+    assert results.compare(str(tmp_path)) == []  # within the tolerance, and timings are the machine's
+    rerun({**losses, "1": losses["1"] + 2 * results.TOLERANCES["loss"]})
+    wrong = results.compare(str(tmp_path))
+    assert wrong and all("quickstart.validations.800.loss" in line and "tolerance 0.01" in line for line in wrong)
+    with pytest.raises(SystemExit):
+        results.main(["check", "--results", str(tmp_path)])
 
 
 def test_every_public_name_has_a_docstring() -> None:

@@ -7,12 +7,10 @@ import shutil
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from elr_lightning.checkpoints.io import AtomicCheckpointIO
+from elr_lightning.checkpoints.io import install_safe_checkpoint_io
 from elr_lightning.files import remove_orphans, replace_atomically
 
 
@@ -43,17 +41,10 @@ class AtomicModelCheckpoint(ModelCheckpoint):
             removed = remove_orphans(str(self.dirpath))  # a killed write's leftovers; no writer runs yet
             if removed:
                 rank_zero_warn(f"AtomicModelCheckpoint: removed {len(removed)} temporary file(s) of a killed save")
-        strategy = trainer.strategy
-        io = strategy.checkpoint_io
-        if type(io) is TorchCheckpointIO:
-            strategy.checkpoint_io = AtomicCheckpointIO()
-        elif isinstance(io, _WrappingCheckpointIO) and type(io.checkpoint_io) is TorchCheckpointIO:
-            io.checkpoint_io = AtomicCheckpointIO()
-        elif not isinstance(io, AtomicCheckpointIO) and not isinstance(
-            getattr(io, "checkpoint_io", None), AtomicCheckpointIO
-        ):
+        if not install_safe_checkpoint_io(trainer.strategy):
+            name = type(trainer.strategy.checkpoint_io).__name__
             rank_zero_warn(
-                f"AtomicModelCheckpoint: the strategy writes checkpoints with {type(io).__name__}, whose writes "
+                f"AtomicModelCheckpoint: the strategy writes checkpoints with {name}, whose writes "
                 "may not be atomic; a kill mid-save can leave a damaged checkpoint"
             )
 

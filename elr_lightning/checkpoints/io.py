@@ -20,11 +20,12 @@ import io
 import os
 import warnings
 import zipfile
-from typing import Any, Callable, Literal, Optional, Union
+from typing import IO, Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from torch import Tensor
 from typing_extensions import override
 
@@ -32,9 +33,12 @@ from elr_lightning.files import write_atomically
 from elr_lightning.plugin_config import plain_hyperparameters
 from elr_lightning.checkpoints.safe_load import (
     UnsafeCheckpointError,
+    check_archive,
+    check_regular_file,
     check_sharded_index,
     load_sharded,
     load_weights_only,
+    refuse_url,
     refused_global,
     refusing_pickles,
 )
@@ -143,6 +147,12 @@ def check_sharded_folder(folder: str, field: str) -> None:
             f"{field} {folder!r} is a folder without {' and '.join(missing)}, so not a sharded checkpoint (written with "
             "save_distributed_checkpoint, it holds both); give a .ckpt file or a complete sharded folder"
         )
+    links = [name for name in (".metadata", "meta.pt") if os.path.islink(os.path.join(folder, name))]
+    if links:
+        raise UnsafeCheckpointError(
+            f"{field} {folder!r}: its {links[0]} is a link, and a sharded checkpoint is read only from regular files "
+            "inside its folder; copy the file into the folder in place of the link"
+        )
     check_sharded_index(folder)
 
 
@@ -190,9 +200,12 @@ def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
     checked (one read of the file). A file that is not a zip archive is refused unless it is the
     legacy pickle format, which has no checksum: then a warning says so, once. A folder must be a
     sharded (``torch.distributed.checkpoint``) checkpoint: a ``.metadata`` file that names nothing but
-    an index's own classes (:func:`~elr_lightning.checkpoints.safe_load.check_sharded_index`) and a readable
-    ``meta.pt`` that holds no pickled object (:func:`read_sharded_meta`). Remote
-    URLs and Lightning's keywords (``last``, ``best``, ``hpc``, ``registry``) are left to Lightning.
+    an index's own classes and only shards inside the folder whose bytes hold what it declares
+    (:func:`~elr_lightning.checkpoints.safe_load.check_sharded_index`), and a readable ``meta.pt`` that holds no
+    pickled object (:func:`read_sharded_meta`). A URL, and Lightning's ``registry`` keyword (a
+    download), are refused (:func:`~elr_lightning.checkpoints.safe_load.refuse_url`); the keywords ``last``,
+    ``best`` and ``hpc`` name local files that Lightning finds and the strategy's
+    :class:`AtomicCheckpointIO` checks as it loads them.
 
     Args:
         path: The path given.
@@ -200,13 +213,22 @@ def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
 
     Raises:
         FileNotFoundError: Nothing is at ``path``.
+        RemoteCheckpointError: ``path`` is a URL.
+        OversizedCheckpointError: A record declares more bytes than the file holds, or a sharded index more
+            than its shards hold.
         ValueError: ``path`` is a folder that is not a sharded checkpoint, or its ``meta.pt`` is damaged.
         UnsafeCheckpointError: A sharded checkpoint's index or ``meta.pt`` would run code.
         CorruptCheckpointError: The file is truncated, damaged or not a checkpoint.
     """
-    keyword = path in ("last", "best", "hpc") or path.startswith("registry")
-    if "://" in path or (keyword and not os.path.exists(path)):
-        return
+    refuse_url(path, field)
+    if path.startswith("registry") and not os.path.exists(path):
+        raise ValueError(
+            f"{field} {path!r} asks Lightning to download a checkpoint from its model registry, and elr-lightning opens "
+            "checkpoints from local paths only; download it first and give the local path"
+        )
+    if path in ("last", "best", "hpc") and not os.path.exists(path):
+        return  # Lightning finds a local file, which the strategy's AtomicCheckpointIO checks as it loads it
+    check_regular_file(path, field)
     if os.path.isdir(path):
         check_sharded_folder(path, field)
         read_sharded_meta(path, check_config=False)
@@ -228,7 +250,15 @@ def verify_checkpoint_path(path: str, field: str = "ckpt_path") -> None:
 
 
 def is_intact(path: str) -> bool:
-    """Whether ``path`` is a complete ``torch.save`` archive (zip directory present, every CRC right)."""
+    """Whether ``path`` is a complete ``torch.save`` archive (zip directory present, every CRC right).
+
+    The records' declared sizes are checked against the file first
+    (:func:`~elr_lightning.checkpoints.safe_load.check_archive`), so the check reads at most the file's own bytes.
+
+    Raises:
+        OversizedCheckpointError: A record is compressed or declares more bytes than the file holds.
+    """
+    check_archive(path)
     try:
         with zipfile.ZipFile(path) as archive:
             return archive.testzip() is None
@@ -251,8 +281,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     file that holds a pickled object is refused in one line (:mod:`elr_lightning.checkpoints.safe_load`). Only a
     caller's explicit ``weights_only=False`` unpickles, as in Lightning; no ``elr`` command passes it.
 
-    :class:`~elr_lightning.callbacks.AtomicModelCheckpoint` installs this plugin by itself; add it
-    by hand (``trainer.plugins``) to cover other writers such as ``trainer.save_checkpoint``.
+    A checkpoint given as a URL is refused in one line (:func:`~elr_lightning.checkpoints.safe_load.refuse_url`):
+    Lightning's loader would unpickle an ``http`` one with ``weights_only=False``.
+
+    Every run of an :class:`~elr_lightning.module.ELRModule` loads through this plugin, whatever its
+    callbacks: the module installs it on the strategy in ``setup``, before Lightning restores a
+    checkpoint (:func:`install_safe_checkpoint_io`).
 
     Args:
         verify: Check the archive's CRCs before loading a local checkpoint file.
@@ -278,13 +312,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         map_location: Optional[Callable] = lambda storage, loc: storage,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        if "://" not in str(path) and os.path.isdir(path):
+        refuse_url(str(path), "--ckpt_path")
+        check_regular_file(str(path), "--ckpt_path")
+        if os.path.isdir(path):
             raise ValueError(
                 f"--ckpt_path {str(path)!r} is a sharded checkpoint folder (save_distributed_checkpoint: true), which "
                 "only the strategy that wrote it can load; resume it with trainer.strategy.class_path "
                 "elr_lightning.strategies.OneLoopOverrideFSDPStrategy (on any number of devices)"
             )
-        local_file = "://" not in str(path) and os.path.isfile(path)
+        local_file = os.path.isfile(path)
         if local_file and self.verify and not is_intact(str(path)):
             raise _corrupt(str(path), "its records fail their CRC check or the archive is incomplete")
         weights_only = True if weights_only is None else weights_only
@@ -295,6 +331,28 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if not local_file or is_intact(str(path)):
                 raise
             raise _corrupt(str(path), f"{type(err).__name__}: {err}") from err
+
+
+def install_safe_checkpoint_io(strategy: Any) -> bool:
+    """Make ``strategy`` load (and write) checkpoints through :class:`AtomicCheckpointIO`, where it uses Lightning's own IO.
+
+    Lightning's ``TorchCheckpointIO`` is replaced, also inside a wrapping IO (``AsyncCheckpointIO``),
+    so no run falls back to Lightning's loader, which unpickles a URL's checkpoint with
+    ``weights_only=False``. A strategy that loads checkpoints itself (the FSDP strategy) or a
+    checkpoint IO of the user's own is left as it is.
+
+    Returns:
+        Whether the strategy now uses :class:`AtomicCheckpointIO` (false: an IO of the user's own).
+    """
+    io = strategy.checkpoint_io
+    if type(io) is TorchCheckpointIO:
+        strategy.checkpoint_io = AtomicCheckpointIO()
+        return True
+    inner = getattr(io, "checkpoint_io", None)
+    if isinstance(io, _WrappingCheckpointIO) and type(inner) is TorchCheckpointIO:
+        io.checkpoint_io = AtomicCheckpointIO()
+        return True
+    return isinstance(io, AtomicCheckpointIO) or isinstance(inner, AtomicCheckpointIO)
 
 
 def _corrupt(path: str, reason: str) -> CorruptCheckpointError:

@@ -8,10 +8,13 @@ import os
 import posixpath
 from typing import Any, Mapping, Optional
 
+import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from elr_lightning.checkpoints.io import listed, non_finite_tensors, state_dict_differences
+from elr_lightning.checkpoints.schema import CheckpointConfigError
 from elr_lightning.plugin_config import plain_hyperparameters
 from elr_lightning.checkpoints.resume import check_resumed_schedule, planned_steps
 from elr_lightning.checkpoints.tokenizer import checkpoint_tokenizer, tokenizer_state
@@ -49,11 +52,15 @@ def drop_foreign_paths(trainer: Any, checkpoint: dict[str, Any]) -> list[str]:
     followed) inside the ``dirpath`` of the callback that restores it; every other one is removed
     from ``checkpoint`` in place, with one warning line. Called by
     :meth:`~elr_lightning.module.ELRModule.on_load_checkpoint`, before Lightning restores the
-    callbacks' state.
+    callbacks' state. Outside ``fit`` (``validate``, ``test``) no checkpoint callback saves or
+    deletes a file, so nothing is dropped and nothing is said.
 
     Returns:
         The paths dropped.
     """
+    state_fn = getattr(getattr(trainer, "state", None), "fn", None)
+    if state_fn is not None and state_fn != TrainerFn.FITTING:
+        return []
     dropped = []
     states = checkpoint.get("callbacks")
     for callback in getattr(trainer, "checkpoint_callbacks", []):
@@ -79,6 +86,100 @@ def drop_foreign_paths(trainer: Any, checkpoint: dict[str, Any]) -> list[str]:
             "outside the run's own folder"
         )
     return dropped
+
+
+def check_sizes_before_build(
+    target: type,
+    arguments: Mapping[str, Any],
+    checkpoint: Mapping[str, Any],
+    source: str,
+    available: Optional[int] = None,
+    strict: Optional[bool] = None,
+) -> None:
+    """Refuse a checkpoint whose configuration declares sizes its tensors do not hold, before anything real is built.
+
+    A few bytes of configuration (``arch.vocab_size = 50_000_000``, a width, a layer count) would
+    otherwise allocate gigabytes when the module is built, before the state dict's shapes are
+    compared. Here the architecture is validated (its bounds: :data:`~elr_lightning.config.MAX_LOOPS`,
+    :data:`~elr_lightning.config.MAX_SEQ_LEN`), its layer count is compared with the number of tensors
+    present (every layer holds at least one), and then ``target`` is built on the meta device, which
+    allocates no memory, and every tensor's shape (and, loading strictly, name) compared with the
+    checkpoint's. The shapes must
+    be backed by data: a tensor may not declare more bytes than its storage holds (a view that
+    repeats one value, stride 0, declares any shape over 4 bytes), and the state dict's tensors
+    together at most twice the file's bytes (tied weights count twice).
+
+    Args:
+        target: The ``ELRModule`` class the checkpoint names.
+        arguments: Its checked constructor arguments (:func:`~elr_lightning.checkpoints.schema.module_arguments`).
+        checkpoint: The checkpoint read as data.
+        source: The file, for messages.
+        available: The bytes of the file the checkpoint was read from; ``None`` where its sizes
+            were bounded otherwise (a sharded folder's index).
+        strict: ``False`` (``load_from_checkpoint(strict=False)``) skips the comparison of the tensors'
+            names, as the load does; shapes are compared always.
+
+    Raises:
+        CheckpointConfigError: One line naming the field or the first tensors whose shapes differ.
+    """
+    from elr_lightning.config import ModelConfig
+
+    state = checkpoint.get("state_dict")
+    arch = arguments.get("arch")
+    if not isinstance(state, Mapping) or arch is None:
+        return
+    _check_tensors_backed(state, source, available)
+    try:
+        config = ModelConfig(**arch) if isinstance(arch, Mapping) else arch
+    except (ValueError, TypeError) as err:
+        raise CheckpointConfigError(f"{source!r}: hyper_parameters.{err}") from None
+    layers = config.n_in + config.n_rec + config.n_out
+    if layers > len(state):
+        raise CheckpointConfigError(
+            f"{source!r}: hyper_parameters.arch declares {layers} layers (n_in + n_rec + n_out), but the checkpoint "
+            f"holds {len(state)} tensors; it does not describe its own weights, use another checkpoint"
+        )
+    with torch.device("meta"):
+        probe = target(**{**arguments, "arch": config})
+    own = probe.state_dict()
+    shapes = [
+        f"{key} {tuple(state[key].shape)} in the file, {tuple(tensor.shape)} by hyper_parameters"
+        for key, tensor in own.items()
+        if hasattr(state.get(key), "shape") and tuple(state[key].shape) != tuple(tensor.shape)
+    ]
+    if shapes:
+        raise CheckpointConfigError(
+            f"{source!r}: hyper_parameters.arch does not fit the checkpoint's tensors ({listed(shapes, 2)}); "
+            "it was changed after saving, use another checkpoint"
+        )
+    if strict is not False and probe.strict_loading:
+        problems = state_dict_differences(state, own)
+        if problems:
+            raise CheckpointConfigError(
+                f"{source!r}: its hyper_parameters do not describe its tensors: {'; '.join(problems)}; build the "
+                "model with the checkpoint's own values, or use another checkpoint"
+            )
+
+
+def _check_tensors_backed(state: Mapping[str, Any], source: str, available: Optional[int]) -> None:
+    """Refuse state-dict tensors that declare more bytes than their storage, or than the file, holds."""
+    total = 0
+    for key, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):  # a meta tensor keeps its storage's size too
+            continue
+        declared = tensor.numel() * tensor.element_size()
+        held = tensor.untyped_storage().nbytes()
+        if declared > held:
+            raise CheckpointConfigError(
+                f"{source!r}: state_dict.{key} declares {list(tensor.shape)} ({declared} bytes) over {held} bytes of "
+                "data (a view that repeats them), which building the model would allocate; use another checkpoint"
+            )
+        total += declared
+    if available is not None and total > 2 * available:
+        raise CheckpointConfigError(
+            f"{source!r}: the state_dict's tensors declare {total} bytes over a file of {available} (they share their "
+            "data), which building the model would allocate; use another checkpoint"
+        )
 
 
 def record_checkpoint(module: LightningModule, checkpoint: dict[str, Any]) -> None:

@@ -23,10 +23,12 @@ trusted modules, :mod:`elr_lightning.checkpoints.trust`); :func:`read_checkpoint
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import re
 import shlex
+import stat
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,6 +39,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from typing_extensions import override
 
 from elr_lightning.checkpoints.schema import check_checkpoint_config
+from elr_lightning.checkpoints.trust import shown
 
 
 class UnsafeCheckpointError(ValueError):
@@ -50,6 +53,92 @@ class UnsafeCheckpointError(ValueError):
     def __init__(self, message: str, refused: str = "") -> None:
         super().__init__(message)
         self.refused = refused
+
+
+class RemoteCheckpointError(ValueError):
+    """A checkpoint given as a URL: refused, as only a local file can be checked before it is read."""
+
+
+class OversizedCheckpointError(ValueError):
+    """A checkpoint declares more data (a size, a shape, a count) than it holds or than the library's bounds allow."""
+
+
+def is_url(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path`` is a URL (``http://``, ``file://``, ``s3://``, any ``scheme://``) rather than a local path."""
+    return "://" in os.fspath(path)
+
+
+def refuse_url(path: Union[str, os.PathLike], field: str = "checkpoint") -> None:
+    """Refuse a checkpoint given as a URL, in one line naming ``field`` and the fix.
+
+    A URL is never opened: Lightning's loader unpickles an ``http`` checkpoint with
+    ``weights_only=False`` unless told otherwise, and a remote file cannot be checked (CRCs, sizes,
+    a sharded folder's index) before it is read. Downloading it first makes it a local file, which
+    every check covers.
+
+    Raises:
+        RemoteCheckpointError: ``path`` is a URL.
+    """
+    if is_url(path):
+        raise RemoteCheckpointError(
+            f"{field} {os.fspath(path)!r} is a URL, and elr-lightning opens checkpoints from local paths only (a local "
+            "file is checked before it is read); download it first, e.g. curl -fLo model.ckpt URL, and give the path"
+        )
+
+
+def check_regular_file(path: Union[str, os.PathLike], field: str = "checkpoint") -> None:
+    """Refuse a path that exists but is neither a regular file nor a folder (a FIFO, a device, a socket).
+
+    Opening a FIFO blocks until another process writes to it, and a device such as ``/dev/zero``
+    never ends; a checkpoint is a file (or a sharded checkpoint's folder). Links are followed: the
+    path is the user's own.
+
+    Raises:
+        ValueError: One line naming ``field`` and the path.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # nothing there: the caller says so
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise ValueError(
+            f"{field} {os.fspath(path)!r} is not a regular file (a FIFO, device or socket), which reading could block "
+            "or never end; give a checkpoint file or a sharded checkpoint folder"
+        )
+
+
+def check_archive(path: str) -> None:
+    """Refuse a ``torch.save`` archive whose members declare more bytes than the file holds, before any is read.
+
+    ``torch.save`` stores every record uncompressed, so a record's declared size is its size on disk
+    and no record can be larger than the file. A compressed record (a small file that expands to
+    gigabytes when read or CRC-checked), a record that ends past the end of the file, or records
+    declaring more bytes in all than the file has, are refused from the archive's directory alone.
+    A file that is no zip archive is left to the caller.
+
+    Raises:
+        OversizedCheckpointError: Naming the file and the record.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return  # not an archive, or a damaged one: the CRC check or torch.load says so
+    size = os.path.getsize(path)
+    declared = 0
+    for record in records:
+        if record.compress_type != zipfile.ZIP_STORED:
+            raise OversizedCheckpointError(
+                f"checkpoint {path!r}: its record {record.filename!r} is compressed ({record.file_size} bytes from "
+                f"{record.compress_size}), which torch.save never writes and which would be expanded before any check; "
+                "use a file written by torch.save (elr fit, Trainer.save_checkpoint)"
+            )
+        declared += record.file_size
+        if record.header_offset + record.compress_size > size or declared > size:
+            raise OversizedCheckpointError(
+                f"checkpoint {path!r} ({size} bytes): its record {record.filename!r} declares {record.file_size} bytes, "
+                "more than the file holds; the file is damaged or forged, use another checkpoint"
+            )
 
 
 def refused_global(err: BaseException) -> Optional[str]:
@@ -100,8 +189,13 @@ def load_weights_only(path: Union[str, os.PathLike], map_location: Any = "cpu", 
 
     Raises:
         UnsafeCheckpointError: The file holds a pickled object.
+        RemoteCheckpointError: ``path`` is a URL.
+        OversizedCheckpointError: A record declares more bytes than the file holds (:func:`check_archive`).
     """
     path = os.fspath(path)
+    refuse_url(path)
+    check_regular_file(path)
+    check_archive(path)
     mmap = zipfile.is_zipfile(path) if mmap is None else mmap
     with refusing_pickles(path):
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -202,7 +296,9 @@ def load_sharded(state: dict[str, Any], folder: str, **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load(state, checkpoint_id=folder)`` reading the shards as data.
 
     Through :class:`DataOnlyLoadPlanner`; a refusal it raises on any rank reaches the caller as the
-    one-line :class:`UnsafeCheckpointError`, not wrapped in torch's ``CheckpointException``.
+    one-line :class:`UnsafeCheckpointError`, not wrapped in torch's ``CheckpointException``; any other
+    failure of a rank (a shard whose sizes differ from the index's) as a one-line ``ValueError``
+    naming the folder.
 
     Args:
         state: The state to load into, as for ``dcp.load``.
@@ -215,10 +311,16 @@ def load_sharded(state: dict[str, Any], folder: str, **kwargs: Any) -> None:
     try:
         load(state, checkpoint_id=folder, planner=DataOnlyLoadPlanner(folder), **kwargs)
     except CheckpointException as err:
-        refused = [exc for exc, _ in err.failures.values() if isinstance(exc, UnsafeCheckpointError)]
+        failures = [exc for exc, _ in err.failures.values()]
+        refused = [exc for exc in failures if isinstance(exc, UnsafeCheckpointError)]
         if refused:
             raise refused[0] from None
-        raise
+        first = failures[0] if failures else err
+        said = " ".join(str(first).split())
+        raise ValueError(
+            f"checkpoint folder {folder!r} does not hold what its .metadata declares ({type(first).__name__}: "
+            f"{shown(said, 300)}); use a folder written by save_distributed_checkpoint"
+        ) from err
 
 
 def check_sharded_index(folder: str) -> None:
@@ -256,3 +358,89 @@ def check_sharded_index(folder: str) -> None:
             f"checkpoint folder {folder!r}: its .metadata holds a {type(metadata).__name__}, not a "
             "torch.distributed.checkpoint index; use a folder written by save_distributed_checkpoint"
         )
+    check_index_storage(folder, metadata)
+
+
+def _storage_file(folder: str, relative: Any, fqn: str) -> os.stat_result:
+    """The ``os.lstat`` of a shard an index names, if it is a regular file inside ``folder`` (no link, no ``..``)."""
+    where = f"checkpoint folder {folder!r}: its .metadata stores {fqn!r} in {shown(relative)}"
+    fix = "use a folder written by save_distributed_checkpoint"
+    parts = relative.replace("\\", "/").split("/") if isinstance(relative, str) else []
+    if not parts or os.path.isabs(relative) or any(part in ("", ".", "..") for part in parts):
+        raise UnsafeCheckpointError(f"{where}, which is not a file name inside the folder; {fix}")
+    path = os.path.join(folder, *parts)
+    try:
+        info = os.lstat(path)
+    except OSError:
+        raise ValueError(f"{where}, which is missing; the folder is incomplete, {fix}") from None
+    inside = os.path.realpath(path) == os.path.join(os.path.realpath(folder), *parts)
+    if not (stat.S_ISREG(info.st_mode) and inside):
+        raise UnsafeCheckpointError(
+            f"{where}, which is {'a link' if stat.S_ISLNK(info.st_mode) or not inside else 'not a regular file'}; "
+            f"a shard is a regular file inside the folder, {fix}"
+        )
+    return info
+
+
+def _count(value: Any) -> int:
+    """The product of a shape's sizes, or -1 if it is not a sequence of integers >= 0."""
+    if not isinstance(value, (tuple, list)) or not all(type(n) is int and n >= 0 for n in value):
+        return -1
+    return math.prod(value)
+
+
+def check_index_storage(folder: str, metadata: Any) -> None:
+    """Check what a sharded checkpoint's index says about its shards against the files present, reading none.
+
+    Every storage entry must name a regular file inside ``folder`` (a relative name, no ``..``, no
+    link, no FIFO or device), with ``offset`` and ``length`` inside that file; every tensor's
+    declared bytes (its shape times its dtype's size) must be held by the bytes stored for it, so an
+    index that declares a 4,000,000 x 128 embedding over a few bytes is refused before anything is
+    allocated. The entries stored in one file may not declare more bytes than it holds in all
+    (entries that overlap would each be allocated anew).
+
+    Raises:
+        UnsafeCheckpointError: A shard path that leaves the folder or is not a regular file.
+        OversizedCheckpointError: A tensor declares more bytes than are stored for it.
+        ValueError: The index is malformed, naming the entry.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    fix = "use a folder written by save_distributed_checkpoint"
+    storage = metadata.storage_data if metadata.storage_data is not None else {}
+    if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
+        raise ValueError(f"checkpoint folder {folder!r}: its .metadata is not a torch.distributed.checkpoint index; {fix}")
+    stored: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    used: dict[str, int] = {}
+    for index, info in storage.items():
+        fqn = str(getattr(index, "fqn", index))
+        relative = getattr(info, "relative_path", None)
+        if relative not in sizes:
+            sizes[relative] = _storage_file(folder, relative, fqn).st_size
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if _count([offset, length]) < 0 or offset + length > sizes[relative]:
+            raise OversizedCheckpointError(
+                f"checkpoint folder {folder!r}: its .metadata stores {fqn!r} at bytes {shown(offset)} + "
+                f"{shown(length)} of {relative!r}, which holds {sizes[relative]} bytes; {fix}"
+            )
+        stored[fqn] = stored.get(fqn, 0) + length
+        used[relative] = used.get(relative, 0) + length
+        if used[relative] > sizes[relative]:  # entries sharing bytes would each be allocated anew
+            raise OversizedCheckpointError(
+                f"checkpoint folder {folder!r}: its .metadata stores {used[relative]} bytes in {relative!r}, which "
+                f"holds {sizes[relative]} (its entries overlap); {fix}"
+            )
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        dtype = getattr(entry.properties, "dtype", None)
+        numel = _count(entry.size)
+        if not isinstance(dtype, torch.dtype) or numel < 0:
+            raise ValueError(f"checkpoint folder {folder!r}: its .metadata declares {fqn!r} with no valid shape; {fix}")
+        declared = numel * dtype.itemsize
+        if declared > stored.get(fqn, 0):
+            raise OversizedCheckpointError(
+                f"checkpoint folder {folder!r}: its .metadata declares {fqn!r} as {list(entry.size)} {dtype} "
+                f"({declared} bytes), but its shards hold {stored.get(fqn, 0)} bytes for it; {fix}"
+            )

@@ -319,7 +319,7 @@ def module_arguments(
     hparams, origin = _hyperparameters(raw, source, overrides)
     ctx = _Context(source, build=False)
     instantiator = hparams.pop("_instantiator", None)
-    if instantiator is not None and instantiator not in LIGHTNING_INSTANTIATORS:
+    if instantiator is not None and not (isinstance(instantiator, str) and instantiator in LIGHTNING_INSTANTIATORS):
         at = f"{origin['_instantiator']}._instantiator"
         raise ctx.error(f"{shown(instantiator)} is not Lightning's instantiator", at=at)
     class_path = hparams.pop("_class_path", None)

@@ -40,6 +40,7 @@ from typing_extensions import override
 from elr_lightning.inference.cache import CACHE_POLICIES, KVCache, PerLoopCache, resolve_policy
 from elr_lightning.eval.adaptive import AdaptiveScoring
 from elr_lightning.inference.generate import load_model, stream_generate
+from elr_lightning.loop_points import check_loops
 from elr_lightning.inference.prompts import left_pad
 from elr_lightning.model import LoopedLM
 from elr_lightning.inference.fold import serving_model
@@ -51,30 +52,6 @@ DTYPES: dict[str, Optional[torch.dtype]] = {"float32": None, "bfloat16": torch.b
 
 #: A request's context and continuation token ids.
 Pair = tuple[list[int], list[int]]
-
-
-def check_loops(
-    loops: int, max_loops: int, allow_extrapolation: bool, field: str = "loops", flag: str = "allow_extrapolation=true"
-) -> None:
-    """Refuse a loop count below 1, or above the trained budget unless extrapolation is allowed.
-
-    Args:
-        loops: The loop count k.
-        max_loops: The checkpoint's ``arch.max_loops``.
-        allow_extrapolation: Accept ``loops > max_loops`` (with a warning).
-        field: Name of the argument, for the message.
-        flag: How the caller allows extrapolation, for the message.
-
-    Raises:
-        ValueError: Naming the field and the fix.
-    """
-    if loops < 1:
-        raise ValueError(f"{field}={loops} must be >= 1")
-    if loops > max_loops:
-        message = f"{field}={loops} is above the checkpoint's arch.max_loops={max_loops}, the loop budget it was trained for"
-        if not allow_extrapolation:
-            raise ValueError(f"{message}; pass {flag} to run it anyway")
-        warnings.warn(f"{message}; extrapolating", stacklevel=3)
 
 
 def resolve_device(device: Optional[str]) -> torch.device:

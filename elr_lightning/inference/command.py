@@ -193,14 +193,25 @@ def generate_command(argv: list[str]) -> None:
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
     if args.stats:
-        _print_stats(config, budget, args.kv_cache, cache, len(ids), generated, first_at - start, end - first_at)
         used = out.loops_used[0, 1:generated]
+        if loops == "auto":
+            threshold = 1e-3 if args.threshold is None else args.threshold
+            depth = f"loops auto (budget {budget}, {args.exit_criterion or 'kl'} threshold {threshold:g})"
+        else:
+            depth = f"loops k={loops}  D_eff={config.effective_depth(loops)}"
+        _print_stats(config, depth, budget, args.kv_cache, cache, len(ids), generated, first_at - start, end - first_at)
         if used.numel():
-            sys.stderr.write(f"loops per decoded token: mean {used.float().mean():.2f}, {used.tolist()}\n")
+            counts = ", ".join(f"k={k}: {n}" for k, n in zip(*(t.tolist() for t in used.unique(return_counts=True))))
+            mean = used.float().mean().item()
+            sys.stderr.write(
+                f"loops per decoded token: mean {mean:.2f} (D_eff {config.effective_depth(mean):.2f}), min "
+                f"{used.min().item()}, max {used.max().item()}; {counts}\n"
+            )
 
 
 def _print_stats(
     config: ModelConfig,
+    depth: str,
     loops: int,
     policy: str,
     cache: KVCache,
@@ -216,7 +227,7 @@ def _print_stats(
         return f"{n / 2**20:.3f} MiB"
 
     lines = [
-        f"loops k={loops}  D_eff={config.effective_depth(loops)}  kv_cache={policy}  dtype={dtype}",
+        f"{depth}  kv_cache={policy}  dtype={dtype}  (KV figures at {loops} loops)",
         f"KV cache: attention {mib(cache.nbytes())} used for {cache.offset} tokens, "
         f"{mib(cache.nbytes(used=False))} allocated; recurrent state {mib(cache.state_nbytes())}",
     ]

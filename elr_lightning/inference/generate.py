@@ -25,7 +25,6 @@ prompt's logits equal those of the prompt alone (to the fp32 round-off of batchi
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,7 +37,13 @@ from elr_lightning.inference.cache import KVCache, PolicyLike
 from elr_lightning.checkpoints.io import is_sharded_checkpoint, read_sharded_checkpoint
 from elr_lightning.inference.decode import AdaptiveDepth, Decoder, Depth, budget
 from elr_lightning.checkpoints.schema import CheckpointConfigError
-from elr_lightning.checkpoints.safe_load import UnsafeCheckpointError, read_checkpoint
+from elr_lightning.checkpoints.safe_load import (
+    OversizedCheckpointError,
+    UnsafeCheckpointError,
+    check_regular_file,
+    read_checkpoint,
+    refuse_url,
+)
 from elr_lightning.inference.fold import FoldedLM
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
@@ -82,6 +87,11 @@ def filter_logits(logits: Tensor, top_k: Optional[int] = None, top_p: Optional[f
     return logits
 
 
+#: Temperatures below this are greedy, as in vLLM: dividing fp32 logits by a smaller one can overflow
+#: them to ``inf`` (a NaN distribution), and long before that the softmax is already one-hot.
+MIN_TEMPERATURE = 1e-5
+
+
 def sample_next(
     logits: Tensor,
     temperature: float = 1.0,
@@ -94,7 +104,7 @@ def sample_next(
 
     Args:
         logits: Next-token logits.
-        temperature: Softmax temperature; 0 means greedy.
+        temperature: Softmax temperature; below :data:`MIN_TEMPERATURE` (0 included) means greedy.
         top_k: Sample among the ``top_k`` most likely tokens only.
         top_p: Sample from the nucleus of mass ``top_p`` only.
         greedy: Take the argmax (same as ``temperature=0``).
@@ -103,7 +113,7 @@ def sample_next(
     Returns:
         ``[B]`` int64 token ids.
     """
-    if greedy or temperature == 0:
+    if greedy or temperature < MIN_TEMPERATURE:
         return logits.argmax(dim=-1)
     scaled = filter_logits(logits.float() / temperature, top_k, top_p)
     return torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator).squeeze(-1)
@@ -434,38 +444,44 @@ def load_model(
         CheckpointConfigError: Its configuration breaks the schema, naming the field.
         ValueError: The file is not a readable ELR Lightning checkpoint.
     """
-    if is_sharded_checkpoint(ckpt_path):  # written under FSDP with save_distributed_checkpoint
+    refuse_url(ckpt_path)
+    check_regular_file(ckpt_path)
+    sharded = is_sharded_checkpoint(ckpt_path)  # written under FSDP with save_distributed_checkpoint
+    if sharded:
         raw = read_sharded_checkpoint(ckpt_path, weights="meta" if meta else True)
-        with tempfile.TemporaryDirectory() as folder:
-            single = os.path.join(folder, os.path.basename(os.path.normpath(ckpt_path)))
-            torch.save(raw, single)
-            del raw
-            return load_model(single, map_location, meta)
-    if not os.path.isfile(ckpt_path):
+    elif not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"checkpoint {ckpt_path!r} does not exist")
-    try:
-        raw = read_checkpoint(ckpt_path, "meta" if meta else "cpu", ELRModule)
-    except (UnsafeCheckpointError, UntrustedModuleError, CheckpointConfigError):
-        raise
-    except Exception as err:  # torch.load raises many types (pickle, zip, EOF) for a bad file
-        raise ValueError(f"checkpoint {ckpt_path!r} is not a readable PyTorch checkpoint ({err})") from err
+    else:
+        try:
+            raw = read_checkpoint(ckpt_path, "meta" if meta else "cpu", ELRModule)
+        except (UnsafeCheckpointError, UntrustedModuleError, CheckpointConfigError, OversizedCheckpointError):
+            raise
+        except Exception as err:  # torch.load raises many types (pickle, zip, EOF) for a bad file
+            raise ValueError(f"checkpoint {ckpt_path!r} is not a readable PyTorch checkpoint ({err})") from err
     if not isinstance(raw, dict) or "state_dict" not in raw or "hyper_parameters" not in raw:
         keys = sorted(raw)[:8] if isinstance(raw, dict) else type(raw).__name__
         raise ValueError(
             f"checkpoint {ckpt_path!r} is not a Lightning ELRModule checkpoint (need 'state_dict' and "
             f"'hyper_parameters', found {keys}); use one written by `elr fit` or Trainer.save_checkpoint"
         )
-    del raw
+    if not sharded:
+        del raw  # read again below, mapped where asked
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*is an instance of `nn.Module`.*")
             warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter in the checkpoint to a meta")
-            module = ELRModule.load_from_checkpoint(
-                ckpt_path,
-                map_location="meta" if meta else map_location,
-                weights_only=True,
-                meta_init=meta,  # real weights to load into, unless only checking
-            )
+            if sharded:  # already read as data: built from it, no temporary file
+                module = ELRModule.from_checkpoint_dict(raw, ckpt_path, meta_init=meta)
+                module = module if meta else module.to(map_location)
+            else:
+                module = ELRModule.load_from_checkpoint(
+                    ckpt_path,
+                    map_location="meta" if meta else map_location,
+                    weights_only=True,
+                    meta_init=meta,  # real weights to load into, unless only checking
+                )
+    except CheckpointConfigError:
+        raise
     except Exception as err:  # hparams that no longer match the module's signature, missing keys, ...
         raise ValueError(f"checkpoint {ckpt_path!r} could not be rebuilt as an ELRModule ({err})") from err
     if not isinstance(module, ELRModule) or not isinstance(getattr(module, "model", None), LoopedLM):

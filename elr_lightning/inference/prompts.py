@@ -8,6 +8,7 @@ arguments and build the KV cache.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Optional, Union
 
@@ -97,8 +98,8 @@ def left_pad(
 
 def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float], max_new_tokens: int) -> None:
     """Refuse a sampling argument out of range, naming it."""
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy)")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature} must be a finite number >= 0 (below 1e-5 means greedy)")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1 (or None for no top-k filter)")
     if top_p is not None and not 0.0 < top_p <= 1.0:

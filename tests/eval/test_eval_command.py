@@ -160,7 +160,7 @@ def test_elr_eval_bad_input_is_a_one_line_error(checkpoint: Path, data_dir: Path
 @pytest.mark.slow
 def test_the_harness_command_line_runs_the_adapter(checkpoint: Path, data_dir: Path, tmp_path: Path) -> None:
     """``lm_eval`` itself (its ``__main__``), with the adapter registered by importing elr_lightning.eval."""
-    launcher = "import elr_lightning.eval, runpy; runpy.run_module('lm_eval', run_name='__main__')"
+    launcher = "import elr_lightning.eval.adapter, runpy; runpy.run_module('lm_eval', run_name='__main__')"
     args = ["--model", "elr", "--model_args", f"ckpt_path={checkpoint},loops=2,kv_cache=last_loop",
             "--include_path", TASKS_DIR, "--tasks", "elr_line_end", "--limit", "6", "--batch_size", "4",
             "--metadata", json.dumps({"data_dir": str(data_dir)}), "--output_path", str(tmp_path / "out")]  # fmt: skip

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,18 @@ def test_import_never_replaces_a_checkpoint_unless_told(
     assert target.read_bytes() == before
     main(["import", "--hf", str(tmp_path / "b"), "--out", str(target), "--overwrite"])
     assert torch.load(target, weights_only=True)["hyper_parameters"]["update"]["init_args"]["beta"] == 0.25
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_export_and_import_files_follow_the_users_umask(checkpoints: tuple[Path, Path], tmp_path: Path, umask: int) -> None:
+    """safetensors creates its file 0600; the export gives every file the mode ``open`` gives under the umask."""
+    a, _ = checkpoints
+    previous = os.umask(umask)
+    try:
+        main(["export", "--ckpt_path", str(a), "--out", str(tmp_path / "out")])
+        main(["import", "--hf", str(tmp_path / "out"), "--out", str(tmp_path / "back.ckpt")])
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [*(tmp_path / "out").iterdir(), tmp_path / "back.ckpt"]}
+    assert modes["model.safetensors"] == 0o666 & ~umask
+    assert set(modes.values()) == {0o666 & ~umask}, modes

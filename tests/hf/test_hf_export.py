@@ -41,7 +41,8 @@ from conftest import perturbed_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LOOPS = (1, 2, 3, 4)  # 4 is above max_loops = 3: budget extrapolation
-#: fp32 tolerance for our logits against the export's (measured 0.0: the same ops in the same order).
+#: fp32 tolerance for our logits against the export's, the bound docs/export.md states (measured up to 2.1e-6
+#: on this model, 7.6e-6 on the quickstart checkpoint: the same ops, reaching other kernels).
 ATOL = 1e-5
 
 

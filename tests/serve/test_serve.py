@@ -30,7 +30,7 @@ from elr_lightning.inference.decode import AdaptiveDepth
 from elr_lightning.inference.generate import generate, load_model
 from elr_lightning.serve.api import DEFAULT_THRESHOLD, Cancel, CompletionBody, CompletionsSpec, RequestError, relative_costs
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine, _StopText
-from elr_lightning.serve.command import checkpoint_arch, serving_tokenizer
+from elr_lightning.serve.command import serving_tokenizer
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, IncrementalDecoder, Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -154,9 +154,9 @@ def test_serving_uses_the_checkpoint_tokenizer_and_detokenises_bpe(tmp_path: Pat
     path = tmp_path / "bpe.ckpt"
     write_checkpoint(path, dataclasses.replace(SERVE_ARCH, vocab_size=320), tokenizer=bpe)
     raw = torch.load(path, weights_only=True)
-    tokenizer = serving_tokenizer(raw, None, checkpoint_arch(raw, str(path)))
+    tokenizer = serving_tokenizer(raw, None, load_model(str(path), meta=True)[0].config)
     assert tokenizer.fingerprint() == bpe.fingerprint() and tokenizer.eos_id is not None
-    assert isinstance(serving_tokenizer(raw, "byte", checkpoint_arch(raw, str(path))), ByteTokenizer)
+    assert isinstance(serving_tokenizer(raw, "byte", load_model(str(path), meta=True)[0].config), ByteTokenizer)
     model = load_model(str(path))[0]
     requests = {f"r{k}": CompletionRequest(tuple(bpe.encode("def decode(self, s):")), k, 16, 1.0, None, k) for k in (1, 2, 3)}
     texts, finish = run_engine(DecodeEngine(model, tokenizer, "per_loop"), requests)
@@ -436,9 +436,10 @@ GDP_ARCH = dataclasses.replace(
 def test_after_a_failed_step_the_next_request_answers_as_generate(
     monkeypatch: pytest.MonkeyPatch, policy: str, where: str
 ) -> None:
-    """A step that fails mid-way (in the layers of a decode step or of a prefill, or while a request takes its
-    slot) leaves nothing behind after ``reset``: no recurrent-state writes waiting for the next commit, no
-    lengths, no lost slot; the next request's answer equals ``elr generate``'s."""
+    """A decode step in which every row fails (the model, not a request, is at fault) raises and leaves nothing
+    behind after ``reset``: no recurrent-state writes waiting for the next commit, no lengths, no lost slot. A
+    failure in one request's prefill or admission ends that request alone and the others go on. Either way the
+    next requests' answers equal ``elr generate``'s."""
     model = perturbed_model(GDP_ARCH)
     engine = DecodeEngine(model, TOK, policy, max_batch_size=2)
     for uid in ("a", "b"):
@@ -448,7 +449,6 @@ def test_after_a_failed_step_the_next_request_answers_as_generate(
 
     def fail(module, args) -> None:  # after the recurrent block's GDP layer recorded its new state
         if armed[0] and (args[0].shape[1] == 1) == (where == "decode"):
-            armed[0] = False
             raise RuntimeError("injected failure")
 
     if where == "admission":
@@ -458,15 +458,24 @@ def test_after_a_failed_step_the_next_request_answers_as_generate(
         )
     else:
         model.core.layers[1].attn.register_forward_pre_hook(fail)
-    if where != "decode":  # b's slot frees and c takes it in the failing step
+    if where == "decode":
+        with pytest.raises(RuntimeError, match="injected failure"):
+            engine.step()
+        assert sorted(engine.reset()) == ["a", "b"]
+        assert engine.decoder.lengths == [0, 0]
+    else:  # b's slot frees and c takes it in the failing step: c alone fails, a goes on
         engine.cancel("b")
         engine.submit("c", REQUESTS["c"])
-    with pytest.raises(RuntimeError, match="injected failure"):
-        engine.step()
-    assert sorted(engine.reset()) == (["a", "b"] if where == "decode" else ["a", "c"])
+        events = engine.step()
+        failed = {e.uid: e.error for e in events if e.finish_reason == "error"}
+        assert list(failed) == ["c"] and "injected failure" in failed["c"]
+        assert engine.running == {"a": 1}
+        armed[0] = False
+        _, finish = run_engine(engine, {})
+        assert finish == {"a": "length"}
+    armed[0] = False
     stores = engine.decoder.cache._stores.values()
     assert not any(store._row_pending or store._pending for store in stores)
-    assert engine.decoder.lengths == [0, 0]
     good = CompletionRequest(tuple(TOK.encode("class A:\n")), 3, 10, 0.0)
     for uid in ("g1", "g2", "g3"):  # every slot serves again
         engine.submit(uid, good)
