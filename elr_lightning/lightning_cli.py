@@ -75,7 +75,7 @@ class ELRCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Any:
-        """Lightning's trainer; with :class:`StepProgressBar` where Lightning would pick its rich bar unconfigured."""
+        """Lightning's trainer; with :class:`~elr_lightning.callbacks.StepProgressBar` where Lightning would pick its rich bar unconfigured."""
         from lightning.pytorch.callbacks import ProgressBar
         from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
