@@ -224,7 +224,7 @@ class LoopConditioner(Conditioner):
         return FiLMAdapterModulator(d_model, self.d_cond, self.rank)
 
     def steps(self, loop: int, loops: int, max_loops: int) -> tuple[float, float]:
-        """(tau_i, kappa) of eq. 4 for loop ``loop`` of ``loops``, as :attr:`beyond_budget` says past ``max_loops``."""
+        """(tau_i, kappa) of eq. 4 for loop ``loop`` of ``loops``, as the ``beyond_budget`` argument says past ``max_loops``."""
         return loop_steps(loop, loops, max_loops, self.beyond_budget)
 
     def context(self, loop: int, loops: int, max_loops: int, like: Tensor) -> Tensor:

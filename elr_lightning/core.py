@@ -2,7 +2,7 @@
 
 :class:`RecurrentCore` runs the k loops of the shared block (DESIGN §2); :class:`LoopedForward`
 runs embedding, input block, core, output block and head over whatever layers a model holds, so
-:class:`~elr_lightning.model.LoopedLM` and :class:`~elr_lightning.serving.FoldedLM` compute the same
+:class:`~elr_lightning.model.LoopedLM` and :class:`~elr_lightning.inference.fold.FoldedLM` compute the same
 function with the same cache numbering.
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from elr_lightning.cache import KVCache
+from elr_lightning.cache_store import KVCache
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext, Positions
@@ -233,7 +233,7 @@ class LoopedForward(nn.Module):
         """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]`` at loop count ``loops``.
 
         A pure function of its inputs and parameters. Generation decodes a conditioned model through
-        each loop's eq. 4 constants computed once per k (:func:`~elr_lightning.serving.serving_model`);
+        each loop's eq. 4 constants computed once per k (:func:`~elr_lightning.inference.fold.serving_model`);
         calling ``forward`` directly runs the layers as trained.
 
         Args:

@@ -32,8 +32,8 @@ except ImportError:  # torch 2.4 and 2.5 (pyproject allows torch>=2.4) ship it u
     from torch.distributed._composable.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from elr_lightning.checkpoint_io import check_sharded_folder, read_sharded_meta
-from elr_lightning.safe_load import load_sharded, refusing_pickles
+from elr_lightning.checkpoints.io import check_sharded_folder, read_sharded_meta
+from elr_lightning.checkpoints.safe_load import load_sharded, refusing_pickles
 from elr_lightning.model import LoopedLM
 from elr_lightning.strategies.common import find_looped_lm, loop_dependent_parameters, verify_loop_schedule
 
@@ -363,7 +363,7 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         state, as in the run that wrote the checkpoint, so the resumed run continues exactly. The
         model's weights and the metadata load as in Lightning, as data: ``weights_only`` is ``True``
         unless given, a pickled object is refused in one line, a sharded folder's index is checked
-        before torch unpickles it, and its shards are read as data (:mod:`elr_lightning.safe_load`;
+        before torch unpickles it, and its shards are read as data (:mod:`elr_lightning.checkpoints.safe_load`;
         Lightning's own sharded load lets torch unpickle their non-tensor entries).
         """
         path = Path(self.broadcast(checkpoint_path))
