@@ -14,7 +14,8 @@ import functools
 import json
 import os
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -271,6 +272,17 @@ class LabelledText(TextDataModule):
         return {"input_ids": ids, "labels": torch.where(keep, targets, IGNORE_INDEX)}
 
 
+def collective_counts(profile: torch.profiler.profile) -> dict[str, int]:
+    """How many times each collective ran in ``profile``: every ``c10d::`` op, and per FSDP2 unit its
+    all-gathers (``FSDP::all_gather (<unit>)``) and gradient reductions (``FSDP::post_backward_reduce (<unit>)``).
+
+    Ranks that issue different counts of any of them fall out of step: gloo then times out or aborts.
+    """
+    labels = ("c10d::", "FSDP::all_gather", "FSDP::post_backward_reduce")
+    names = (event.name for event in profile.events())
+    return dict(Counter(n for n in names if n.startswith(labels) and not n.startswith("FSDP::all_gather_copy")))
+
+
 def make_strategy(name: Optional[str], timeout: timedelta = COLLECTIVE_TIMEOUT, **options: Any) -> Any:
     """The strategy under test: ``"ddp"``, ``"fsdp"`` or ``None`` (Lightning's single-device default).
 
@@ -312,6 +324,7 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
     ``train/beta_mean``; the last step is a logging step; NaN under ``compile_model``, which does not log it),
     ``optimizer``: its ``fused`` and ``foreach`` choice and the devices of its parameters' local tensors and state,
     ``fsdp_offloaded``: the values of FSDP2's ``offload_to_cpu`` over every sharded parameter (``[]`` without FSDP2).
+    ``count_collectives`` profiles the run and returns :func:`collective_counts` as ``collectives`` (``{}`` otherwise).
     """
     backprop = {key: case[key] for key in ("activation_checkpointing", "backprop_loops", "compile_model") if key in case}
     module = tiny_module(
@@ -374,8 +387,10 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
             return loss * float("nan") if hit else loss
 
         module.shard_loss = poisoned  # type: ignore[method-assign]
+    counting = case.get("count_collectives", False)
     try:
-        trainer.fit(module, datamodule=data)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if counting else nullcontext() as prof:
+            trainer.fit(module, datamodule=data)
     except FloatingPointError as err:
         if "nan_rank" not in case:
             raise
@@ -414,6 +429,7 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
             "devices": sorted({str(t.device) for t in local + state if isinstance(t, torch.Tensor)}),
         },
         "dtypes": {key: sorted(value) for key, value in record.dtypes.items()},
+        "collectives": collective_counts(prof) if counting else {},
     }
 
 
