@@ -31,7 +31,9 @@ from elr_lightning.plugin_config import PluginConfigError, plain_hyperparameters
 from elr_lightning.roles import copy_with_roles
 from elr_lightning.safe_load import refusing_pickles, source_name
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
-from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats, loop_gains, rank_utilisation
+from elr_lightning.step_logging import (
+    StepMeans, add_weighted, log_update_stats, loop_gains, rank_utilisation, ranks_wait_per_shard,
+)
 from elr_lightning.tokenizers import Tokenizer
 from elr_lightning.updates import StateUpdate
 
@@ -393,7 +395,9 @@ class ELRModule(LightningModule):
         self.log("train/loops_mean", sum(shards) / len(shards))
         self.log("train/p1", sum(k == 1 for k in shards) / len(shards))
         ranks = self.data_parallel_layout()[1]
-        self.log("train/rank_utilisation", rank_utilisation(schedules, ranks, self.arch.effective_depth))
+        waits = ranks_wait_per_shard(self.trainer.strategy)
+        utilisation = rank_utilisation(schedules, ranks, self.arch.effective_depth, waits)
+        self.log("train/rank_utilisation", utilisation)
         log_update_stats(self, stats or {}, self._step_means)
         return loss
 
