@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import sys
+from unittest import mock
 from collections import Counter, defaultdict
 from contextlib import nullcontext
 from datetime import timedelta
@@ -41,6 +42,27 @@ COMPILE_BACKEND = "aot_eager_decomp_partition"
 
 #: Collective timeout of every test strategy: a hang fails in seconds.
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)
+
+
+class RecordEvaluationModes(Callback):
+    """Keeps ``[stage, sanity checking, inference mode on]`` at every validation batch this rank runs."""
+
+    def __init__(self) -> None:
+        self.modes: list[list[Any]] = []
+
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.modes.append([trainer.state.fn.value, trainer.sanity_checking, torch.is_inference_mode_enabled()])
+
+
+def evaluation_as_on_nccl() -> Any:
+    """Lightning's choice of evaluation context as on NCCL: its loops use ``torch.no_grad`` instead of
+    ``torch.inference_mode`` on a gloo process group only (``_no_grad_context``); this hides the group from
+    that check, so ``inference_mode`` is chosen wherever a loop and the strategy allow it."""
+    import lightning.pytorch.loops.utilities as loop_utilities
+
+    return mock.patch.object(loop_utilities, "_distributed_is_initialized", lambda: False)
 
 
 class RecordLoops(Callback):
@@ -325,6 +347,9 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
     ``optimizer``: its ``fused`` and ``foreach`` choice and the devices of its parameters' local tensors and state,
     ``fsdp_offloaded``: the values of FSDP2's ``offload_to_cpu`` over every sharded parameter (``[]`` without FSDP2).
     ``count_collectives`` profiles the run and returns :func:`collective_counts` as ``collectives`` (``{}`` otherwise).
+    ``nccl_evaluation`` validates before training and runs the sanity check and a validation after every step,
+    with Lightning choosing the evaluation context as on NCCL (:func:`evaluation_as_on_nccl`); every validation
+    batch's ``[stage, sanity check, inference mode]`` is returned as ``evaluation_modes``.
     """
     backprop = {key: case[key] for key in ("activation_checkpointing", "backprop_loops", "compile_model") if key in case}
     module = tiny_module(
@@ -343,7 +368,9 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
         sources=[spec["corpus"]], seq_len=16, batch_size=case["batch_size"], cache_dir=spec["cache_dir"], seed=3
     )
     record = RecordLoops(probe_forward_dtypes(module.model))
-    callbacks: list[Callback] = [record]
+    modes = RecordEvaluationModes()
+    callbacks: list[Callback] = [record, modes]
+    evaluating = case.get("nccl_evaluation", False)
     strategy_options = {key: case[key] for key in ("recurrent_units", "cpu_offload") if key in case}
     if case.get("rank_ordered"):  # the ranks' gradients added in rank order, as SimulatedRanks accumulates them
         callbacks.append(RankOrderedReductions())
@@ -363,8 +390,9 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
         precision=case.get("precision", "32-true"),
         # the loss is checked on logging steps; the last step logs, so train/beta_mean is reduced there
         log_every_n_steps=1 if "nan_rank" in case else spec["steps"],
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
+        limit_val_batches=1 if evaluating else 0,
+        num_sanity_val_steps=1 if evaluating else 0,
+        val_check_interval=1 if evaluating else None,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -390,7 +418,10 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
     counting = case.get("count_collectives", False)
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if counting else nullcontext() as prof:
-            trainer.fit(module, datamodule=data)
+            with evaluation_as_on_nccl() if evaluating else nullcontext():
+                if evaluating:  # validate first, as a user checking a model before training does
+                    trainer.validate(module, datamodule=data, verbose=False)
+                trainer.fit(module, datamodule=data)
     except FloatingPointError as err:
         if "nan_rank" not in case:
             raise
@@ -430,6 +461,7 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
         },
         "dtypes": {key: sorted(value) for key, value in record.dtypes.items()},
         "collectives": collective_counts(prof) if counting else {},
+        "evaluation_modes": modes.modes,
     }
 
 

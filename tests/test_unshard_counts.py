@@ -69,3 +69,25 @@ def test_every_k_gathers_each_layer_as_often(model: str, backprop_loops: Any, ch
     assert layer >= PASSES + 1, f"the shared layer is gathered {layer} times: the count proves nothing"
     for k, seen in counts.items():
         assert seen == counts[PASSES], f"k={k} padded to {PASSES} passes issues other collectives than k={PASSES}"
+
+
+#: Two gloo ranks, each recurrent layer its own unit, backprop through the last 2 of K = 3 loops: steps 2 and 3
+#: of the tiny module's schedule put one rank at k = 1 beside one at k = 3 (asserted below).
+RANK_CASES = {
+    f"layer_bp2_{mode}": {
+        "strategy": "fsdp", "recurrent_units": "layer", "virtual_ranks": 1, "backprop_loops": 2,
+        "activation_checkpointing": mode, "count_collectives": True,
+    }
+    for mode in CHECKPOINTING
+}
+
+
+@pytest.mark.slow
+def test_ranks_at_k1_and_k3_issue_the_same_collectives(corpus, tmp_path):  # noqa: F811 - corpus is a fixture
+    results = launch("fsdp", corpus, tmp_path / "runs", RANK_CASES, timeout_s=300, steps=4)
+    for name, ranks in results.items():
+        schedules = [sorted(k for r in ranks for k in r["loops"][i][1]) for i in range(len(ranks[0]["loops"]))]
+        assert [1, 3] in schedules, f"{name}: no step put ranks at k = 1 and k = 3 ({schedules})"
+        first, second = (r["collectives"] for r in ranks)
+        assert first["FSDP::all_gather (core.layers.0)"] > 4 * PASSES, f"{name}: too few gathers to prove anything"
+        assert first == second, f"{name}: the ranks' collectives differ: {first} vs {second}"
