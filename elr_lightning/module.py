@@ -25,7 +25,7 @@ from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
 from elr_lightning.module_checkpoint import check_loaded_checkpoint, record_checkpoint
 from elr_lightning.module_checks import check_data_fits, check_meta_init, check_module_args, checked_sampler
-from elr_lightning.optim import adamw, param_groups, warmup_cosine
+from elr_lightning.optim import adamw, clip_without_scaler, param_groups, warmup_cosine
 from elr_lightning.parameter_usage import check_plain_ddp
 from elr_lightning.plugin_config import PluginConfigError, plain_hyperparameters
 from elr_lightning.roles import copy_with_roles
@@ -437,6 +437,19 @@ class ELRModule(LightningModule):
             self.expert_loads[layer.index] = load.detach()
             cv = load.std(correction=0) / load.mean().clamp_min(1e-9)
             self.log(f"train/moe_load_cv/layer{layer.index}", cv, rank_zero_only=True)
+
+    @override
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+    ) -> None:
+        """Lightning's clipping, which also clips a fused AdamW's gradients under ``bf16-mixed`` (:func:`~elr_lightning.optim.clip_without_scaler`)."""
+        clip_val = self.trainer.gradient_clip_val if gradient_clip_val is None else gradient_clip_val
+        algorithm = gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm"
+        if not clip_without_scaler(self.trainer.precision_plugin, optimizer, float(clip_val or 0.0), algorithm):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ---- validation --------------------------------------------------------------------------
     def sequence_nll(self, batch: Batch, loops: int) -> Tensor:
