@@ -445,7 +445,10 @@ class ELRModule(LightningModule):
         gradient_clip_val: Optional[float] = None,
         gradient_clip_algorithm: Optional[str] = None,
     ) -> None:
-        """Lightning's clipping, which also clips a fused AdamW's gradients under ``bf16-mixed`` (:func:`~elr_lightning.optim.clip_without_scaler`)."""
+        """Lightning's clipping, which also clips a fused AdamW's gradients under ``bf16-mixed``.
+
+        See :func:`~elr_lightning.optim.clip_without_scaler`.
+        """
         clip_val = self.trainer.gradient_clip_val if gradient_clip_val is None else gradient_clip_val
         algorithm = gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm"
         if not clip_without_scaler(self.trainer.precision_plugin, optimizer, float(clip_val or 0.0), algorithm):

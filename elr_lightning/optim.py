@@ -106,7 +106,7 @@ def adamw(groups: list[dict], **kwargs: Any) -> torch.optim.AdamW:
 
 
 def clip_without_scaler(precision: Precision, optimizer: Optimizer, clip_val: float, algorithm: str) -> bool:
-    """Clip ``optimizer``'s gradients where Lightning's mixed precision refuses to but nothing is scaled; whether it did.
+    """Clip ``optimizer``'s gradients where Lightning's mixed precision refuses to though nothing is scaled.
 
     Lightning's ``MixedPrecision.clip_gradients`` refuses every optimizer that unscales gradients
     itself (``_step_supports_amp_scaling``: torch's fused AdamW, which :func:`adamw` picks on CUDA and
@@ -115,6 +115,9 @@ def clip_without_scaler(precision: Precision, optimizer: Optimizer, clip_val: fl
     every run with ``gradient_clip_val`` fail at its first optimizer step. There the gradients are
     clipped as under full precision (:class:`~lightning.pytorch.plugins.precision.Precision`'s
     ``clip_gradients``); with a scaler, nothing is done here and Lightning's check stands.
+
+    Returns:
+        Whether it clipped.
     """
     if not isinstance(precision, MixedPrecision) or precision.scaler is not None or clip_val <= 0:
         return False

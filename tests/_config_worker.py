@@ -33,7 +33,9 @@ class DryRunRecord(Callback):
         self.losses: list[float] = []
         self.evaluations: list[list[bool]] = []
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.losses.append(float(outputs["loss"]))
 
     def on_validation_batch_start(

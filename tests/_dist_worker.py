@@ -417,7 +417,8 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
         module.shard_loss = poisoned  # type: ignore[method-assign]
     counting = case.get("count_collectives", False)
     try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if counting else nullcontext() as prof:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        with profiler if counting else nullcontext() as prof:
             with evaluation_as_on_nccl() if evaluating else nullcontext():
                 if evaluating:  # validate first, as a user checking a model before training does
                     trainer.validate(module, datamodule=data, verbose=False)
