@@ -26,13 +26,15 @@ from elr_lightning.model import LoopedLM
 from elr_lightning.checkpoints.io import install_safe_checkpoint_io
 from elr_lightning.checkpoints.record import check_loaded_checkpoint, check_sizes_before_build, record_checkpoint
 from elr_lightning.module_checks import check_data_fits, check_meta_init, check_module_args, checked_sampler
-from elr_lightning.optim import adamw, param_groups, warmup_cosine
+from elr_lightning.optim import adamw, clip_without_scaler, param_groups, warmup_cosine
 from elr_lightning.parameter_usage import check_plain_ddp
 from elr_lightning.plugin_config import PluginConfigError, plain_hyperparameters
 from elr_lightning.roles import copy_with_roles
 from elr_lightning.checkpoints.safe_load import check_archive, check_regular_file, refuse_url, refusing_pickles, source_name
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
-from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats, loop_gains, rank_utilisation
+from elr_lightning.step_logging import (
+    StepMeans, add_weighted, log_update_stats, loop_gains, rank_utilisation, ranks_wait_per_shard,
+)
 from elr_lightning.tokenizers import Tokenizer
 from elr_lightning.updates import StateUpdate
 
@@ -395,7 +397,9 @@ class ELRModule(LightningModule):
         self.log("train/loops_mean", sum(shards) / len(shards))
         self.log("train/p1", sum(k == 1 for k in shards) / len(shards))
         ranks = self.data_parallel_layout()[1]
-        self.log("train/rank_utilisation", rank_utilisation(schedules, ranks, self.arch.effective_depth))
+        waits = ranks_wait_per_shard(self.trainer.strategy)
+        utilisation = rank_utilisation(schedules, ranks, self.arch.effective_depth, waits)
+        self.log("train/rank_utilisation", utilisation)
         log_update_stats(self, stats or {}, self._step_means)
         return loss
 
@@ -435,6 +439,22 @@ class ELRModule(LightningModule):
             self.expert_loads[layer.index] = load.detach()
             cv = load.std(correction=0) / load.mean().clamp_min(1e-9)
             self.log(f"train/moe_load_cv/layer{layer.index}", cv, rank_zero_only=True)
+
+    @override
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+    ) -> None:
+        """Lightning's clipping, which also clips a fused AdamW's gradients under ``bf16-mixed``.
+
+        See :func:`~elr_lightning.optim.clip_without_scaler`.
+        """
+        clip_val = self.trainer.gradient_clip_val if gradient_clip_val is None else gradient_clip_val
+        algorithm = gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm"
+        if not clip_without_scaler(self.trainer.precision_plugin, optimizer, float(clip_val or 0.0), algorithm):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ---- validation --------------------------------------------------------------------------
     def sequence_nll(self, batch: Batch, loops: int) -> Tensor:

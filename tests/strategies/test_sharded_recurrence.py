@@ -96,7 +96,7 @@ def assert_equals_one_process(name: str, case: dict[str, Any], ranks: list[dict[
     moved = max((v.float() - reference["initial"][k].float()).abs().max().item() for k, v in reference["state"].items())
     assert moved > 1e-2, f"{name}: training barely moved the parameters; the comparison proves nothing"
     schedules = [[loops] for _, loops in per_step]
-    expected = [rank_utilisation(schedule, world, _depth) for schedule in schedules]
+    expected = [rank_utilisation(schedule, world, _depth, case["strategy"] == "fsdp") for schedule in schedules]
     assert all(r["utilisation"] == pytest.approx(expected) for r in ranks), (name, expected)
     if case.get("depth_layout") == "micro_batches":  # one k per slot on every rank, depths mixed across slots
         assert all(r["loops"] == ranks[0]["loops"] for r in ranks) and expected == [1.0] * STEPS
@@ -206,20 +206,63 @@ def test_collective_passes_are_the_deepest_k_of_each_slot():
 @given(
     loops=st.lists(st.integers(1, 8), min_size=1, max_size=12),
     ranks=st.sampled_from([1, 2, 3, 4]),
+    waits_per_shard=st.booleans(),
 )
-def test_rank_utilisation_is_the_work_over_ranks_times_the_most(loops, ranks):
+def test_rank_utilisation_is_the_work_over_ranks_times_the_most(loops, ranks, waits_per_shard):
     schedule = loops * ranks  # every rank the same work
-    assert rank_utilisation([schedule], ranks, _depth) == 1.0
+    assert rank_utilisation([schedule], ranks, _depth, waits_per_shard) == 1.0
     uneven = [1] * len(loops) * (ranks - 1) + loops  # the last rank alone runs deeper
     work = [_depth(1) * len(loops)] * (ranks - 1) + [sum(map(_depth, loops))]
-    assert rank_utilisation([uneven], ranks, _depth) == pytest.approx(sum(work) / (ranks * max(work)))
-    assert 1 / ranks <= rank_utilisation([uneven], ranks, _depth) <= 1
+    assert rank_utilisation([uneven], ranks, _depth, waits_per_shard) == pytest.approx(sum(work) / (ranks * max(work)))
+    assert 1 / ranks <= rank_utilisation([uneven], ranks, _depth, waits_per_shard) <= 1
+
+
+@given(
+    slots=st.lists(st.lists(st.integers(1, 8), min_size=2, max_size=4), min_size=1, max_size=3),
+    virtual=st.integers(1, 3),
+    data=st.data(),
+)
+def test_rank_utilisation_waits_for_the_deepest_rank_of_every_slot(slots, virtual, data):
+    """Each slot lasts as long as its deepest rank: the wall is the sum over slots of the max over ranks.
+
+    ``slots``: per micro-batch, the ranks' work in one shard; each rank runs ``virtual`` shards per micro-batch.
+    Under DDP (``waits_per_shard`` false) the ranks meet once per micro-batch, so a rank's shards add up first.
+    """
+    ranks = len(slots[0])
+    # micro-batch m: rank r's v-th shard runs loops[m][v][r]
+    loops = [[[data.draw(st.integers(1, 8)) for _ in range(ranks)] for _ in range(virtual)] for _ in slots]
+    schedules = [[per_shard[r] for r in range(ranks) for per_shard in micro] for micro in loops]
+    work = sum(_depth(k) for micro in loops for per_shard in micro for k in per_shard)
+    fsdp_wall = sum(max(map(_depth, per_shard)) for micro in loops for per_shard in micro)
+    ddp_wall = sum(max(sum(_depth(per_shard[r]) for per_shard in micro) for r in range(ranks)) for micro in loops)
+    assert rank_utilisation(schedules, ranks, _depth) == pytest.approx(work / (ranks * fsdp_wall))
+    assert rank_utilisation(schedules, ranks, _depth, waits_per_shard=False) == pytest.approx(work / (ranks * ddp_wall))
+    # waiting at every shard can only cost; the two agree with one shard per rank and micro-batch
+    assert rank_utilisation(schedules, ranks, _depth) <= rank_utilisation(schedules, ranks, _depth, False) + 1e-12
+    if virtual == 1:
+        assert rank_utilisation(schedules, ranks, _depth) == rank_utilisation(schedules, ranks, _depth, False)
 
 
 def test_rank_utilisation_of_k1_beside_k6():
     """The issue's example: one rank at k = 1 waits for one at k = 6 (D_eff = 3 and 8 on the tiny model)."""
     assert rank_utilisation([[1, 6]], 2, _depth) == pytest.approx((3 + 8) / (2 * 8))
-    assert math.isclose(rank_utilisation([[1, 6], [6, 1]], 2, _depth), 1.0)  # balanced over the step's micro-batches
+    # two shards per rank at [1, 6] and [6, 1]: under FSDP each shard's forward waits for the deepest rank,
+    # so both ranks pad both shards to k = 6; under DDP the two ranks' shards add up to the same work
+    assert rank_utilisation([[1, 6, 6, 1]], 2, _depth) == pytest.approx((3 + 8 + 8 + 3) / (2 * (8 + 8)))
+    assert math.isclose(rank_utilisation([[1, 6, 6, 1]], 2, _depth, waits_per_shard=False), 1.0)
+    # micro-batches [1, 6] then [6, 1]: the ranks meet at the end of each under either strategy
+    assert rank_utilisation([[1, 6], [6, 1]], 2, _depth, waits_per_shard=False) == pytest.approx(22 / 32)
+
+
+def test_strategies_that_gather_per_forward_wait_per_shard():
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    from elr_lightning.step_logging import ranks_wait_per_shard
+    from elr_lightning.strategies import OneLoopOverrideDDPStrategy
+
+    assert ranks_wait_per_shard(OneLoopOverrideFSDPStrategy())
+    assert not ranks_wait_per_shard(OneLoopOverrideDDPStrategy()) and not ranks_wait_per_shard(DDPStrategy())
+    assert not ranks_wait_per_shard(SingleDeviceStrategy("cpu"))
 
 
 def test_bad_layout_and_units_name_the_field():
