@@ -56,7 +56,7 @@ class MixerSpec(TypedDict, total=False):
     """A layer of one's own in ``arch.mixers``: its class and its constructor's arguments after the config.
 
     The arguments are plain data (``None``, booleans, numbers, strings or lists of them), so a
-    checkpoint that records them builds nothing but the mixer (:mod:`elr_lightning.checkpoint_schema`).
+    checkpoint that records them builds nothing but the mixer (:mod:`elr_lightning.checkpoints.schema`).
     """
 
     class_path: str
@@ -132,7 +132,7 @@ class ModelConfig:
 
     #: Types that a checkpoint's ``arch`` is checked against where they are narrower than the field's
     #: annotation (which the command line parses by): a mixer entry is a class path or a :class:`MixerSpec`
-    #: (see :mod:`elr_lightning.checkpoint_schema`).
+    #: (see :mod:`elr_lightning.checkpoints.schema`).
     SCHEMA_HINTS: ClassVar[dict[str, Any]] = {"mixers": dict[str, Union[str, MixerSpec]]}
 
     vocab_size: int = 256
@@ -257,7 +257,7 @@ class ModelConfig:
 
     @classmethod
     def schema_classes(cls, arch: dict[str, Any]) -> Iterator[tuple[str, Any, tuple[type, ...], dict[str, Any], int]]:
-        """The classes an ``arch`` mapping names, for :mod:`elr_lightning.checkpoint_schema` to resolve as trusted.
+        """The classes an ``arch`` mapping names, for :mod:`elr_lightning.checkpoints.schema` to resolve as trusted.
 
         Every entry of ``mixers`` (used or not, a token or channel mixer) and every pattern entry
         (of its pattern's kind), as ``(field, class path, bases, init_args, leading)``: ``field``

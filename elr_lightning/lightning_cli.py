@@ -15,12 +15,12 @@ from typing_extensions import override
 
 from elr_lightning.arguments import SuggestingParser
 from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
-from elr_lightning.checkpoint_io import verify_checkpoint_path
+from elr_lightning.checkpoints.io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import resolve_sources
 from elr_lightning.module import ELRModule
-from elr_lightning.module_checkpoint import changed_arch_fields
-from elr_lightning.safe_load import load_weights_only
+from elr_lightning.checkpoints.record import changed_arch_fields
+from elr_lightning.checkpoints.safe_load import load_weights_only
 from elr_lightning.tokenizers import load_tokenizer
 
 
@@ -75,7 +75,7 @@ class ELRCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Any:
-        """Lightning's trainer; with :class:`StepProgressBar` where Lightning would pick its rich bar unconfigured."""
+        """Lightning's trainer; with :class:`~elr_lightning.callbacks.StepProgressBar` where Lightning would pick its rich bar unconfigured."""
         from lightning.pytorch.callbacks import ProgressBar
         from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 

@@ -8,7 +8,7 @@ from elr_lightning.config import MAX_LOOPS, ModelConfig
 from elr_lightning.errors import is_integer
 from elr_lightning.optim import check_lr_scale
 from elr_lightning.sampling import LoopSampler
-from elr_lightning.trust import shown
+from elr_lightning.checkpoints.trust import shown
 
 
 def checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:

@@ -36,8 +36,8 @@ def _validate(path: str) -> Any:
 
 
 def _loaders() -> dict[str, Callable[[str], Any]]:
-    from elr_lightning.checkpoint_io import verify_checkpoint_path
-    from elr_lightning.generation import load_model
+    from elr_lightning.checkpoints.io import verify_checkpoint_path
+    from elr_lightning.inference.generate import load_model
     from elr_lightning.module import ELRModule
 
     return {

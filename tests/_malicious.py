@@ -276,7 +276,7 @@ def with_hparams(path: Path, **hparams: Any) -> Path:
 
 def depth_checkpoint(path: Path, **datamodule: Any) -> Path:
     """A checkpoint of a parity model whose saved data module says ``datamodule`` (``eval_difficulties``, ...)."""
-    from elr_lightning.tokenizer_checkpoint import tokenizer_state
+    from elr_lightning.checkpoints.tokenizer import tokenizer_state
     from elr_lightning.tokenizers import CharTokenizer
 
     raw = good_checkpoint(path)

@@ -8,6 +8,8 @@
   the Python of the generation and checkpoints guides runs on a checkpoint, and the troubleshooting
   page's example prints the line it shows.
 * Every figure a page quotes agrees with the results file it names (``docs/_tools/results.py``).
+* Every ``from elr_lightning... import`` and ``::: elr_lightning...`` of the docs resolves at its
+  current path (an old path the regroup left, ``elr_lightning._moved``, fails too).
 * Every public name of the package has a docstring, as the API reference shows it (which renders
   only what has one), and ``generate`` documents each of its parameters.
 """
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import json
 import re
 import shlex
 import sys
 import sysconfig
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -179,7 +183,7 @@ def test_every_public_name_has_a_docstring() -> None:
 def test_generate_documents_every_parameter() -> None:
     import inspect
 
-    from elr_lightning.generation import generate
+    from elr_lightning.inference.generate import generate
 
     documented = re.findall(r"^        (\w+):", generate.__doc__ or "", flags=re.M)
     assert documented == list(inspect.signature(generate).parameters)
@@ -200,6 +204,53 @@ def test_every_equation_number_links_to_the_equations_page() -> None:
             unlinked += [f"{page.name}: {line.strip()[:80]}" for _ in re.findall(r"\b[Ee]qs?\. \(?[1-5]", prose)]
     assert not unlinked, unlinked
     assert (DOCS / "equations.md").read_text().count('<a id="eq-') == 5
+
+
+def documented_python_paths() -> Iterator[tuple[str, str, list[str]]]:
+    """``(where, module, names)`` of every ``from elr_lightning... import ...``, ``import elr_lightning...``
+    and ``::: elr_lightning...`` (an API reference block) of the README and the docs."""
+    for page in pages():
+        text = page.read_text()
+        where = str(page.relative_to(ROOT))
+        for found in re.finditer(r"^\s*from (elr_lightning[\w.]*) import (\([^)]*\)|[^\n]+)", text, flags=re.M):
+            names = [n.split(" as ")[0].strip() for n in found.group(2).split("#")[0].strip("()").split(",")]
+            yield where, found.group(1), [n for n in names if n]
+        for found in re.finditer(r"^\s*import (elr_lightning[\w.]*)", text, flags=re.M):
+            yield where, found.group(1), []
+        for found in re.finditer(r"^::: (elr_lightning[\w.]*)", text, flags=re.M):
+            yield where, found.group(1), []
+
+
+def resolve(dotted: str) -> Any:
+    """The module or object that ``dotted`` names: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            found = getattr(found, attr)
+        return found
+    raise ModuleNotFoundError(dotted)
+
+
+DOCUMENTED_PATHS = list(documented_python_paths())
+
+
+def test_the_docs_name_python_paths_of_every_kind() -> None:
+    assert {bool(names) for _, _, names in DOCUMENTED_PATHS} == {True, False}
+    assert any(where.startswith("docs/reference/") for where, _, _ in DOCUMENTED_PATHS)
+
+
+@pytest.mark.parametrize(("where", "module", "names"), DOCUMENTED_PATHS, ids=[f"{w}:{m}" for w, m, _ in DOCUMENTED_PATHS])
+def test_every_documented_import_resolves_at_its_current_path(where: str, module: str, names: list[str]) -> None:
+    """The docs show where a name lives now: an old, deprecated path (``elr_lightning._moved``) fails too."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        found = resolve(module)
+        for name in names:
+            assert hasattr(found, name), f"{where}: {module} has no {name}"
 
 
 def test_readme_links_point_at_files() -> None:

@@ -18,7 +18,7 @@ pytest.importorskip("tokenizers")
 
 from _elr_ckpt import SERVE_ARCH, write_checkpoint  # noqa: E402
 from elr_lightning.hf.export import import_hf  # noqa: E402
-from elr_lightning.prompts import check_sampling  # noqa: E402
+from elr_lightning.inference.prompts import check_sampling  # noqa: E402
 from elr_lightning.serve.api import CompletionsSpec, RequestError  # noqa: E402
 from elr_lightning.tokenizers import HFTokenizer, TokenizerFailure  # noqa: E402
 

@@ -157,3 +157,79 @@ def test_the_layer_seams_sit_below_the_model_config() -> None:
     for low in ("elr_lightning.mixers.base", "elr_lightning.context", "elr_lightning.cache_store"):
         assert "elr_lightning.config" not in reachable(graph, low) | {low}, low
     assert reachable(graph, "elr_lightning.cache_store") == set()
+
+
+#: The package's layers, lowest first: a module imports its own layer and the layers below it, never one
+#: above (except the :data:`LAZY_HOOKS`). A module belongs to the layer of the longest name that prefixes it.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("foundations", ["_moved", "errors", "roles", "recompute", "cache_store", "plugin_config", "loop_points",
+                     "batches", "step_logging", "tokenizers", "files", "arguments"]),
+    ("model", ["mixers", "config", "context", "layers", "conditioning", "updates", "sampling", "core", "model",
+               "flops", "optim", "parameter_usage"]),
+    ("checkpoints", ["checkpoints"]),
+    ("training", ["module", "module_checks", "callbacks", "strategies", "data"]),
+    ("inference", ["inference"]),
+    ("tools", ["inference.command", "depth", "reasoning", "eval", "hf", "serve", "estimate", "estimate_fit",
+               "estimate_fla", "estimate_report", "cost", "ablate", "lightning_cli", "vllm"]),
+    ("entry", ["cli", ""]),
+]  # fmt: skip
+
+#: Imports up the layers, each inside a function and marked "Lazy hook" on the line above it: importer -> imported.
+LAZY_HOOKS = {"elr_lightning.callbacks.depth_accuracy": "elr_lightning.depth.score"}
+
+#: The memory-estimate modules, at the root until they move into an estimate/ package (issue 47).
+ESTIMATE_AT_ROOT = {"estimate", "estimate_fit", "estimate_fla", "estimate_report", "cost"}
+
+
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of ``module`` (a dotted name), by the longest prefix that names it."""
+    rel = module.removeprefix("elr_lightning").removeprefix(".")
+    found = [(len(prefix), index) for index, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+             if rel == prefix or (prefix and rel.startswith(prefix + "."))]  # fmt: skip
+    assert found, f"{module} is in no layer of tests/test_imports.py's LAYERS: add it where it belongs"
+    return max(found)[1]
+
+
+def test_the_layer_finder_takes_the_longest_prefix() -> None:
+    assert layer_of("elr_lightning.inference.generate") == 4
+    assert layer_of("elr_lightning.inference.command") == 5
+    assert layer_of("elr_lightning") == layer_of("elr_lightning.cli") == 6
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    graph = import_graph()
+    up = [f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})"
+          for a in sorted(graph) for b in sorted(graph[a])
+          if layer_of(b) > layer_of(a) and LAZY_HOOKS.get(a) != b]  # fmt: skip
+    assert not up, "imports up the layers:\n" + "\n".join(up)
+
+
+def test_every_lazy_hook_is_inside_a_function_and_named_in_a_comment() -> None:
+    modules = package_modules()
+    for importer, imported in LAZY_HOOKS.items():
+        source = modules[importer].read_text(encoding="utf-8")
+        tree = ast.parse(source)
+        top = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == imported]
+        assert not top, f"{importer} imports {imported} at module level"
+        lines = source.splitlines()
+        hooks = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == imported]
+        assert hooks and all("Lazy hook" in lines[n.lineno - 2] for n in hooks), (importer, imported)
+
+
+def test_the_package_root_holds_at_most_30_modules() -> None:
+    root = {path.stem for path in PACKAGE.glob("*.py")}
+    assert {"module", "updates", "sampling", "conditioning", "plugin_config"} <= root  # the seams never move
+    assert len(root - ESTIMATE_AT_ROOT) <= 30, sorted(root)
+
+
+def test_the_tests_mirror_the_package() -> None:
+    """Each folder of tests/ is named after a package of elr_lightning and is on pytest's pythonpath (its
+    tests import each other's helpers by module name)."""
+    import tomllib
+
+    tests = Path(__file__).resolve().parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert folders and folders <= packages, folders - packages
+    config = tomllib.loads((tests.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert {f"tests/{name}" for name in folders} | {"tests"} == set(config["pythonpath"])

@@ -10,13 +10,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from elr_lightning.checkpoint_io import install_safe_checkpoint_io, remove_orphans, replace_atomically
+from elr_lightning.checkpoints.io import install_safe_checkpoint_io
+from elr_lightning.files import remove_orphans, replace_atomically
 
 
 class AtomicModelCheckpoint(ModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` with crash-safe files; takes the same arguments.
 
-    * In ``setup`` it installs :class:`~elr_lightning.checkpoint_io.AtomicCheckpointIO` in place of
+    * In ``setup`` it installs :class:`~elr_lightning.checkpoints.io.AtomicCheckpointIO` in place of
       the strategy's default ``TorchCheckpointIO``: every checkpoint is written to a temporary file
       beside it and renamed over it, and a damaged file is refused with a clear error on resume. A
       strategy with its own checkpoint IO (e.g. sharded checkpoints written as folders) keeps it,

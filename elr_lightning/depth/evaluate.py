@@ -15,13 +15,13 @@ from typing import Any, Optional
 
 import torch
 
-from elr_lightning.checkpoint_io import print_written, save_figure, write_file
-from elr_lightning.decode import AdaptiveDepth
+from elr_lightning.files import print_written, save_figure, write_file
+from elr_lightning.inference.decode import AdaptiveDepth
 from elr_lightning.depth.score import Table, default_loops, format_table, heatmap, score, score_adaptive
 from elr_lightning.depth.tasks import TASKS, DepthTask
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import CharTokenizer, Tokenizer
-from elr_lightning.trust import shown
+from elr_lightning.checkpoints.trust import shown
 
 
 def depth_task_of(tokenizer: Optional[Tokenizer]) -> Optional[DepthTask]:
@@ -41,10 +41,10 @@ def saved_difficulties(ckpt_path: str) -> Optional[list[int]]:
     Raises:
         ValueError: A saved task, difficulty or ``eval_difficulties`` out of range, naming the field.
     """
-    from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_meta
+    from elr_lightning.checkpoints.io import is_sharded_checkpoint, read_sharded_meta
     from elr_lightning.depth.datamodule import default_difficulties
     from elr_lightning.depth.tasks import get_task
-    from elr_lightning.safe_load import load_weights_only
+    from elr_lightning.checkpoints.safe_load import load_weights_only
 
     raw = read_sharded_meta(ckpt_path) if is_sharded_checkpoint(ckpt_path) else load_weights_only(ckpt_path)
     hparams = raw.get("datamodule_hyper_parameters") if isinstance(raw, dict) else None

@@ -31,11 +31,11 @@ from typing import Any, Literal, Optional
 import torch
 
 from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
-from elr_lightning.checkpoint_io import print_written, refuse_to_replace, save_figure, write_file
+from elr_lightning.files import print_written, refuse_to_replace, save_figure, write_file
 from elr_lightning.errors import refuse_unread_flags
 from elr_lightning.loop_points import auto_label, check_loops, parse_thresholds
-from elr_lightning.tokenizer_checkpoint import choose_tokenizer
-from elr_lightning.trust import add_trust_argument, apply_trust_argument
+from elr_lightning.checkpoints.tokenizer import choose_tokenizer
+from elr_lightning.checkpoints.trust import add_trust_argument, apply_trust_argument
 
 def eval_parser() -> CommandParser:
     """The parser of ``elr eval``."""
@@ -112,7 +112,7 @@ def run_eval(args: Any) -> dict[str, Any]:
                       "the earlier results")  # fmt: skip
     apply_trust_argument(args.trust_module)
     from elr_lightning.depth.evaluate import depth_task_of, run_depth_eval
-    from elr_lightning.generation import load_model
+    from elr_lightning.inference.generate import load_model
 
     loaded = None
     if args.tasks in (None, "depth"):

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from elr_lightning.arguments import CommandParser, add_switch, command_parser
-from elr_lightning.checkpoint_io import new_file_mode, write_atomically
-from elr_lightning.checkpoint_schema import checked_arch, plugin_from_config
+from elr_lightning.files import new_file_mode, write_atomically
+from elr_lightning.checkpoints.schema import checked_arch, plugin_from_config
 from elr_lightning.conditioning import Conditioner, LoopConditioner
 from elr_lightning.errors import install_extra
 from elr_lightning.config import ModelConfig
@@ -39,9 +39,8 @@ from elr_lightning.hf.config_json import read_json_object
 from elr_lightning.layers import Block
 from elr_lightning.mixers import Attention, GatedDeltaProduct, MoE, SwiGLU
 from elr_lightning.model import LoopedLM
-from elr_lightning.tokenizer_checkpoint import choose_tokenizer
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
-from elr_lightning.trust import add_trust_argument, apply_trust_argument
+from elr_lightning.checkpoints.trust import add_trust_argument, apply_trust_argument
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
 
 #: ``ModelConfig`` fields the modeling file implements; a field outside it must keep its default.
@@ -393,7 +392,7 @@ def import_hf(directory: str | os.PathLike) -> Any:
     """Rebuild an :class:`~elr_lightning.module.ELRModule` from an export (weights bit for bit).
 
     The folder is data: ``config.json``'s ``elr_arch`` and ``conditioning`` are checked against
-    their schema before anything is built (:func:`~elr_lightning.checkpoint_schema.checked_arch`:
+    their schema before anything is built (:func:`~elr_lightning.checkpoints.schema.checked_arch`:
     plain data, layers only from trusted modules), and the weights are safetensors.
 
     Raises:
@@ -450,7 +449,7 @@ def import_hf(directory: str | os.PathLike) -> Any:
 def save_module_checkpoint(module: Any, path: str | os.PathLike, overwrite: bool = True) -> None:
     """Write ``module`` as a Lightning checkpoint that ``ELRModule.load_from_checkpoint`` reads (no optimizer).
 
-    The file is written atomically (:func:`~elr_lightning.checkpoint_io.write_atomically`).
+    The file is written atomically (:func:`~elr_lightning.files.write_atomically`).
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is false; it is left as it is.
@@ -487,15 +486,13 @@ def export_parser() -> CommandParser:
 
 def export_command(argv: list[str]) -> None:
     """``elr export --ckpt_path X --out DIR [--tokenizer T] [--overwrite]``."""
-    from elr_lightning.generation import load_model
+    from elr_lightning.inference.open import open_checkpoint
 
     args = export_parser().parse_args(argv)
     _hf()
     check_export_folder(Path(args.out), args.overwrite)
-    apply_trust_argument(args.trust_module)
-    model, module = load_model(args.ckpt_path)
-    tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, model.config.vocab_size)
-    out = export_hf(model, tokenizer, args.out, overwrite=args.overwrite)
+    opened = open_checkpoint(args.ckpt_path, args.trust_module, args.tokenizer)
+    out = export_hf(opened.model, opened.tokenizer, args.out, overwrite=args.overwrite)
     print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from elr_lightning.arguments import CommandParser, add_switch, command_parser
-from elr_lightning.checkpoint_io import refuse_to_replace, write_file
+from elr_lightning.files import refuse_to_replace, write_file
 from elr_lightning.config import ModelConfig
 from elr_lightning.hf.config_json import read_json_object
 from elr_lightning.hf.source_weights import SafetensorsWeights

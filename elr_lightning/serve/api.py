@@ -48,7 +48,7 @@ from starlette.requests import ClientDisconnect
 from typing_extensions import override
 
 from elr_lightning.config import ModelConfig
-from elr_lightning.decode import AdaptiveDepth, Depth
+from elr_lightning.inference.decode import AdaptiveDepth, Depth
 from elr_lightning.serve.chat import ChatError, ChatTemplate, PreRead, chat_response, completion_body
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine
 from elr_lightning.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
@@ -295,7 +295,7 @@ class CompletionsSpec(LitSpec):
         return b"".join(chunks)
 
     def depth(self, body: CompletionBody) -> Depth:
-        """The request's depth: its k, or :class:`~elr_lightning.decode.AdaptiveDepth` for ``"auto"``
+        """The request's depth: its k, or :class:`~elr_lightning.inference.decode.AdaptiveDepth` for ``"auto"``
         (the server's ``loops_default`` when it gives none)."""
         loops = self.loops_default if body.loops is None else body.loops
         if loops != "auto":
@@ -470,7 +470,7 @@ class ELRServeAPI(ls.LitAPI):
 
     @override
     def setup(self, device: str) -> None:
-        from elr_lightning.generation import load_model
+        from elr_lightning.inference.generate import load_model
 
         torch.set_flush_denormal(True)
         if not log.handlers:  # the worker is a fresh process: its log goes to the server's stderr

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
 from elr_lightning.arguments import CommandParser, add_loops, command_parser
-from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, verify_checkpoint_path
+from elr_lightning.checkpoints.io import is_sharded_checkpoint, read_sharded_checkpoint, verify_checkpoint_path
 from elr_lightning.errors import install_extra
 from elr_lightning.config import ModelConfig
-from elr_lightning.safe_load import read_checkpoint
+from elr_lightning.checkpoints.safe_load import read_checkpoint
 from elr_lightning.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from elr_lightning.serve.memory import (
     available_bytes,
@@ -25,9 +25,9 @@ from elr_lightning.serve.memory import (
     resolve_accelerator,
     serving_memory,
 )
-from elr_lightning.tokenizer_checkpoint import checkpoint_tokenizer, choose_tokenizer
+from elr_lightning.checkpoints.tokenizer import checkpoint_tokenizer, choose_tokenizer
 from elr_lightning.tokenizers import Tokenizer
-from elr_lightning.trust import add_trust_argument, apply_trust_argument
+from elr_lightning.checkpoints.trust import add_trust_argument, apply_trust_argument
 
 
 def serve_parser() -> CommandParser:
@@ -143,7 +143,7 @@ def serve_command(argv: list[str]) -> None:
         import litserve as ls
     except ImportError as err:
         raise ImportError(f"elr serve needs LitServe; install it with {install_extra('serve')}") from err
-    from elr_lightning.generation import load_model
+    from elr_lightning.inference.generate import load_model
     from elr_lightning.serve.api import CompletionsSpec, ELRServeAPI
     from elr_lightning.serve.chat import ChatTemplate, special_texts
 

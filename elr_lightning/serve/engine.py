@@ -1,7 +1,7 @@
 """The serving engine: continuous batching over slots, each request at its own loop count k, or adaptive.
 
 A :class:`DecodeEngine` keeps up to ``max_batch_size`` requests in the slots of one
-:class:`~elr_lightning.decode.Decoder`. Every :meth:`DecodeEngine.step` decodes one token for every
+:class:`~elr_lightning.inference.decode.Decoder`. Every :meth:`DecodeEngine.step` decodes one token for every
 running request in one step whatever their k (rows are gathered per depth and scattered back, so a
 step costs sum(k) row-loops, DESIGN §7), then prefills waiting requests into the slots that are
 free. A finished or cancelled request frees its slot at once; a waiting request takes it in the
@@ -15,8 +15,8 @@ overwritten), so only the rows that fail on their own are ended. Only a step in 
 fails alone raises, for the caller to :meth:`DecodeEngine.reset`.
 
 Every row samples with its own ``torch.Generator`` seeded from the request, through the same
-:func:`~elr_lightning.generation.sample_next` and the same decoder as
-:func:`~elr_lightning.generation.generate`, so a request's tokens are those of ``elr generate`` for
+:func:`~elr_lightning.inference.generate.sample_next` and the same decoder as
+:func:`~elr_lightning.inference.generate.generate`, so a request's tokens are those of ``elr generate`` for
 its prompt, k and seed. Batching changes only the fp32 round-off of the products and of the masked
 attention over the longest row (measured below 1e-5 on the logits), which can move a sample only
 at a near tie.
@@ -32,9 +32,9 @@ from typing import Optional, Union
 
 import torch
 
-from elr_lightning.cache import PolicyLike
-from elr_lightning.decode import Decoder, Depth, budget
-from elr_lightning.generation import sample_next
+from elr_lightning.inference.cache import PolicyLike
+from elr_lightning.inference.decode import Decoder, Depth, budget
+from elr_lightning.inference.generate import sample_next
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import IncrementalDecoder, Tokenizer
 
@@ -45,7 +45,7 @@ class CompletionRequest:
 
     Attributes:
         prompt_ids: The prompt's token ids (non-empty).
-        loops: Loop count k, or an :class:`~elr_lightning.decode.AdaptiveDepth` for per-token depth.
+        loops: Loop count k, or an :class:`~elr_lightning.inference.decode.AdaptiveDepth` for per-token depth.
         max_tokens: Most tokens to generate (>= 1).
         temperature: Softmax temperature; 0 is greedy.
         top_p: Nucleus mass in (0, 1], or ``None`` for none.
@@ -151,7 +151,7 @@ class DecodeEngine:
     Args:
         model: The looped LM, in eval mode.
         tokenizer: Decodes the generated ids to text; its ``eos_id`` ends a completion.
-        kv_cache: The KV-cache policy, as for :func:`~elr_lightning.generation.generate`.
+        kv_cache: The KV-cache policy, as for :func:`~elr_lightning.inference.generate.generate`.
         autocast_dtype: Run the model under ``torch.autocast`` with this dtype, or ``None``.
         max_batch_size: Slots: most requests decoded at once, all k together; more wait in a queue.
         max_len: Positions per slot (prompt plus generated tokens); ``None`` for ``arch.max_seq_len``.

@@ -9,14 +9,14 @@ state update, the eq. (4) modulators and the loop conditioner are small replicat
 (loop, recurrent layer) call up to the served budget B, as vLLM's ``iquest_loopcoder.py`` keeps one
 per loop; exact under chunked prefill. ``last_loop``: one ``Attention`` per recurrent layer, called
 at every loop; each call overwrites the token's slot, so after its last loop the cache holds that
-loop's keys and values (``elr_lightning.cache.LastLoopCache``).
+loop's keys and values (``elr_lightning.inference.cache.LastLoopCache``).
 
 **k per token.** ``forward`` takes ``loops`` ``[T]`` (each token's request's k; the runner hook of
 :mod:`elr_lightning.vllm.loops` builds it). Loop i runs while any row needs it; a row past its k
 keeps its state (``s_i = s_{k}``), and under ``last_loop`` re-writes its last loop's keys and values
 rather than loop i's, so its cache entry stays its own k's. Each row's output block runs under its
 own c_k (eq. 4), so each row's logits are those of its k alone up to fp32 round-off. A step costs
-``max(k) x rows`` loop-rows, not ``sum(k)`` as ``elr_lightning.decode.Decoder``'s sorted prefixes do:
+``max(k) x rows`` loop-rows, not ``sum(k)`` as ``elr_lightning.inference.decode.Decoder``'s sorted prefixes do:
 vLLM's attention metadata covers the whole batch, and running a loop on a subset of requests
 would need metadata built per subset (see docs/lab-vllm.md).
 """
