@@ -14,7 +14,8 @@ drops the request at its next step.
 
 Endpoints: ``POST /v1/completions`` (``prompt``, ``max_tokens``, ``temperature``, ``top_p``,
 ``stop``, ``stream``, ``seed``, ``loops`` (k or ``"auto"``), and for ``"auto"`` ``max_loops``,
-``threshold`` and ``exit_criterion``), ``GET /v1/models`` (the loop counts served and their
+``threshold`` and ``exit_criterion``), ``POST /v1/chat/completions`` (``messages`` through the chat template,
+then the same fields; :mod:`elr_lightning.serve.chat`), ``GET /v1/models`` (the loop counts served and their
 relative cost D_eff(k) / D_eff(1), eq. 1) and LitServe's ``GET /health``. The ``usage`` block
 reports ``loops_per_token`` (the recurrent loops each completion token took) and their mean.
 
@@ -48,8 +49,9 @@ from typing_extensions import override
 
 from elr_lightning.config import ModelConfig
 from elr_lightning.inference.decode import AdaptiveDepth, Depth
-from elr_lightning.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
+from elr_lightning.serve.chat import ChatError, ChatTemplate, PreRead, chat_response, completion_body
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine
+from elr_lightning.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from elr_lightning.tokenizers import Tokenizer
 
 
@@ -161,6 +163,8 @@ class CompletionsSpec(LitSpec):
             ``None`` for ``arch.max_seq_len``.
         max_request_bytes: Largest request body read.
         body_timeout_s: Seconds a client has to send its whole body; a slower one gets a 408.
+        chat_template: Renders ``/v1/chat/completions`` messages into a prompt; without one that endpoint
+            answers 400.
     """
 
     def __init__(
@@ -173,6 +177,7 @@ class CompletionsSpec(LitSpec):
         max_context: Optional[int] = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+        chat_template: Optional[ChatTemplate] = None,
     ) -> None:
         super().__init__()
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
@@ -182,6 +187,8 @@ class CompletionsSpec(LitSpec):
         self.api_path = "/v1/completions"
         self.add_endpoint(self.api_path, self.completions, ["POST"])
         self.add_endpoint("/v1/models", self.models, ["GET"])
+        self.chat_template = chat_template
+        self.add_endpoint("/v1/chat/completions", self.chat_completions, ["POST"])
 
     @property
     @override
@@ -341,6 +348,17 @@ class CompletionsSpec(LitSpec):
             "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
             "usage": _usage(job, loops),
         }
+
+    async def chat_completions(self, request: Request) -> Any:
+        """``POST /v1/chat/completions``: the messages rendered by the chat template, then :meth:`completions`."""
+        try:
+            raw = await self.read_body(request)
+            prompt_body = await asyncio.to_thread(completion_body, raw, self.chat_template)
+        except RequestError as err:
+            return err.response()
+        except ChatError as err:
+            return RequestError(str(err), err.param).response()
+        return chat_response(await self.completions(PreRead(request, prompt_body)))
 
     def cancel(self, uid: str) -> None:
         """Tell the inference worker that request ``uid``'s client went away (see the module docstring)."""

@@ -71,6 +71,10 @@ def serve_parser() -> CommandParser:
         default=DEFAULT_BODY_TIMEOUT_S,
         help="Seconds a client has to send its whole request body; a slower one gets a 408.",
     )
+    parser.add_argument(
+        "--chat_template", type=Optional[str], default=None,
+        help="Jinja chat template file (e.g. an export's chat_template.jinja) for /v1/chat/completions.",
+    )  # fmt: skip
     parser.add_argument("--accelerator", type=str, default="auto", help="LitServe accelerator: auto, cpu or cuda.")
     parser.add_argument("--dtype", type=Literal["float32", "bfloat16"], default="float32", help="Autocast dtype.")
     parser.add_argument(
@@ -105,6 +109,22 @@ def serving_tokenizer(raw: Mapping[str, Any], override: Optional[str], config: M
     return choose_tokenizer(checkpoint_tokenizer(raw), override, config.vocab_size)
 
 
+def without_broken_mcp() -> None:
+    """Keep LitServe's MCP endpoint off unless LitServe can build it.
+
+    LitServe 0.2.19 turns the endpoint on when the ``mcp`` package is importable but defines its server
+    class only when ``fastmcp`` is, so with ``mcp`` alone (vLLM requires ``mcp>=2``: the ``vllm`` extras
+    install it) every server fails at start with ``NameError: name 'MCPServer' is not defined``.
+    ``elr serve`` uses no MCP. The HTTP workers are forked from this process and inherit the setting.
+    """
+    import importlib.util
+
+    import litserve.server
+
+    if importlib.util.find_spec("fastmcp") is None:
+        litserve.server._MCP_AVAILABLE = False
+
+
 def serve_command(argv: list[str]) -> None:
     """``elr serve``: run the completions server until SIGINT or SIGTERM.
 
@@ -125,6 +145,7 @@ def serve_command(argv: list[str]) -> None:
         raise ImportError(f"elr serve needs LitServe; install it with {install_extra('serve')}") from err
     from elr_lightning.inference.generate import load_model
     from elr_lightning.serve.api import CompletionsSpec, ELRServeAPI
+    from elr_lightning.serve.chat import ChatTemplate, special_texts
 
     apply_trust_argument(args.trust_module)  # exported: the workers inherit it
     if args.log_level not in ("debug", "trace"):
@@ -169,10 +190,13 @@ def serve_command(argv: list[str]) -> None:
     accelerator = resolve_accelerator(args.accelerator)
     check_fits(memory, available_bytes(accelerator), accelerator)
     name = os.path.splitext(os.path.basename(args.ckpt_path))[0]
+    chat = None if args.chat_template is None else ChatTemplate.from_file(args.chat_template, *special_texts(tokenizer))
     spec = CompletionsSpec(
-        config, tokenizer, name, loops_default, loops_max, max_context, args.max_request_bytes, args.body_timeout
+        config, tokenizer, name, loops_default, loops_max, max_context, args.max_request_bytes, args.body_timeout,
+        chat_template=chat,
     )
     api = ELRServeAPI(args.ckpt_path, spec, args.kv_cache, args.max_batch_size, args.dtype, args.log_level)
+    without_broken_mcp()
     server = ls.LitServer(api, accelerator=args.accelerator, devices=1, workers_per_device=1, timeout=False)
 
     main_pid = os.getpid()
