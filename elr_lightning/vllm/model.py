@@ -41,6 +41,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
+from elr_lightning.hf.modeling_elr import ELRModulator
 from elr_lightning.vllm.config import ServedELR, served_elr
 from elr_lightning.vllm.loops import elr_model_state
 
@@ -111,28 +112,6 @@ class ELRMLP(nn.Module):
         """``down(silu(gate) * up)``."""
         gate, up = self.up(x)[0].chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)[0]
-
-
-class ELRModulator(nn.Module):
-    """Eq. (4) for one sublayer: FiLM ``(lambda, mu)``, low-rank adapter ``A diag(g) B``, exit gate ``omega``."""
-
-    def __init__(self, d_model: int, d_cond: int, rank: int) -> None:
-        super().__init__()
-        self.film = nn.Linear(d_cond, 2 * d_model)
-        self.g = nn.Linear(d_cond, rank)
-        self.omega = nn.Linear(d_cond, d_model)
-        self.down = nn.Linear(d_model, rank, bias=False)
-        self.up = nn.Linear(rank, d_model, bias=False)
-
-    def pre(self, h: Tensor, c: Tensor) -> Tensor:
-        """Before the mixer: FiLM of the normalised input, then the gated low-rank adapter."""
-        scale, shift = self.film(c).chunk(2, dim=-1)
-        h = torch.addcmul(shift, h, 1 + scale)
-        return h + self.up(self.g(c) * self.down(h))
-
-    def post(self, y: Tensor, c: Tensor) -> Tensor:
-        """After the mixer: the output scaled by ``1 + omega(c)``."""
-        return (1 + self.omega(c)) * y
 
 
 class ELRBlock(nn.Module):
