@@ -2,8 +2,10 @@
 
 ``python _bounded_runner.py SPEC.json``: SPEC is a list of ``{"name", "cwd", "kind", "args"}``; ``kind``
 ``"cli"`` runs ``elr ARGS`` (``elr_lightning.cli.main``), ``"python"`` one of :data:`LOADERS` on ``args[0]``.
-The caller sets the address-space bound (``RLIMIT_AS``) when it starts this process, so it holds
-for every run here together. Each run prints ``{"name", "status", "said", "traceback"}``: the
+``python _bounded_runner.py SPEC.json BYTES`` first imports every module the entry points use, then bounds
+this process's address space (``RLIMIT_AS``) to what it maps then plus BYTES, so the bound holds for every
+run here together and counts what the hostile files cost, not the interpreter and its libraries (which map
+more or less address space with the optional packages installed beside them). Each run prints ``{"name", "status", "said", "traceback"}``: the
 ``elr`` lines it printed (or the exception's message), and whether a traceback was printed.
 """
 
@@ -89,10 +91,28 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     return {"name": spec["name"], "status": status, "said": said, "traceback": "Traceback" in text}
 
 
+def _import_entry_points() -> None:
+    """Import what the entry points import, so that the bound set after it counts only the runs."""
+    import importlib
+
+    import lightning.pytorch  # noqa: F401
+
+    _loaders()
+    for name in ("elr_lightning.cli", "elr_lightning.inference.command", "elr_lightning.eval.command",
+                 "elr_lightning.hf.export", "elr_lightning.serve.command", "transformers", "tokenizers", "litserve"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
 def main() -> None:
+    import resource
+
     signal.signal(signal.SIGALRM, _alarm)
     with open(sys.argv[1]) as f:
         specs = json.load(f)
+    _import_entry_points()
+    mapped = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + int(sys.argv[2]), resource.RLIM_INFINITY))
     for spec in specs:
         print(json.dumps(run_one(spec)), flush=True)
 
