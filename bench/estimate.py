@@ -61,9 +61,9 @@ def worker(config_path: str, loops: int, mode: str, micro_batch: int, seq_len: i
     """One case on real tensors in this process: ``{rss_peak, rss_step, tracker_peak, resting}`` in bytes."""
     import torch
 
-    from elr_lightning.cost import merged_config
-    from elr_lightning.estimate import Setting, Target, primed_optimizer, step_batch, traced_step, training_step
-    from elr_lightning.estimate_report import target_of_config
+    from elr_lightning.lightning_cli import merged_config
+    from elr_lightning.estimate.memory import Setting, Target, primed_optimizer, step_batch, traced_step, training_step
+    from elr_lightning.estimate.target import target_of_config
     from elr_lightning.module import ELRModule
 
     torch.set_flush_denormal(True)
@@ -111,9 +111,9 @@ def main() -> None:
         return
 
     sys.path.insert(0, ROOT)
-    from elr_lightning.cost import build_module, merged_config
-    from elr_lightning.estimate import Setting, Target, estimate_steps
-    from elr_lightning.estimate_report import geometry_of_config, target_of_config
+    from elr_lightning.lightning_cli import build_module, merged_config
+    from elr_lightning.estimate.memory import Setting, Target, estimate_steps
+    from elr_lightning.estimate.target import geometry_of_config, target_of_config
 
     load_before = os.getloadavg()
     rows = []

@@ -1,7 +1,7 @@
 """The memory estimate ``elr fit`` logs once at the start of a run on a GPU (:meth:`ELRCLI.before_fit
 <elr_lightning.lightning_cli.ELRCLI.before_fit>`), with a one-line warning when it exceeds the device.
 
-The run's own step is traced (:mod:`elr_lightning.estimate`): the trainer's strategy, ranks,
+The run's own step is traced (:mod:`elr_lightning.estimate.memory`): the trainer's strategy, ranks,
 precision and clipping, the module's backward setting, the data module's micro-batch, every local
 shard at k = K. On any device whose memory :func:`cuda_total_memory` does not know (the CPU) nothing
 is traced, so CPU runs start as fast as before.
@@ -22,7 +22,7 @@ from elr_lightning.module import ELRModule
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from elr_lightning.estimate import StepMemory, Target
+    from elr_lightning.estimate.memory import StepMemory, Target
 
 _GIB = 2**30
 
@@ -35,14 +35,14 @@ def cuda_total_memory(device: torch.device) -> Optional[int]:
 
 
 def target_of_trainer(trainer: "pl.Trainer") -> "Target":
-    """The :class:`~elr_lightning.estimate.Target` of a live trainer (before its strategy is set up).
+    """The :class:`~elr_lightning.estimate.memory.Target` of a live trainer (before its strategy is set up).
 
     Raises:
         ValueError: A strategy or precision the estimate does not cover.
     """
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-    from elr_lightning.estimate import Target, gdp_path, lightning_precision
+    from elr_lightning.estimate.memory import Target, gdp_path, lightning_precision
 
     strategy = trainer.strategy
     options: dict[str, Any] = {}
@@ -88,7 +88,7 @@ def log_fit_estimate(
     ``activation_checkpointing``, at the data module's ``batch_size`` x ``seq_len``, with its gradient
     accumulation. Prints one line (with the GDP layers' path where the model has some, and a note
     under ``compile_model``, which is not modelled), and a second, a warning, when the peak exceeds
-    the memory less ``headroom`` (default: :func:`~elr_lightning.estimate.default_headroom` of the device). Under
+    the memory less ``headroom`` (default: :func:`~elr_lightning.estimate.memory.default_headroom` of the device). Under
     FSDP2's ``cpu_offload`` the line adds the host memory per rank. A run
     the estimate cannot cover logs why in one line and trains on.
 
@@ -102,7 +102,7 @@ def log_fit_estimate(
     model = module.model
     try:
         # torch's memory tools: imported on a GPU only
-        from elr_lightning.estimate import Setting, default_headroom, fake_training, gdp_path, has_gdp_layers
+        from elr_lightning.estimate.memory import Setting, default_headroom, fake_training, gdp_path, has_gdp_layers
 
         headroom = default_headroom(trainer.strategy.root_device.type)[0] if headroom is None else headroom
         target = target_of_trainer(trainer)

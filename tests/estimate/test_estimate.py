@@ -21,11 +21,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elr_lightning import estimate_fit, estimate_report
+from elr_lightning.estimate import fit as estimate_fit
+from elr_lightning.estimate import report as estimate_report
+from elr_lightning.estimate import target as estimate_target
 from elr_lightning.cli import main
 from elr_lightning.core import CHECKPOINTING
-from elr_lightning.cost import build_module, merged_config
-from elr_lightning.estimate import (
+from elr_lightning.estimate.memory import (
     FSDPStepTracker,
     Setting,
     StepMemory,
@@ -40,12 +41,14 @@ from elr_lightning.estimate import (
     offload_copy_bytes,
     primed_optimizer,
 )
-from elr_lightning.estimate_fit import log_fit_estimate
-from elr_lightning.estimate_report import DEFAULT_DEVICE_MEMORY, detected_device_memory, memory_report, parse_memory
+from elr_lightning.estimate.fit import log_fit_estimate
+from elr_lightning.estimate.hardware import DEFAULT_DEVICE_MEMORY, detected_device_memory, parse_memory
+from elr_lightning.estimate.report import memory_report
+from elr_lightning.lightning_cli import build_module, merged_config
 from elr_lightning.module import ELRModule
 from elr_lightning.strategies import shard_looped_lm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICKSTARTS = ("quickstart.yaml", "quickstart_hybrid.yaml", "quickstart_moe.yaml")
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: per-op latency, not arithmetic
 
@@ -329,8 +332,8 @@ def _synthetic_steps(monkeypatch, host_gib: float = 20.0) -> list[Setting]:
         return StepMemory(10 * 2**30, 0, 0, setting.micro_batch * per_sequence * 2**30, int(host_gib * 2**30))
 
     @contextlib.contextmanager
-    def fake(build, target):  # noqa: ANN001, ARG001 - the signature of fake_training
-        yield step
+    def fake(build, target, phases=False):  # noqa: ANN001, ARG001 - the signature of fake_training
+        yield (lambda setting: {"step": step(setting)}) if phases else step
 
     monkeypatch.setattr(estimate_report, "fake_training", fake)
     return asked
@@ -422,7 +425,7 @@ def test_the_fit_estimate_is_the_runs_worst_step(capsys) -> None:
 
 
 def test_the_fit_estimate_takes_the_strategys_offload_and_the_devices_headroom() -> None:
-    from elr_lightning.estimate import default_headroom
+    from elr_lightning.estimate.memory import default_headroom
     from elr_lightning.strategies import OneLoopOverrideFSDPStrategy
 
     strategy = OneLoopOverrideFSDPStrategy(cpu_offload=True)
@@ -442,21 +445,21 @@ def test_a_run_the_estimate_cannot_cover_trains_on_with_one_line(capsys) -> None
 
 def test_config_strategies_map_to_targets() -> None:
     config = _config("30b_a3b.yaml")
-    target = estimate_report.target_of_config(config, 8)
+    target = estimate_target.target_of_config(config, 8)
     assert (target.strategy, target.cpu_offload, target.accelerator) == ("fsdp", True, "cuda")  # one 8-GPU node
-    assert estimate_report.target_of_config(config, 8, cpu_offload=False).cpu_offload is False
-    assert estimate_report.target_of_config(config, 8, "ddp").strategy == "ddp"
-    assert estimate_report.target_of_config(config, 8, "ddp").cpu_offload is False
+    assert estimate_target.target_of_config(config, 8, cpu_offload=False).cpu_offload is False
+    assert estimate_target.target_of_config(config, 8, "ddp").strategy == "ddp"
+    assert estimate_target.target_of_config(config, 8, "ddp").cpu_offload is False
     four = _config("4b.yaml")
-    target = estimate_report.target_of_config(four, 16)
+    target = estimate_target.target_of_config(four, 16)
     assert (target.strategy, target.precision, target.gradient_clip_val) == ("ddp", "bf16-mixed", 1.0)
-    assert estimate_report.target_of_config(_config("quickstart.yaml"), 1).strategy == "single"
-    assert estimate_report.layout_of_config(four, 8, 2) == (8, 2)
+    assert estimate_target.target_of_config(_config("quickstart.yaml"), 1).strategy == "single"
+    assert estimate_target.layout_of_config(four, 8, 2) == (8, 2)
 
 
 def test_gdp_layers_take_the_path_a_run_takes(monkeypatch) -> None:
     """fla's kernels only where ``elr fit`` would run them: CUDA, half precision, fla importable."""
-    from elr_lightning import estimate
+    from elr_lightning.estimate import memory as estimate
 
     assert estimate.gdp_path("32-true", "cuda") == (False, "the PyTorch chunked path (32-true: fla's kernels need bf16 or fp16)")
     assert estimate.gdp_path("bf16-mixed", "cpu")[0] is False
@@ -465,18 +468,18 @@ def test_gdp_layers_take_the_path_a_run_takes(monkeypatch) -> None:
     monkeypatch.setattr(estimate, "_fla_kernel", lambda: print)
     assert estimate.gdp_path("bf16-mixed", "cuda")[0] is True
     four = _config("4b.yaml")  # bf16-mixed, accelerator auto: this machine's device decides
-    fla, why = estimate_report.gdp_choice(four)
+    fla, why = estimate_target.gdp_choice(four)
     assert fla is torch.cuda.is_available() and ("--gdp_kernels fla estimates a CUDA run" in why) is not fla
-    assert estimate_report.gdp_choice(four, "fla") == (True, "fla's kernels (--gdp_kernels fla)")
-    assert estimate_report.target_of_config(four, 8, gdp_kernels="torch").fla_kernels is False
+    assert estimate_target.gdp_choice(four, "fla") == (True, "fla's kernels (--gdp_kernels fla)")
+    assert estimate_target.target_of_config(four, 8, gdp_kernels="torch").fla_kernels is False
     # the layers' own choice: torch is the chunked path anywhere; fla on a CUDA device that is not this machine's
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(estimate, "_fla_kernel", lambda: None)
-    assert estimate_report.gdp_choice(_config("30b_a3b.yaml"))[0] is True  # kernels: fla, accelerator: gpu
-    assert estimate_report.gdp_choice(_config("30b_a3b.yaml"), accelerator="cpu")[0] is False
+    assert estimate_target.gdp_choice(_config("30b_a3b.yaml"))[0] is True  # kernels: fla, accelerator: gpu
+    assert estimate_target.gdp_choice(_config("30b_a3b.yaml"), accelerator="cpu")[0] is False
     gdp = four["model"]["init_args"]["arch"]["mixers"]["gdp"]
     gdp["init_args"]["kernels"] = "torch"
-    fla, why = estimate_report.gdp_choice(four, accelerator="gpu")
+    fla, why = estimate_target.gdp_choice(four, accelerator="gpu")
     assert not fla and "kernels: torch" in why
 
 
@@ -502,4 +505,4 @@ def test_fsdp_layer_units_gather_one_recurrent_layer_at_a_time() -> None:
     core, = estimate_steps(build, Target("fsdp", 4, recurrent_units="core"), [setting])
     layer, = estimate_steps(build, Target("fsdp", 4, recurrent_units="layer"), [setting])
     assert layer.params < core.params and layer.peak < core.peak
-    assert estimate_report.target_of_config(_config("30b_a3b.yaml"), 8).recurrent_units == "layer"
+    assert estimate_target.target_of_config(_config("30b_a3b.yaml"), 8).recurrent_units == "layer"

@@ -1,0 +1,143 @@
+"""The steps an ``elr estimate`` table needs, traced once each, or on the fast path extrapolated from a few.
+
+A traced step (:func:`~elr_lightning.estimate.memory.traced_phases`) gives the peak of each phase of the
+step: the forward and backward passes (``step``), and the update (``update``: clipping and the optimizer
+step). Within one backward setting and micro-batch, each phase's columns grow by the same bytes per loop
+from k = 3 on (every loop past the third adds the same saved activations; before, the moment of the peak
+may still move within the backward pass); ``tests/estimate/test_fast.py`` checks it at every k on small dense,
+hybrid and MoE configs under DDP and FSDP2. So the fast path (the default) traces k = 1, 2 and 3 and
+extrapolates every larger k from the last two traced, phase by phase; ``--exact`` traces every step. The
+micro-batch search probes a straight line through the two nearest traced micro-batches and traces the size it
+settles on (the rows the table prints at another size are traced, never extrapolated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Optional
+
+from elr_lightning.estimate.memory import Setting, StepMemory, step_peak
+
+_GIB = 2**30
+
+#: The largest k the fast path traces; larger ones are extrapolated from it and the one before.
+TRACED_LOOPS = 3
+
+
+def _line(a: StepMemory, b: StepMemory, t: float) -> StepMemory:
+    """The point at ``t`` of the straight line through ``a`` (t = 0) and ``b`` (t = 1), column by column."""
+    fields = [f.name for f in dataclasses.fields(StepMemory)]
+    return StepMemory(**{name: max(0, round(getattr(a, name) + t * (getattr(b, name) - getattr(a, name)))) for name in fields})
+
+
+def extrapolated(
+    low: dict[str, StepMemory], high: dict[str, StepMemory], at: float, x_low: float, x_high: float
+) -> StepMemory:
+    """The step's peak at ``at`` from its phases' peaks at ``x_low`` and ``x_high``, each phase on its own line."""
+    t = (at - x_low) / (x_high - x_low)
+    return step_peak({phase: _line(low[phase], high[phase], t) for phase in low if phase in high})
+
+
+class Steps:
+    """The steps of one target, each traced once; on the fast path, those past :data:`TRACED_LOOPS` loops extrapolated.
+
+    Args:
+        trace: Traces one setting, giving its phases' peaks
+            (:func:`~elr_lightning.estimate.memory.fake_training` with ``phases=True``).
+        exact: Trace every step.
+        cost: The relative time of tracing a setting (for the expected time left).
+        say: Where a line per traced step goes.
+    """
+
+    def __init__(
+        self,
+        trace: Callable[[Setting], dict[str, StepMemory]],
+        exact: bool,
+        cost: Callable[[Setting], float],
+        say: Callable[[str], None],
+    ) -> None:
+        self._trace = trace
+        self.exact = exact
+        self._cost = cost
+        self._say = say
+        self.phases: dict[Setting, dict[str, StepMemory]] = {}
+        self.memory: dict[Setting, StepMemory] = {}
+        self.extrapolated: set[Setting] = set()
+        self._planned: list[Setting] = []
+        self._seconds = 0.0
+        self._spent_cost = 0.0
+
+    def to_trace(self, setting: Setting) -> list[Setting]:
+        """The settings traced to know ``setting``."""
+        if self.exact or setting.loops <= TRACED_LOOPS:
+            return [setting]
+        return [dataclasses.replace(setting, loops=k) for k in (TRACED_LOOPS - 1, TRACED_LOOPS)]
+
+    def plan(self, settings: list[Setting]) -> None:
+        """Announce the settings about to be asked for, so the progress lines can say how long is left."""
+        for setting in settings:
+            for needed in self.to_trace(setting):
+                if needed not in self.phases and needed not in self._planned:
+                    self._planned.append(needed)
+
+    def left_seconds(self) -> Optional[float]:
+        """Expected seconds to trace what is planned and not traced yet, from the time the traces so far took."""
+        if not self._spent_cost:
+            return None
+        left = sum(self._cost(s) for s in self._planned if s not in self.phases)
+        return left * self._seconds / self._spent_cost
+
+    def _traced(self, setting: Setting) -> dict[str, StepMemory]:
+        if setting not in self.phases:
+            start = time.perf_counter()
+            self.phases[setting] = self._trace(setting)
+            seconds = time.perf_counter() - start
+            self._seconds += seconds
+            self._spent_cost += self._cost(setting)
+            memory = step_peak(self.phases[setting])
+            host = f", host {memory.host / _GIB:.2f} GiB" if memory.host else ""
+            done = len([s for s in self._planned if s in self.phases])
+            left = self.left_seconds()
+            todo = len(self._planned)
+            eta = f"; ~{left:.0f} s left" if left is not None and done < todo else ""
+            count = f" [{done}/{todo}{eta}]" if todo and setting in self._planned else ""
+            self._say(
+                f"k={setting.loops} {setting.label} micro-batch {setting.micro_batch}: {memory.peak / _GIB:.2f} GiB{host} "
+                f"({seconds:.0f} s){count}"
+            )
+        return self.phases[setting]
+
+    def __call__(self, setting: Setting) -> StepMemory:
+        """The step's peak: traced, or on the fast path extrapolated in k from the last two traced loop counts."""
+        if setting not in self.memory:
+            needed = self.to_trace(setting)
+            if needed == [setting]:
+                self.memory[setting] = step_peak(self._traced(setting))
+            else:
+                low, high = (self._traced(s) for s in needed)
+                self.memory[setting] = extrapolated(low, high, setting.loops, needed[0].loops, needed[1].loops)
+                self.extrapolated.add(setting)
+        return self.memory[setting]
+
+    def predicted(self, setting: Setting, traced_sizes: list[int]) -> StepMemory:
+        """The step at ``setting.micro_batch`` on the line through the two traced micro-batches nearest to it (of
+        ``traced_sizes``, same k and mode); traced itself where fewer than two are known or on the exact path."""
+        if self.exact or setting.micro_batch in traced_sizes or len(traced_sizes) < 2:
+            return self(setting)
+        near = sorted(sorted(traced_sizes, key=lambda b: (abs(b - setting.micro_batch), b))[:2])
+        low, high = (self._phases_of(dataclasses.replace(setting, micro_batch=b)) for b in near)
+        return extrapolated(low, high, setting.micro_batch, near[0], near[1])
+
+    def _phases_of(self, setting: Setting) -> dict[str, StepMemory]:
+        """Phases of a setting: traced, or (past :data:`TRACED_LOOPS`) each phase extrapolated in k."""
+        needed = self.to_trace(setting)
+        if needed == [setting]:
+            return self._traced(setting)
+        low, high = (self._traced(s) for s in needed)
+        t = (setting.loops - needed[0].loops) / (needed[1].loops - needed[0].loops)
+        return {phase: _line(low[phase], high[phase], t) for phase in low if phase in high}
+
+
+__all__ = ["TRACED_LOOPS", "Steps", "extrapolated"]
