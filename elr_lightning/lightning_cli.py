@@ -75,11 +75,20 @@ class ELRCLI(LightningCLI):
         if "tokenizer" in init_args:
             load_tokenizer(init_args["tokenizer"])
 
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """``--skip_memory_check``: train even where the estimated step exceeds the GPU."""
+        parser.add_argument(
+            "--skip_memory_check", type=bool, default=False,
+            help="On a GPU, train even where the estimated peak memory of a step exceeds the device.",
+        )  # fmt: skip
+
     def before_fit(self) -> None:
-        """On a GPU, log the run's estimated peak memory per rank once, and warn if it exceeds the device."""
+        """On a GPU, log the run's estimated peak memory per rank once, and refuse a step that does not fit."""
         from elr_lightning.estimate.fit import log_fit_estimate  # it reads configs through this module
 
-        log_fit_estimate(self.trainer, self.model, self.datamodule)
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        log_fit_estimate(self.trainer, self.model, self.datamodule, check=not config.get("skip_memory_check", False))
 
     @override
     def _parse_ckpt_path(self) -> None:

@@ -372,7 +372,7 @@ def test_the_verdict_names_a_fitting_mode_and_micro_batch_for_every_k(monkeypatc
 
 
 @pytest.mark.slow
-def test_fit_logs_the_estimate_once_and_warns_when_it_exceeds_the_device(tmp_path: Path, capsys, monkeypatch) -> None:
+def test_fit_logs_the_estimate_and_refuses_a_step_over_the_device_unless_told(tmp_path: Path, capsys, monkeypatch) -> None:
     config = tmp_path / "tiny.yaml"
     config.write_text(
         "seed_everything: 0\n"
@@ -394,13 +394,46 @@ def test_fit_logs_the_estimate_once_and_warns_when_it_exceeds_the_device(tmp_pat
         return 2**16
 
     monkeypatch.setattr(estimate_fit, "cuda_total_memory", tiny_device)
-    main(["fit", "--config", str(config)])
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", str(config)])
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    refusals = [line for line in err.splitlines() if line.startswith("elr fit: error: the estimated peak")]
+    assert len(refusals) == 1 and "exceeds 0.0 GiB" in refusals[0] and "--skip_memory_check trains anyway" in refusals[0], err
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").rglob("*.ckpt"))
+    main(["fit", "--config", str(config), "--skip_memory_check", "true"])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("elr: ")]
     assert len([line for line in lines if line.startswith("elr: estimated peak memory per rank")]) == 1, err
     warnings = [line for line in lines if line.startswith("elr: warning: the estimated peak")]
-    assert len(warnings) == 1 and "exceeds 0.0 GiB" in warnings[0], err
-    assert queried == [torch.device("cpu")]
+    assert len(warnings) == 1 and "training anyway (--skip_memory_check)" in warnings[0], err
+    assert queried == [torch.device("cpu")] * 2
+
+
+@pytest.mark.parametrize("mode", ["none", "layer"])
+def test_fit_refuses_naming_the_smallest_change_that_fits(mode: str, capsys) -> None:
+    """A device between the configured step and the next lighter one: the refusal names that one (lighter
+    checkpointing under ``none``; under ``layer``, nothing is lighter: the largest micro-batch that fits)."""
+    config = _small("quickstart.yaml")
+    module = ELRModule(**{**config["model"]["init_args"], "activation_checkpointing": mode, "virtual_ranks": 1})
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    data = SimpleNamespace(batch_size=4, seq_len=16)
+    peaks = estimate_steps(lambda: build_module(config), Target("single", 1, "32-true"), [
+        Setting(3, mode, None, 4, 16), Setting(3, "loop", None, 4, 16), Setting(3, mode, None, 2, 16), Setting(3, mode, None, 3, 16),
+    ])  # fmt: skip
+    configured, lighter, half, three = (p.peak for p in peaks)
+    target = (configured + lighter) // 2 if mode == "none" else (half + three) // 2
+    with pytest.raises(estimate_fit.MemoryCheckFailed) as refused:
+        log_fit_estimate(trainer, module, data, total_memory=lambda device: target, headroom=0.0)
+    message = str(refused.value)
+    assert "\n" not in message and message.endswith("--skip_memory_check trains anyway")
+    if mode == "none":
+        assert "--model.init_args.activation_checkpointing loop" in message
+    else:
+        assert "--data.init_args.batch_size 2 with --trainer.accumulate_grad_batches 2" in message
+    assert capsys.readouterr().err.count("elr: estimated peak memory per rank") == 1
+    assert log_fit_estimate(trainer, module, data, total_memory=lambda device: target, headroom=0.0, check=False) is not None
+    assert "training anyway (--skip_memory_check)" in capsys.readouterr().err
 
 
 def test_on_a_cpu_nothing_is_traced(capsys) -> None:
