@@ -298,25 +298,24 @@ def _trace_cost(arch: dict[str, Any], target: Target) -> Callable[[Setting], flo
 
 
 def _largest(steps: Steps, setting: Setting, budget: Budget, minimum: int) -> Optional[int]:
-    """The largest micro-batch at which ``setting`` fits: the search probes the line through the traced sizes (fast
-    path), then traces the size it settles on; if that one does not fit, the search runs again on traced steps."""
+    """The largest micro-batch at which ``setting`` fits. Each probe is traced at the setting's own k until two sizes
+    are known; on the fast path later probes read the line through the traced sizes, and the size the search
+    settles on is traced; if it does not fit after all, the search runs again on traced steps alone."""
     traced = [setting.micro_batch]
 
     def probe(b: int) -> int:
         s = dataclasses.replace(setting, micro_batch=b)
         if len(traced) < 2 and b not in traced:
             traced.append(b)
-            return budget.score(_row(s, steps(s)))
         return budget.score(_row(s, steps.predicted(s, traced)))
 
     found = largest_fitting(probe, budget.device, setting.micro_batch, minimum)
     if steps.exact or found is None or found in traced:
         return found
-    confirmed = dataclasses.replace(setting, micro_batch=found)
-    if budget.fits(_row(confirmed, steps(confirmed))):
+    if budget.fits(_row(setting, steps.traced(dataclasses.replace(setting, micro_batch=found)))):
         return found
     return largest_fitting(
-        lambda b: budget.score(_row(dataclasses.replace(setting, micro_batch=b), steps(dataclasses.replace(setting, micro_batch=b)))),
+        lambda b: budget.score(_row(setting, steps.traced(dataclasses.replace(setting, micro_batch=b)))),
         budget.device, found, minimum,
     )  # fmt: skip
 
@@ -341,7 +340,7 @@ def _fitting_at(
         found = _largest(steps, setting, budget, minimum)
         if found is not None:
             chosen = dataclasses.replace(setting, micro_batch=found)
-            return _row(chosen, steps(chosen))
+            return _row(chosen, steps.traced(chosen))
     return {**lightest, "micro_batch": None}
 
 

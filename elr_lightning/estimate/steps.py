@@ -7,8 +7,9 @@ from k = 3 on (every loop past the third adds the same saved activations; before
 may still move within the backward pass); ``tests/estimate/test_fast.py`` checks it at every k on small dense,
 hybrid and MoE configs under DDP and FSDP2. So the fast path (the default) traces k = 1, 2 and 3 and
 extrapolates every larger k from the last two traced, phase by phase; ``--exact`` traces every step. The
-micro-batch search probes a straight line through the two nearest traced micro-batches and traces the size it
-settles on (the rows the table prints at another size are traced, never extrapolated).
+micro-batch search traces its first probe at the row's own k, probes the line through the two traced sizes
+(each phase on its own line) and traces the size it settles on: the micro-batch it reports and the rows at
+that size are traced, never extrapolated.
 """
 
 from __future__ import annotations
@@ -121,23 +122,34 @@ class Steps:
                 self.extrapolated.add(setting)
         return self.memory[setting]
 
-    def predicted(self, setting: Setting, traced_sizes: list[int]) -> StepMemory:
-        """The step at ``setting.micro_batch`` on the line through the two traced micro-batches nearest to it (of
-        ``traced_sizes``, same k and mode); traced itself where fewer than two are known or on the exact path."""
-        if self.exact or setting.micro_batch in traced_sizes or len(traced_sizes) < 2:
-            return self(setting)
-        near = sorted(sorted(traced_sizes, key=lambda b: (abs(b - setting.micro_batch), b))[:2])
-        low, high = (self._phases_of(dataclasses.replace(setting, micro_batch=b)) for b in near)
-        return extrapolated(low, high, setting.micro_batch, near[0], near[1])
+    def traced(self, setting: Setting) -> StepMemory:
+        """The step's peak, traced at its own k unless it is known already (one trace at k costs less than two at
+        k = 2 and 3: what the micro-batch search probes)."""
+        if setting in self.memory:
+            return self.memory[setting]
+        return step_peak(self._phases_at(setting))
 
-    def _phases_of(self, setting: Setting) -> dict[str, StepMemory]:
-        """Phases of a setting: traced, or (past :data:`TRACED_LOOPS`) each phase extrapolated in k."""
+    def _phases_at(self, setting: Setting) -> dict[str, StepMemory]:
+        """The phases of a setting: traced before, else extrapolated in k where both traces it needs exist, else
+        traced now at its own k."""
+        if setting in self.phases:
+            return self.phases[setting]
         needed = self.to_trace(setting)
-        if needed == [setting]:
-            return self._traced(setting)
-        low, high = (self._traced(s) for s in needed)
-        t = (setting.loops - needed[0].loops) / (needed[1].loops - needed[0].loops)
-        return {phase: _line(low[phase], high[phase], t) for phase in low if phase in high}
+        if needed != [setting] and all(s in self.phases for s in needed):
+            low, high = (self.phases[s] for s in needed)
+            t = (setting.loops - needed[0].loops) / (needed[1].loops - needed[0].loops)
+            return {phase: _line(low[phase], high[phase], t) for phase in low if phase in high}
+        return self._traced(setting)
+
+    def predicted(self, setting: Setting, traced_sizes: list[int]) -> StepMemory:
+        """The step at ``setting.micro_batch`` on the line through the two known micro-batches nearest to it (of
+        ``traced_sizes``, same k and mode, each phase on its own line); traced itself where fewer than two are
+        known or on the exact path."""
+        if self.exact or setting.micro_batch in traced_sizes or len(traced_sizes) < 2:
+            return self.traced(setting)
+        near = sorted(sorted(traced_sizes, key=lambda b: (abs(b - setting.micro_batch), b))[:2])
+        low, high = (self._phases_at(dataclasses.replace(setting, micro_batch=b)) for b in near)
+        return extrapolated(low, high, setting.micro_batch, near[0], near[1])
 
 
 __all__ = ["TRACED_LOOPS", "Steps", "extrapolated"]
