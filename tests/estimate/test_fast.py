@@ -34,9 +34,8 @@ def _small(name: str, max_loops: int = 6) -> dict:
     init["arch"]["d_model"] = 64
     init["arch"]["max_loops"] = max_loops
     init["virtual_ranks"] = 1
-    sampler = init.get("sampler") or {}
-    if isinstance(sampler, dict) and "max_loops" in (sampler.get("init_args") or {}):
-        sampler["init_args"]["max_loops"] = max_loops
+    # the sampler does not change a step's memory (the estimate sets every shard's k); one that draws to 6
+    init["sampler"] = {"class_path": "elr_lightning.sampling.OneLoopOverride", "init_args": {"max_loops": max_loops}}
     return config
 
 
