@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Optional
 
@@ -60,6 +61,10 @@ def estimate_parser() -> CommandParser:
         parser, "--exact", False,
         "Trace every step (minutes to hours for a large config) instead of extrapolating k past 3 from k = 2 and 3.",
     )  # fmt: skip
+    parser.add_argument(
+        "--workers", type=Optional[int], default=None,
+        help="Processes tracing steps at once (default: this machine's cores, at most 4; 1: this process alone).",
+    )  # fmt: skip
     return parser
 
 
@@ -89,6 +94,7 @@ def main(argv: list[str]) -> None:
             cpu_offload=args.cpu_offload,
             host_memory=args.host_memory,
             exact=args.exact,
+            workers=args.workers if args.workers is not None else min(4, os.cpu_count() or 1),
         )
     except EstimateInterrupted as stop:
         print(json.dumps(stop.report, indent=2) if args.json else format_memory_report(stop.report))

@@ -11,6 +11,7 @@ live trainer instead, for ``elr fit``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, TextIO, Union
@@ -28,6 +29,7 @@ from elr_lightning.estimate.memory import (
     largest_fitting,
 )
 from elr_lightning.estimate.steps import Steps
+from elr_lightning.estimate.workers import traced_in_workers
 from elr_lightning.estimate.target import (
     accelerator_type,
     gdp_choice,
@@ -82,6 +84,7 @@ def memory_report(
     cpu_offload: Optional[bool] = None,
     host_memory: Optional[Union[str, int]] = None,
     exact: bool = False,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """The estimate table of one or more merged config files, with the micro-batch search and the verdicts.
 
@@ -119,6 +122,8 @@ def memory_report(
             default: :func:`~elr_lightning.estimate.hardware.detected_host_memory`.
         exact: Trace every step (the full trace) instead of the fast path
             (:mod:`elr_lightning.estimate.steps`).
+        workers: Processes tracing the table's steps at once (:mod:`elr_lightning.estimate.workers`); 1:
+            this process alone.
 
     Raises:
         ValueError: A bad flag or config value, naming it and the fix.
@@ -145,11 +150,17 @@ def memory_report(
     configured = Setting(k_max, run.own[0], run.own[1], run.batch, run.length)  # the run's worst step: every shard at K
     report = run.header(config, conditioning, gdp_kernels, accelerator)
     say = _progress(progress)
-    with fake_training(meta_builder(config, run.path, conditioning), run.target, phases=True) as trace:
-        steps = Steps(trace, exact, _trace_cost(run.arch, run.target), say)
-        steps.plan([*settings, configured])
-        rows: list[dict[str, Any]] = []
+    traced: dict[str, Callable[[Setting], dict[str, StepMemory]]] = {}
+    steps = Steps(lambda setting: traced["trace"](setting), exact, _trace_cost(run.arch, run.target), say)
+    steps.plan([*settings, configured])
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
         try:
+            collect = stack.enter_context(traced_in_workers(steps, workers, config, run.path, conditioning, run.target))
+            traced["trace"] = stack.enter_context(
+                fake_training(meta_builder(config, run.path, conditioning), run.target, phases=True)
+            )
+            collect()
             for setting in settings:
                 rows.append(_row(setting, steps(setting)))
             report["configured"] = _row(configured, steps(configured))
@@ -161,7 +172,8 @@ def memory_report(
                             search, run.virtual_ranks) for k in loops
             ]  # fmt: skip
         except KeyboardInterrupt:
-            report["rows"] = rows
+            known = [s for s in settings if all(t in steps.phases for t in steps.to_trace(s))]
+            report["rows"] = rows if len(rows) >= len(known) else [_row(s, steps(s)) for s in known]
             raise EstimateInterrupted(report) from None
     report["rows"] = rows
     report["extrapolated"] = sorted(f"k={s.loops} {s.label} micro-batch {s.micro_batch}" for s in steps.extrapolated)

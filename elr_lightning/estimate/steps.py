@@ -93,22 +93,31 @@ class Steps:
     def _traced(self, setting: Setting) -> dict[str, StepMemory]:
         if setting not in self.phases:
             start = time.perf_counter()
-            self.phases[setting] = self._trace(setting)
-            seconds = time.perf_counter() - start
-            self._seconds += seconds
-            self._spent_cost += self._cost(setting)
-            memory = step_peak(self.phases[setting])
-            host = f", host {memory.host / _GIB:.2f} GiB" if memory.host else ""
-            done = len([s for s in self._planned if s in self.phases])
-            left = self.left_seconds()
-            todo = len(self._planned)
-            eta = f"; ~{left:.0f} s left" if left is not None and done < todo else ""
-            count = f" [{done}/{todo}{eta}]" if todo and setting in self._planned else ""
-            self._say(
-                f"k={setting.loops} {setting.label} micro-batch {setting.micro_batch}: {memory.peak / _GIB:.2f} GiB{host} "
-                f"({seconds:.0f} s){count}"
-            )
+            phases = self._trace(setting)
+            self.record(setting, phases, time.perf_counter() - start)
         return self.phases[setting]
+
+    def record(self, setting: Setting, phases: dict[str, StepMemory], seconds: float, parallel: int = 1) -> None:
+        """Keep a setting traced here or by a worker process (:mod:`elr_lightning.estimate.workers`) in
+        ``seconds``, and print its line; ``parallel`` traces run at once (for the time left)."""
+        self.phases[setting] = phases
+        self._seconds += seconds / parallel
+        self._spent_cost += self._cost(setting)
+        memory = step_peak(phases)
+        host = f", host {memory.host / _GIB:.2f} GiB" if memory.host else ""
+        done = len([s for s in self._planned if s in self.phases])
+        left = self.left_seconds()
+        todo = len(self._planned)
+        eta = f"; ~{left:.0f} s left" if left is not None and done < todo else ""
+        count = f" [{done}/{todo}{eta}]" if todo and setting in self._planned else ""
+        self._say(
+            f"k={setting.loops} {setting.label} micro-batch {setting.micro_batch}: {memory.peak / _GIB:.2f} GiB{host} "
+            f"({seconds:.0f} s){count}"
+        )
+
+    def pending(self) -> list[Setting]:
+        """The planned settings not traced yet, the costliest first."""
+        return sorted((s for s in self._planned if s not in self.phases), key=self._cost, reverse=True)
 
     def __call__(self, setting: Setting) -> StepMemory:
         """The step's peak: traced, or on the fast path extrapolated in k from the last two traced loop counts."""

@@ -123,14 +123,14 @@ def test_ctrl_c_prints_the_rows_known_so_far(monkeypatch, tmp_path: Path, capsys
     _synthetic(monkeypatch, interrupt_after=3)
     with pytest.raises(SystemExit) as code:
         main(["estimate", "--config", _quickstart(tmp_path)[0], "--config", _quickstart(tmp_path)[1], "--micro_batch", "2",
-              "--seq_len", "16", "--modes", "none", "--device_memory", "80GB", "--json"])  # fmt: skip
+              "--seq_len", "16", "--modes", "none", "--device_memory", "80GB", "--workers", "1", "--json"])  # fmt: skip
     assert code.value.code == 130
     partial = json.loads(capsys.readouterr().out)
     assert [row["loops"] for row in partial["rows"]] == [1, 2] and "verdict" not in partial
     _synthetic(monkeypatch, interrupt_after=2)
     with pytest.raises(SystemExit):
         main(["estimate", "--config", _quickstart(tmp_path)[0], "--config", _quickstart(tmp_path)[1], "--micro_batch", "2",
-              "--seq_len", "16", "--modes", "none", "--device_memory", "80GB"])  # fmt: skip
+              "--seq_len", "16", "--modes", "none", "--device_memory", "80GB", "--workers", "1"])  # fmt: skip
     assert "interrupted: the rows above are those traced so far" in capsys.readouterr().out
 
 
@@ -155,3 +155,13 @@ def test_a_step_that_fits_nowhere_names_the_smallest_node_count_and_what_else_fi
     assert report["verdict"].startswith("does not fit")
     assert "--trainer.num_nodes 4 (32 ranks shard the state)" in report["verdict"], report["verdict"]
     assert "--model.init_args.activation_checkpointing loop (64.0 GiB at most)" in report["verdict"], report["verdict"]
+
+
+@pytest.mark.slow
+def test_worker_processes_trace_the_same_table(tmp_path: Path) -> None:
+    """Two worker processes trace the planned steps; the table is the one this process traces alone."""
+    common = dict(devices=1, device_memory="8GB", micro_batch=2, seq_len=16, modes=["none", "layer"], search=False)
+    alone = memory_report(_quickstart(tmp_path), workers=1, **common)
+    shared = memory_report(_quickstart(tmp_path), workers=2, **common)
+    assert [row["peak"] for row in shared["rows"]] == [row["peak"] for row in alone["rows"]]
+    assert shared["verdict"] == alone["verdict"]
