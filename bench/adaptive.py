@@ -2,7 +2,7 @@
 
 For each checkpoint, held-out sequences of the default corpus (the validation split of
 ``TextDataModule``) are decoded token by token through the serving decoder
-(:class:`~elr_lightning.decode.Decoder`, teacher-forced: each step feeds the true next token), at
+(:class:`~elr_lightning.inference.decode.Decoder`, teacher-forced: each step feeds the true next token), at
 fixed k = 1..K and with ``loops="auto"`` at several thresholds of both exit criteria. Each point
 is the mean next-token loss against the mean recurrent loops per token (the first token of each
 sequence runs at the budget, as a prompt does). Adaptive depth beats fixed k where its loss lies
@@ -47,10 +47,10 @@ import torch
 import torch.nn.functional as F
 
 from elr_lightning.data import TextDataModule
-from elr_lightning.decode import AdaptiveDepth, Depth
+from elr_lightning.inference.decode import AdaptiveDepth, Depth
 from elr_lightning.depth.evaluate import depth_task_of
 from elr_lightning.depth.score import decode_teacher_forced, score_adaptive
-from elr_lightning.generation import load_model
+from elr_lightning.inference.generate import load_model
 from elr_lightning.model import LoopedLM
 
 
@@ -103,7 +103,7 @@ def local_accuracy(model: LoopedLM, module: Any, depths: list[tuple[str, Any, De
     from elr_lightning.eval import LOCAL_GROUP, TASKS_DIR, ELRLM
     from elr_lightning.eval.command import summarize
     from elr_lightning.loop_points import auto_label
-    from elr_lightning.tokenizer_checkpoint import choose_tokenizer
+    from elr_lightning.checkpoints.tokenizer import choose_tokenizer
 
     manager = TaskManager(include_path=[TASKS_DIR], include_defaults=False,
                           metadata={"data_dir": args.data_dir} if args.data_dir else {})  # fmt: skip

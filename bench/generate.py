@@ -16,7 +16,7 @@ cross-call cache served on a hit), interleaved, median of ``--repeats``. ``--onl
 that table alone.
 
 The conditioned model decodes as ``generate`` serves it by default: each loop's eq. 4 constants
-computed once per k, the weights shared (``elr_lightning.serving``; on the CPU the RMSNorm's
+computed once per k, the weights shared (``elr_lightning.inference.fold``; on the CPU the RMSNorm's
 per-token scalar is taken after the FiLM-and-adapter map, which dispatches fewer ops than
 ``rms_norm`` there). Beside it, per k and with the
 per-loop cache: the same model with the conditioner run per token (``fold=False``, the model as
@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 
-from elr_lightning.cache import KVCache
+from elr_lightning.inference.cache import KVCache
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
-from elr_lightning.serving import FoldedLM, fold_conditioning, serving_model
-from elr_lightning.cache import CACHE_POLICIES, kv_cache_bytes, layer_caches
-from elr_lightning.generation import generate, stream_generate
+from elr_lightning.inference.fold import FoldedLM, fold_conditioning, serving_model
+from elr_lightning.inference.cache import CACHE_POLICIES, kv_cache_bytes, layer_caches
+from elr_lightning.inference.generate import generate, stream_generate
 from elr_lightning.model import LoopedLM
 
 CONFIG = ModelConfig(

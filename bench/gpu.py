@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.flops import train_flops_per_token
-from elr_lightning.cache import CACHE_POLICIES
-from elr_lightning.generation import stream_generate
+from elr_lightning.inference.cache import CACHE_POLICIES
+from elr_lightning.inference.generate import stream_generate
 from elr_lightning.mixers.delta_rule import delta_product, fla_unsupported
 from elr_lightning.mixers.dispatch import expert_swiglu, grouped_mm_supported, plan_dispatch
 from elr_lightning.model import LoopedLM

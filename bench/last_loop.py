@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from elr_lightning.cache import CACHE_POLICIES
+from elr_lightning.inference.cache import CACHE_POLICIES
 from elr_lightning.data import TextDataModule
-from elr_lightning.generation import load_model
+from elr_lightning.inference.generate import load_model
 from elr_lightning.model import LoopedLM
 
 

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from elr_lightning.cache import PerLoopCache, kv_cache_bytes, recurrent_state_bytes
+from elr_lightning.inference.cache import PerLoopCache, kv_cache_bytes, recurrent_state_bytes
 from elr_lightning.config import ModelConfig
-from elr_lightning.generation import stream_generate
+from elr_lightning.inference.generate import stream_generate
 from elr_lightning.mixers.delta_rule import chunked_delta_product
 from elr_lightning.model import LoopedLM
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
-from elr_lightning.generation import generate
+from elr_lightning.inference.generate import generate
 from elr_lightning.mixers.dispatch import combine, expert_swiglu, plan_dispatch
 from elr_lightning.model import LoopedLM
 from elr_lightning.optim import param_groups

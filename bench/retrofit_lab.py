@@ -142,7 +142,7 @@ def arm(out: Path, name: str, steps: int, scratch: bool, lr: float, seed: int, s
 @torch.no_grad()
 def probe(out: Path, ckpt: str, loops: int) -> None:
     """Validation loss of an ELR checkpoint at k = 1..``loops`` (e.g. the retrofit before any training)."""
-    from elr_lightning.generation import load_model
+    from elr_lightning.inference.generate import load_model
 
     model, _ = load_model(ckpt)
     dm = datamodule(out)

@@ -52,20 +52,20 @@ import torch
 
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
-from elr_lightning.decode import Decoder
+from elr_lightning.inference.decode import Decoder
 from elr_lightning.model import LoopedLM
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine
-from elr_lightning.generation import load_model
+from elr_lightning.inference.generate import load_model
 from elr_lightning.tokenizers import ByteTokenizer
 
 #: The last commit with the cohort engine.
 BASELINE = "fe91c56"
 #: Imports of the old engine that moved since (the names are the same objects).
 MOVED = {
-    "from elr_lightning.generation import PolicyLike, left_pad, resolve_policy, sample_next":
-        "from elr_lightning.cache import PolicyLike, resolve_policy\n"
-        "from elr_lightning.prompts import left_pad\nfrom elr_lightning.generation import sample_next",
-    "from elr_lightning.fold import FoldedLM\n": "from elr_lightning.serving import FoldedLM\n",
+    "from elr_lightning.inference.generate import PolicyLike, left_pad, resolve_policy, sample_next":
+        "from elr_lightning.inference.cache import PolicyLike, resolve_policy\n"
+        "from elr_lightning.inference.prompts import left_pad\nfrom elr_lightning.inference.generate import sample_next",
+    "from elr_lightning.fold import FoldedLM\n": "from elr_lightning.inference.fold import FoldedLM\n",
 }
 
 
@@ -204,7 +204,7 @@ def mixed_table(model: LoopedLM, loops: list[int], args: argparse.Namespace) -> 
     if args.decoder_baseline:
         root = Path(__file__).resolve().parents[1]
         decoders[args.decoder_baseline] = module_at(
-            root, args.decoder_baseline, "elr_lightning/decode.py", "baseline_decode", {}
+            root, args.decoder_baseline, "elr_lightning/inference/decode.py", "baseline_decode", {}
         ).Decoder
     times: dict = {(d, name): [] for d in decoders for name in mixes}
     for repeat in range(args.repeats):

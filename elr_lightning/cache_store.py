@@ -3,7 +3,7 @@
 The lowest layer of the cache: :class:`LayerStore` (attention keys and values, recurrent state) and
 the :class:`KVCache` policy contract. It imports nothing of the package, so the loop context (and
 through it every mixer) can name these types without reaching the model config;
-:mod:`elr_lightning.cache` adds the built-in policies and the memory accounting over an architecture.
+:mod:`elr_lightning.inference.cache` adds the built-in policies and the memory accounting over an architecture.
 """
 
 from __future__ import annotations
@@ -159,8 +159,8 @@ class KVCache:
     new tokens with :meth:`advance`.
 
     A new policy is a subclass that overrides :meth:`key`; pass the class as ``kv_cache`` to
-    :func:`elr_lightning.generation.generate`, which also counts its stores for memory accounting
-    (:func:`elr_lightning.cache.kv_cache_bytes`).
+    :func:`elr_lightning.inference.generate.generate`, which also counts its stores for memory accounting
+    (:func:`elr_lightning.inference.cache.kv_cache_bytes`).
 
     Args:
         max_len: Longest sequence (prompt plus generated tokens) the cache holds.
@@ -202,7 +202,7 @@ class KVCache:
             store.discard()
 
     def rows(self, rows: Tensor, pos: Optional[Tensor], end: int, fresh: bool = False) -> RowView:
-        """A view of slots ``rows`` writing at ``pos`` (see :class:`RowView`); used by :class:`~elr_lightning.decode.Decoder`."""
+        """A view of slots ``rows`` writing at ``pos`` (see :class:`RowView`); used by :class:`~elr_lightning.inference.decode.Decoder`."""
         return RowView(self, rows, pos, end, fresh)
 
     def fill_skipped(self, rows: Tensor, pos: Tensor, layers: list[int], exit_loop: int, max_loops: int) -> None:

@@ -58,7 +58,7 @@ class Command:
 EXTRA_COMMANDS: dict[str, Command] = {
     "generate": Command(
         "stream a continuation of a prompt at any loop count k, or auto (depth per token)",
-        "elr_lightning.generate_cli", "generate_command", "generate_parser",
+        "elr_lightning.inference.command", "generate_command", "generate_parser",
     ),
     "eval": Command(
         "accuracy at every k: lm-evaluation-harness tasks, or a depth task's exact match",
@@ -82,11 +82,11 @@ EXTRA_COMMANDS: dict[str, Command] = {
     ),
     "ablate": Command(
         "train the paper's ablation arms on a config and check its claims",
-        "elr_lightning.ablate", "main", "ablate_parser",
+        "elr_lightning.ablate.command", "ablate_command", "ablate_parser",
     ),
     "prepare": Command(
         "tokenise a corpus into a prepared folder, in parallel",
-        "elr_lightning.data.prepare", "prepare_command", "prepare_parser",
+        "elr_lightning.data.command", "prepare_command", "prepare_parser",
     ),
     "export": Command(
         "write a checkpoint as a Hugging Face folder (safetensors + remote code)",
@@ -102,7 +102,7 @@ EXTRA_COMMANDS: dict[str, Command] = {
     ),
     "upgrade-checkpoint": Command(
         "convert a checkpoint of an earlier version (pickled plug-ins), once",
-        "elr_lightning.upgrade", "upgrade_command", "upgrade_parser",
+        "elr_lightning.checkpoints.upgrade", "upgrade_command", "upgrade_parser",
     ),
 }  # fmt: skip
 

@@ -56,7 +56,7 @@ class MixerSpec(TypedDict, total=False):
     """A layer of one's own in ``arch.mixers``: its class and its constructor's arguments after the config.
 
     The arguments are plain data (``None``, booleans, numbers, strings or lists of them), so a
-    checkpoint that records them builds nothing but the mixer (:mod:`elr_lightning.checkpoint_schema`).
+    checkpoint that records them builds nothing but the mixer (:mod:`elr_lightning.checkpoints.schema`).
     """
 
     class_path: str
@@ -68,6 +68,14 @@ def _is_plain_leaf(value: Any) -> bool:
         return all(map(_is_plain_leaf, value))
     return value is None or isinstance(value, (bool, int, float, str))
 
+
+#: The largest loop budget ``arch.max_loops`` (and loop count a module validates at): a module builds
+#: two metrics per loop count, so a checkpoint's count is bounded before anything is built.
+MAX_LOOPS = 1024
+
+#: The longest RoPE table ``arch.max_seq_len``: no tensor of a checkpoint holds it, and the table
+#: (``max_seq_len x head_dim`` floats, twice) is allocated when the model is built.
+MAX_SEQ_LEN = 1 << 20
 
 #: The three blocks of a looped LM, in stack order.
 BLOCKS = ("in", "rec", "out")
@@ -92,10 +100,11 @@ class ModelConfig:
         n_out: Layers in the output block (L_out).
         d_ff: SwiGLU hidden width; ``None`` means 8/3 d rounded up to ``ff_multiple_of``.
         ff_multiple_of: Rounding for the default ``d_ff``.
-        max_seq_len: Length of the RoPE table: the longest sequence the model accepts.
+        max_seq_len: Length of the RoPE table: the longest sequence the model accepts (at most
+            :data:`MAX_SEQ_LEN`).
         rope_base: RoPE frequency base.
         max_loops: The loop budget K that budget conditioning (kappa = k / K, eq. 4) refers to,
-            and the largest k a sampler may draw.
+            and the largest k a sampler may draw (at most :data:`MAX_LOOPS`).
         tie_embeddings: Share the embedding matrix with the LM head.
         norm_eps: RMSNorm epsilon.
         init_std: Standard deviation of the normal init of every matrix (see ``LoopedLM.init_weights``).
@@ -123,7 +132,7 @@ class ModelConfig:
 
     #: Types that a checkpoint's ``arch`` is checked against where they are narrower than the field's
     #: annotation (which the command line parses by): a mixer entry is a class path or a :class:`MixerSpec`
-    #: (see :mod:`elr_lightning.checkpoint_schema`).
+    #: (see :mod:`elr_lightning.checkpoints.schema`).
     SCHEMA_HINTS: ClassVar[dict[str, Any]] = {"mixers": dict[str, Union[str, MixerSpec]]}
 
     vocab_size: int = 256
@@ -151,15 +160,18 @@ class ModelConfig:
     qkv_bias: bool = False
 
     def __post_init__(self) -> None:
-        def integer(name: str, minimum: int, why: str = "") -> None:
+        def integer(name: str, minimum: int, why: str = "", maximum: Optional[int] = None) -> None:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"arch.{name}={value!r} must be an integer >= {minimum}{why}")
+            if maximum is not None and value > maximum:
+                raise ValueError(f"arch.{name}={value!r} exceeds the maximum {maximum}{why}")
 
-        for name in ("vocab_size", "d_model", "n_heads", "max_seq_len", "ff_multiple_of"):
+        for name in ("vocab_size", "d_model", "n_heads", "ff_multiple_of"):
             integer(name, 1)
+        integer("max_seq_len", 1, " (the length of the RoPE table)", MAX_SEQ_LEN)
         integer("n_rec", 1, ": a looped model needs at least one shared recurrent layer")
-        integer("max_loops", 1, " (it is the loop budget K)")
+        integer("max_loops", 1, " (it is the loop budget K)", MAX_LOOPS)
         for name in ("n_in", "n_out"):
             integer(name, 0)
         if self.n_kv_heads is not None:
@@ -245,7 +257,7 @@ class ModelConfig:
 
     @classmethod
     def schema_classes(cls, arch: dict[str, Any]) -> Iterator[tuple[str, Any, tuple[type, ...], dict[str, Any], int]]:
-        """The classes an ``arch`` mapping names, for :mod:`elr_lightning.checkpoint_schema` to resolve as trusted.
+        """The classes an ``arch`` mapping names, for :mod:`elr_lightning.checkpoints.schema` to resolve as trusted.
 
         Every entry of ``mixers`` (used or not, a token or channel mixer) and every pattern entry
         (of its pattern's kind), as ``(field, class path, bases, init_args, leading)``: ``field``

@@ -2,7 +2,7 @@
 
 :class:`RecurrentCore` runs the k loops of the shared block (DESIGN §2); :class:`LoopedForward`
 runs embedding, input block, core, output block and head over whatever layers a model holds, so
-:class:`~elr_lightning.model.LoopedLM` and :class:`~elr_lightning.serving.FoldedLM` compute the same
+:class:`~elr_lightning.model.LoopedLM` and :class:`~elr_lightning.inference.fold.FoldedLM` compute the same
 function with the same cache numbering.
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from elr_lightning.cache import KVCache
+from elr_lightning.cache_store import KVCache
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext, Positions
@@ -97,12 +97,20 @@ class RecurrentCore(nn.Module):
         ``ctx.passes`` loops would run without a graph (truncated backpropagation) run without one,
         and the others are checkpointed as real loops are. The state update and the conditioner,
         which belong to the core's own unit, are not called.
+
+        The first pass that keeps a graph starts from a fresh tensor that requires grad, as a real
+        tracked loop's input does (h_in enters it): FSDP2 registers a unit's post-backward hook on
+        the forward's inputs that require grad only, and without it the layer stays gathered after
+        its backward, so this rank would issue one all-gather fewer than its peers in the backward
+        pass (a hang) whenever idle passes without a graph precede it (truncated backpropagation).
         """
         tracked = torch.is_grad_enabled()
-        x = h_in.new_zeros((0, *h_in.shape[1:])).requires_grad_(tracked)
+        x = h_in.new_zeros((0, *h_in.shape[1:]))
         with_graph = self.tracked_loops(ctx.passes) - self.tracked_loops(ctx.loops)  # the last idle passes keep one
         for i in range(ctx.loops + 1, ctx.passes + 1):
             keeps = tracked and i > ctx.passes - with_graph
+            if keeps and not x.requires_grad:
+                x = x.detach().requires_grad_()
             with nullcontext() if keeps or not tracked else torch.no_grad():
                 idle = ctx.idle(i, cond)
                 if keeps and self.checkpointing == "loop":
@@ -233,7 +241,7 @@ class LoopedForward(nn.Module):
         """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]`` at loop count ``loops``.
 
         A pure function of its inputs and parameters. Generation decodes a conditioned model through
-        each loop's eq. 4 constants computed once per k (:func:`~elr_lightning.serving.serving_model`);
+        each loop's eq. 4 constants computed once per k (:func:`~elr_lightning.inference.fold.serving_model`);
         calling ``forward`` directly runs the layers as trained.
 
         Args:

@@ -13,6 +13,7 @@ wrong type) are unwrapped to the message that names the field.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -34,6 +35,53 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ValueError, OSError, FloatingPointError, ArgumentError, LookupError, ImportError,
     MisconfigurationException,  # Lightning's own: e.g. `elr test` with a data module that has no test split
 )  # fmt: skip
+
+
+#: The distribution this package is installed as (its extras are ``pip install "elr-lightning[NAME]"``).
+DISTRIBUTION = "elr-lightning"
+
+
+def _editable_checkout() -> Optional[str]:
+    """The folder of the checkout this package is installed from in editable mode, else ``None``.
+
+    Read from the distribution's ``direct_url.json`` (PEP 610): ``dir_info.editable`` with a
+    ``file://`` URL.
+    """
+    from importlib.metadata import PackageNotFoundError, distribution
+    from urllib.parse import unquote, urlparse
+    from urllib.request import url2pathname
+
+    try:
+        text = distribution(DISTRIBUTION).read_text("direct_url.json")
+        record = json.loads(text) if text else {}
+    except (PackageNotFoundError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("dir_info"), dict):
+        return None
+    url = record.get("url")
+    if not record["dir_info"].get("editable") or not isinstance(url, str) or not url.startswith("file:"):
+        return None
+    return url2pathname(unquote(urlparse(url).path))
+
+
+def install_extra(extra: str) -> str:
+    """The command that installs the optional extra ``extra`` where the user is.
+
+    An editable install (``pip install -e .`` of a checkout) gets ``pip install -e ".[extra]"`` from
+    inside the checkout, or with the checkout's folder from anywhere else; any other install gets
+    the registry's ``pip install "elr-lightning[extra]"``. Every "needs the X extra" message uses this.
+
+    Args:
+        extra: The name of an extra of ``pyproject.toml`` (``eval``, ``hf``, ``serve``, ...).
+    """
+    checkout = _editable_checkout()
+    if checkout is None:
+        return f'pip install "{DISTRIBUTION}[{extra}]"'
+    try:
+        here = os.path.samefile(checkout, os.getcwd())
+    except OSError:
+        here = False
+    return f'pip install -e "{"." if here else checkout}[{extra}]"'
 
 
 def is_integer(value: object, minimum: int = 1) -> bool:
@@ -162,12 +210,21 @@ def report_errors(debug: bool, stream: Optional[object] = None, command: Optiona
     exits) passes through untouched.
 
     Args:
-        debug: Let every exception through with its traceback instead.
+        debug: Let every exception through with its traceback instead; an error that jsonargparse
+            wraps (a config value refused by a class's ``__init__``) is let through as the error
+            itself, so the traceback ends where it was raised, not in the parser's dump of the
+            config.
         stream: Where to print; ``sys.stderr`` by default.
         command: The subcommand running in the block, named in each line's prefix.
     """
     if debug:
-        yield
+        try:
+            yield
+        except Exception as err:
+            cause = root_cause(err)
+            if cause is err:
+                raise
+            raise cause from cause.__cause__
         return
     out = sys.stderr if stream is None else stream
     try:

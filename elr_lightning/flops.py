@@ -102,26 +102,6 @@ def block_flops_per_token(
     return total
 
 
-def layer_flops_per_token(config: ModelConfig, seq_len: Optional[int] = None, adapter_rank: int = 0) -> float:
-    """Forward FLOPs per token of the mean recurrent layer (every layer, for a single-mixer model).
-
-    For attention and SwiGLU: ``2 x`` the weights of the attention projections and the SwiGLU MLP,
-    plus ``4 d c`` for the attention scores and the weighted values, where ``c = (T + 1) / 2`` is the
-    mean causal context of a sequence of ``T`` tokens; plus ``2 x 2 d r`` per sublayer for an eq. (4)
-    low-rank adapter of rank ``r`` (``adapter_rank``; 0 while conditioning is off). See
-    :func:`block_flops_per_token`.
-
-    Args:
-        config: The architecture.
-        seq_len: Sequence length T; ``config.max_seq_len`` by default.
-        adapter_rank: Rank of the conditioning adapters, 0 for none.
-
-    Returns:
-        Forward FLOPs per token.
-    """
-    return block_flops_per_token(config, "rec", seq_len, adapter_rank) / config.n_rec
-
-
 def forward_flops_per_token(
     config: ModelConfig,
     loops: float,
@@ -133,9 +113,8 @@ def forward_flops_per_token(
     """Forward FLOPs per token at loop count ``loops``.
 
     ``F_in + k (F_rec + F_gate) + F_out + F_head`` (each ``F_block`` is :func:`block_flops_per_token`;
-    ``(L_in + L_out) F_layer + k (L_rec F_layer + F_gate) + F_head`` for a single-mixer model) where
-    ``F_gate = 2 d^2`` is
-    the adaptive-delta gate ``W_beta`` (eq. 2) and ``F_head = 2 d V`` the LM head. Adapters
+    ``(L_in + L_out) F_layer + k (L_rec F_layer + F_gate) + F_head`` for a single-mixer model, whose
+    layers all cost ``F_layer``) where ``F_gate = 2 d^2`` is the adaptive-delta gate ``W_beta`` (eq. 2) and ``F_head = 2 d V`` the LM head. Adapters
     (``adapter_rank > 0``) are counted on the recurrent and output layers, which carry them (eq. 4).
 
     Args:

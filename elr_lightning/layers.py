@@ -65,7 +65,7 @@ class Modulator(nn.Module):
         """The modulation under a fixed context as ``(M, m, gate)``, computed in ``c``'s dtype.
 
         ``pre(h, c) = h @ M.T + m`` and ``post(y, c) = gate * y``. Optional: a modulator that is
-        affine in ``h`` implements it so :func:`elr_lightning.serving.fold_conditioning` can fold it
+        affine in ``h`` implements it so :func:`elr_lightning.inference.fold.fold_conditioning` can fold it
         into the sublayer's linear maps for serving at a fixed k.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement affine(); it cannot be folded")

@@ -19,12 +19,12 @@ from typing_extensions import override
 
 from elr_lightning.arguments import SuggestingParser
 from elr_lightning.callbacks.exclusive_save_config import ExclusiveSaveConfig
-from elr_lightning.checkpoint_io import verify_checkpoint_path
+from elr_lightning.checkpoints.io import verify_checkpoint_path
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import resolve_sources
 from elr_lightning.module import ELRModule
-from elr_lightning.module_checkpoint import changed_arch_fields
-from elr_lightning.safe_load import load_weights_only
+from elr_lightning.checkpoints.record import changed_arch_fields
+from elr_lightning.checkpoints.safe_load import load_weights_only
 from elr_lightning.tokenizers import load_tokenizer
 
 
@@ -69,11 +69,29 @@ class ELRCLI(LightningCLI):
                 f"--trainer.strategy {strategy!r} is a class path, not a Lightning strategy name; give it as "
                 f"--trainer.strategy.class_path {strategy} (in YAML: strategy: {{class_path: {strategy}}})"
             )
+        if self.subcommand in ("validate", "test"):
+            log_into_checkpoint_run(config, self.subcommand)
         init_args = config.get("data", {}).get("init_args", {}) or {}
         if "sources" in init_args:
             resolve_sources(init_args["sources"])
         if "tokenizer" in init_args:
             load_tokenizer(init_args["tokenizer"])
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """Lightning's trainer; with :class:`~elr_lightning.callbacks.StepProgressBar` where Lightning would pick its rich bar unconfigured."""
+        from lightning.pytorch.callbacks import ProgressBar
+        from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+        from elr_lightning.callbacks.step_progress_bar import StepProgressBar
+
+        trainer = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = trainer.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        shows_bar = trainer.get("enable_progress_bar") is not False
+        if _RICH_AVAILABLE and shows_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -119,6 +137,28 @@ class ELRCLI(LightningCLI):
                 "Use the checkpoint's values (its run's config.yaml), or start a new run from its weights with "
                 "elr_lightning.callbacks.DelayedMixedDepth(init_from=...)"
             )
+
+
+def log_into_checkpoint_run(config: Any, subcommand: str) -> None:
+    """Point ``validate``'s or ``test``'s logger into the run folder of its checkpoint, not a new version.
+
+    A checkpoint that ``elr fit`` wrote, ``<run>/checkpoints/<name>.ckpt``, is scored with its logs
+    in ``<run>/validate`` (or ``<run>/test``): the run's events stay together, and no new
+    ``version_N`` folder appears beside the run, where it would move a later ``elr fit`` off the
+    paths it would otherwise take. Only a logger of the config (a ``class_path`` with a
+    ``save_dir``) whose ``version`` is not set is pointed there; any other checkpoint, or a logger
+    given its own version, logs where Lightning puts it.
+    """
+    ckpt_path = config.get("ckpt_path")
+    trainer = config.get("trainer") or {}
+    logger = trainer.get("logger") if hasattr(trainer, "get") else None
+    init_args = logger.get("init_args") if hasattr(logger, "get") and logger.get("class_path") else None
+    if not isinstance(ckpt_path, str) or init_args is None or "save_dir" not in init_args:
+        return
+    folder = os.path.dirname(os.path.abspath(ckpt_path))
+    if os.path.basename(folder) != "checkpoints" or init_args.get("version") is not None:
+        return
+    init_args["save_dir"], init_args["name"], init_args["version"] = os.path.dirname(folder), "", subcommand
 
 
 def last_checkpoint_patterns(trainer: Any) -> list[str]:

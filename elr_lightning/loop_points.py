@@ -8,6 +8,7 @@ One grammar, :class:`LoopSpec`: a loop count ``3``, a list ``1,2,3``, a range ``
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Literal, Union
 
 __all__ = ["LoopSpec", "auto_label", "parse_loops", "parse_points", "parse_thresholds"]
@@ -103,3 +104,27 @@ def parse_thresholds(spec: str) -> list[float]:
 def auto_label(criterion: str, threshold: float) -> str:
     """The name of an adaptive point in ``summary.json`` and the table, e.g. ``auto:kl:0.001``."""
     return f"auto:{criterion}:{threshold:g}"
+
+
+def check_loops(
+    loops: int, max_loops: int, allow_extrapolation: bool, field: str = "loops", flag: str = "allow_extrapolation=true"
+) -> None:
+    """Refuse a loop count below 1, or above the trained budget unless extrapolation is allowed.
+
+    Args:
+        loops: The loop count k.
+        max_loops: The checkpoint's ``arch.max_loops``.
+        allow_extrapolation: Accept ``loops > max_loops`` (with a warning).
+        field: Name of the argument, for the message.
+        flag: How the caller allows extrapolation, for the message.
+
+    Raises:
+        ValueError: Naming the field and the fix.
+    """
+    if loops < 1:
+        raise ValueError(f"{field}={loops} must be >= 1")
+    if loops > max_loops:
+        message = f"{field}={loops} is above the checkpoint's arch.max_loops={max_loops}, the loop budget it was trained for"
+        if not allow_extrapolation:
+            raise ValueError(f"{message}; pass {flag} to run it anyway")
+        warnings.warn(f"{message}; extrapolating", stacklevel=3)

@@ -49,7 +49,7 @@ class LoopedLM(LoopedForward):
             self.head.weight = self.embed.weight
         self.rotary = Rotary(config)
         self.roles: dict[str, Role] = role_table(self)
-        #: Whether generation decodes through weights folded per k (:func:`~elr_lightning.serving.serving_model`)
+        #: Whether generation decodes through weights folded per k (:func:`~elr_lightning.inference.fold.serving_model`)
         #: when conditioning is active; False decodes unfolded (less memory, slower). ``forward`` never reads it.
         self.serve_folded = True
         self.init_weights()

@@ -19,19 +19,22 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from elr_lightning.batches import IGNORE_INDEX, Batch, TokenBatch
-from elr_lightning.checkpoint_schema import LEGACY_HPARAMS_KEYS, build_plugin, module_arguments
+from elr_lightning.checkpoints.schema import LEGACY_HPARAMS_KEYS, build_plugin, module_arguments
 from elr_lightning.conditioning import Conditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
-from elr_lightning.module_checkpoint import check_loaded_checkpoint, record_checkpoint
+from elr_lightning.checkpoints.io import install_safe_checkpoint_io
+from elr_lightning.checkpoints.record import check_loaded_checkpoint, check_sizes_before_build, record_checkpoint
 from elr_lightning.module_checks import check_data_fits, check_meta_init, check_module_args, checked_sampler
-from elr_lightning.optim import adamw, param_groups, warmup_cosine
+from elr_lightning.optim import adamw, clip_without_scaler, param_groups, warmup_cosine
 from elr_lightning.parameter_usage import check_plain_ddp
 from elr_lightning.plugin_config import PluginConfigError, plain_hyperparameters
 from elr_lightning.roles import copy_with_roles
-from elr_lightning.safe_load import refusing_pickles, source_name
+from elr_lightning.checkpoints.safe_load import check_archive, check_regular_file, refuse_url, refusing_pickles, source_name
 from elr_lightning.sampling import LoopSampler, OneLoopOverride
-from elr_lightning.step_logging import StepMeans, add_weighted, log_update_stats, loop_gains, rank_utilisation
+from elr_lightning.step_logging import (
+    StepMeans, add_weighted, log_update_stats, loop_gains, rank_utilisation, ranks_wait_per_shard,
+)
 from elr_lightning.tokenizers import Tokenizer
 from elr_lightning.updates import StateUpdate
 
@@ -67,7 +70,7 @@ class ELRModule(LightningModule):
             each plug-in as ``{"class_path": ..., "init_args": {...}}``
             (:func:`~elr_lightning.plugin_config.plugin_config`), so checkpoints load with
             ``torch.load(..., weights_only=True)``; these four arguments accept that form too
-            (:func:`~elr_lightning.checkpoint_schema.build_plugin`). A plug-in that cannot be described
+            (:func:`~elr_lightning.checkpoints.schema.build_plugin`). A plug-in that cannot be described
             (its class defined in ``__main__``, a tensor argument, ...) is warned about here and
             refused, naming the field and the fix, when a checkpoint is saved.
         virtual_ranks: Shards per local batch, each with its own k (>= 1).
@@ -287,6 +290,7 @@ class ELRModule(LightningModule):
         """Check the run before it starts (meta init, DDP, the data's fit to the model) and take the data
         module's tokenizer and bytes per token (for bits per byte)."""
         check_meta_init(self)
+        install_safe_checkpoint_io(self.trainer.strategy)  # before Lightning restores a --ckpt_path
         if stage == "fit":
             check_plain_ddp(self.trainer.strategy, self.model)
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -393,7 +397,9 @@ class ELRModule(LightningModule):
         self.log("train/loops_mean", sum(shards) / len(shards))
         self.log("train/p1", sum(k == 1 for k in shards) / len(shards))
         ranks = self.data_parallel_layout()[1]
-        self.log("train/rank_utilisation", rank_utilisation(schedules, ranks, self.arch.effective_depth))
+        waits = ranks_wait_per_shard(self.trainer.strategy)
+        utilisation = rank_utilisation(schedules, ranks, self.arch.effective_depth, waits)
+        self.log("train/rank_utilisation", utilisation)
         log_update_stats(self, stats or {}, self._step_means)
         return loss
 
@@ -433,6 +439,22 @@ class ELRModule(LightningModule):
             self.expert_loads[layer.index] = load.detach()
             cv = load.std(correction=0) / load.mean().clamp_min(1e-9)
             self.log(f"train/moe_load_cv/layer{layer.index}", cv, rank_zero_only=True)
+
+    @override
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+    ) -> None:
+        """Lightning's clipping, which also clips a fused AdamW's gradients under ``bf16-mixed``.
+
+        See :func:`~elr_lightning.optim.clip_without_scaler`.
+        """
+        clip_val = self.trainer.gradient_clip_val if gradient_clip_val is None else gradient_clip_val
+        algorithm = gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm"
+        if not clip_without_scaler(self.trainer.precision_plugin, optimizer, float(clip_val or 0.0), algorithm):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ---- validation --------------------------------------------------------------------------
     def sequence_nll(self, batch: Batch, loops: int) -> Tensor:
@@ -515,14 +537,14 @@ class ELRModule(LightningModule):
         cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Optional[str] = None,
         strict: Optional[bool] = None, weights_only: Optional[bool] = None, **kwargs: Any,
     ) -> Any:  # fmt: skip
-        """Lightning's ``load_from_checkpoint``, the file read as data (:mod:`elr_lightning.safe_load`).
+        """Lightning's ``load_from_checkpoint``, the file read as data (:mod:`elr_lightning.checkpoints.safe_load`).
 
         Unless ``weights_only=False`` is given, the file is read once with ``torch.load(...,
         weights_only=True)`` (a pickled object is refused in one line), and what it says about the
         model is checked against the constructor's schema before anything is built
-        (:func:`~elr_lightning.checkpoint_schema.module_arguments`): plain data everywhere, classes only
+        (:func:`~elr_lightning.checkpoints.schema.module_arguments`): plain data everywhere, classes only
         in the plug-ins' fields, and only from ``elr_lightning`` and the modules you trust
-        (``ELR_TRUST_MODULES`` or :func:`~elr_lightning.trust.trust_modules`). Lightning then builds the
+        (``ELR_TRUST_MODULES`` or :func:`~elr_lightning.checkpoints.trust.trust_modules`). Lightning then builds the
         module (its ``_load_state``: ``configure_model``, ``on_load_checkpoint``, the strict state-dict
         load) from those checked arguments alone: the file's own hyperparameters never reach it, and
         its ``_instantiator`` is never called. A ``hparams_file`` replaces the checkpoint's
@@ -532,10 +554,40 @@ class ELRModule(LightningModule):
         if weights_only is False:
             return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, False, **kwargs)
         name = source_name(checkpoint_path)
+        if isinstance(checkpoint_path, (str, os.PathLike)):
+            refuse_url(checkpoint_path, "checkpoint_path")
+            check_regular_file(checkpoint_path, "checkpoint_path")
+            check_archive(os.fspath(checkpoint_path))
         with refusing_pickles(name):
             checkpoint = pl_load(checkpoint_path, map_location=map_location or _default_map_location, weights_only=True)
         overrides = load_hparams_from_yaml(hparams_file) if hparams_file is not None else None
-        target, arguments = module_arguments(checkpoint, cls, name, overrides)
+        size = os.path.getsize(checkpoint_path) if isinstance(checkpoint_path, (str, os.PathLike)) else None
+        return cls.from_checkpoint_dict(checkpoint, name, overrides, strict, available=size, **kwargs)
+
+    @classmethod
+    def from_checkpoint_dict(
+        cls, checkpoint: dict[str, Any], source: str, overrides: Optional[Mapping[str, Any]] = None,
+        strict: Optional[bool] = None, available: Optional[int] = None, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """The module a checkpoint already read as data describes, as :meth:`load_from_checkpoint` builds it.
+
+        For a checkpoint that is no single file (a sharded folder, read by
+        :func:`~elr_lightning.checkpoints.io.read_sharded_checkpoint`). Its configuration is checked
+        against the schema (:func:`~elr_lightning.checkpoints.schema.module_arguments`), and its sizes
+        against the tensors it holds, before anything is built
+        (:func:`~elr_lightning.checkpoints.record.check_sizes_before_build`).
+
+        Args:
+            checkpoint: The checkpoint, as ``torch.load(..., weights_only=True)`` returns it; changed in place.
+            source: The file or folder, for messages.
+            overrides: Hyperparameters that replace the checkpoint's (a ``hparams_file``'s).
+            strict: As for :meth:`load_from_checkpoint`.
+            available: The bytes of the file it was read from, which its tensors may not exceed (twice,
+                for tied weights); ``None`` for a sharded folder, whose index bounds them.
+            kwargs: Constructor arguments that replace the checkpoint's.
+        """
+        target, arguments = module_arguments(checkpoint, cls, source, overrides)
+        check_sizes_before_build(target, {**arguments, **kwargs}, checkpoint, source, available, strict)
         for key in (*LEGACY_HPARAMS_KEYS, "hparams_name"):
             checkpoint.pop(key, None)
         checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = dict(arguments)  # what hooks read is what was checked
@@ -546,11 +598,11 @@ class ELRModule(LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the architecture, loop schedule and tokenizer; refuse non-finite weights or plug-ins that are
-        not plain data (:func:`~elr_lightning.module_checkpoint.record_checkpoint`)."""
+        not plain data (:func:`~elr_lightning.checkpoints.record.record_checkpoint`)."""
         record_checkpoint(self, checkpoint)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint of another architecture or schedule; restore its tokenizer
-        (:func:`~elr_lightning.module_checkpoint.check_loaded_checkpoint`)."""
+        (:func:`~elr_lightning.checkpoints.record.check_loaded_checkpoint`)."""
         check_loaded_checkpoint(self, checkpoint)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from elr_lightning.config import ModelConfig
+from elr_lightning.config import MAX_LOOPS, ModelConfig
 from elr_lightning.errors import is_integer
 from elr_lightning.optim import check_lr_scale
 from elr_lightning.sampling import LoopSampler
+from elr_lightning.checkpoints.trust import shown
 
 
 def checked_sampler(sampler: LoopSampler, arch: ModelConfig) -> LoopSampler:
@@ -52,7 +53,13 @@ def check_module_args(
         isinstance(val_loops, (list, tuple)) and val_loops and all(map(is_integer, val_loops))
     ):
         raise ValueError(
-            f"model.init_args.val_loops={val_loops!r} must be a non-empty list of integer loop counts >= 1, e.g. [1, 2]"
+            f"model.init_args.val_loops={shown(val_loops)} must be a non-empty list of integer loop counts >= 1, "
+            "e.g. [1, 2]"
+        )
+    if val_loops is not None and max(val_loops) > MAX_LOOPS:
+        raise ValueError(
+            f"model.init_args.val_loops holds {max(val_loops)}, over the maximum loop count {MAX_LOOPS} (each "
+            "loop count validated at gets its own metrics); validate at fewer loops"
         )
     for name, value, ok, rule in (
         ("lr", lr, lr > 0, "> 0"),

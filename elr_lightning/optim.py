@@ -6,6 +6,8 @@ import math
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -101,6 +103,26 @@ def adamw(groups: list[dict], **kwargs: Any) -> torch.optim.AdamW:
 
     optimizer.register_load_state_dict_post_hook(keep_implementation)
     return optimizer
+
+
+def clip_without_scaler(precision: Precision, optimizer: Optimizer, clip_val: float, algorithm: str) -> bool:
+    """Clip ``optimizer``'s gradients where Lightning's mixed precision refuses to though nothing is scaled.
+
+    Lightning's ``MixedPrecision.clip_gradients`` refuses every optimizer that unscales gradients
+    itself (``_step_supports_amp_scaling``: torch's fused AdamW, which :func:`adamw` picks on CUDA and
+    on the CPU), since under ``16-mixed`` their gradients are still scaled when Lightning would clip
+    them. Under ``bf16-mixed`` there is no grad scaler and nothing to unscale, yet the refusal made
+    every run with ``gradient_clip_val`` fail at its first optimizer step. There the gradients are
+    clipped as under full precision (:class:`~lightning.pytorch.plugins.precision.Precision`'s
+    ``clip_gradients``); with a scaler, nothing is done here and Lightning's check stands.
+
+    Returns:
+        Whether it clipped.
+    """
+    if not isinstance(precision, MixedPrecision) or precision.scaler is not None or clip_val <= 0:
+        return False
+    Precision.clip_gradients(precision, optimizer, clip_val, GradClipAlgorithmType(algorithm))
+    return True
 
 
 def warmup_cosine(optimizer: Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> LRScheduler:

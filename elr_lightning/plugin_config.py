@@ -8,7 +8,7 @@ the way LightningCLI's config already describes it::
     {"class_path": "elr_lightning.updates.FixedDelta", "init_args": {"beta": 0.3}}
 
 recursively where a plug-in takes another plug-in, so the file loads with ``weights_only=True``.
-:func:`~elr_lightning.checkpoint_schema.build_plugin` rebuilds such a description through the
+:func:`~elr_lightning.checkpoints.schema.build_plugin` rebuilds such a description through the
 checkpoint schema: only a trusted subclass of the seam's base class, with arguments that fit its
 constructor.
 

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import math
 
 import torch
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import Tensor
 
 
@@ -62,26 +63,48 @@ def log_update_stats(module: Any, stats: Mapping[str, Tensor], means: StepMeans)
         module.log(f"train/{name}", mean)
 
 
-def rank_utilisation(schedules: Sequence[Sequence[int]], ranks: int, depth: Callable[[int], int]) -> float:
-    """Load balance of an optimizer step: the layer applications the ranks did over ``ranks`` times the most any did.
+def rank_utilisation(
+    schedules: Sequence[Sequence[int]], ranks: int, depth: Callable[[int], int], waits_per_shard: bool = True
+) -> float:
+    """Load balance of an optimizer step: the layer applications the ranks did over ``ranks`` times the step's wall.
+
+    The ranks wait for each other at every *slot* of the step: at every shard's forward where the
+    strategy gathers sharded parameters in each forward (FSDP, ``waits_per_shard``), or once per
+    micro-batch otherwise (DDP: the step's logged values are reduced over the ranks at the end of
+    each micro-batch, while a rank runs its own shards of one micro-batch back to back). A slot
+    takes as long as its deepest rank's work in it, so the step's wall is the sum over slots of the
+    most any rank does in that slot, not the most any rank does over the whole step: ranks at
+    ``[1, 4]`` and ``[4, 1]`` (two shards each) both pad both shards to 4 under FSDP.
 
     Args:
         schedules: The loop count of every shard of each micro-batch of the step, all ranks, rank
             ``r`` owning the ``r``-th of ``ranks`` equal slices of each (``ELRModule.step_schedule``).
         ranks: The data-parallel ranks.
         depth: Layer applications of a shard at k: D_eff(k) = L_in + k L_rec + L_out (eq. 1).
+        waits_per_shard: Whether the ranks wait for each other at every shard (``True``) or once per
+            micro-batch (``False``).
 
     Returns:
-        ``sum_r work_r / (ranks * max_r work_r)``: 1 when every rank does the same work, ``1 / ranks``
-        when one rank does all of it while the others wait.
+        ``sum_r work_r / (ranks * sum_slots max_r work_{r, slot})``: 1 when every rank does the same
+        work in every slot, ``1 / ranks`` when one rank does all of it while the others wait.
     """
-    work = [0] * ranks
+    work, wall = 0, 0
     for schedule in schedules:
         per_rank = len(schedule) // ranks
-        for r in range(ranks):
-            work[r] += sum(depth(k) for k in schedule[r * per_rank : (r + 1) * per_rank])
-    most = max(work)
-    return sum(work) / (ranks * most) if most else 1.0
+        slices = [[depth(k) for k in schedule[r * per_rank : (r + 1) * per_rank]] for r in range(ranks)]
+        work += sum(map(sum, slices))
+        wall += sum(map(max, zip(*slices))) if waits_per_shard else max(map(sum, slices))
+    return work / (ranks * wall) if wall else 1.0
+
+
+def ranks_wait_per_shard(strategy: Any) -> bool:
+    """Whether ranks under ``strategy`` wait for each other at every shard's forward (:func:`rank_utilisation`).
+
+    A strategy that shards the parameters (Lightning's ``FSDPStrategy``, FSDP2 under its
+    ``ModelParallelStrategy`` and so ``OneLoopOverrideFSDPStrategy``) gathers them in every forward;
+    under DDP the ranks meet once per micro-batch.
+    """
+    return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
 
 
 def loop_gains(losses: dict[int, float], max_loops: int) -> dict[str, float]:

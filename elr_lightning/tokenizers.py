@@ -12,10 +12,13 @@ Three implementations ship with the library:
 :func:`load_tokenizer` turns the ``data.tokenizer`` string of a config into one of them.
 """
 
+import contextlib
 import hashlib
 import itertools
 import json
 import os
+import sys
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import lru_cache
@@ -23,8 +26,64 @@ from typing import Any, Optional
 
 import torch
 
+from elr_lightning.errors import install_extra
+
 EOS_CANDIDATES: tuple[str, ...] = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>")
 """Special tokens that :class:`HFTokenizer` accepts as end-of-sequence, in order of preference."""
+
+TRIAL_CPU_S = 2.0
+"""CPU seconds a ``tokenizer.json`` may take to encode and decode :func:`_trial_texts` when it is loaded."""
+
+
+class TokenizerFailure(ValueError):
+    """The ``tokenizers`` library's Rust code panicked on a text (a ``pyo3_runtime.PanicException``,
+    which is a ``BaseException``), turned into a one-line ``ValueError``."""
+
+
+def _is_panic(err: BaseException) -> bool:
+    return type(err).__name__ == "PanicException"
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Send file descriptor 2 to the null device: a Rust panic hook writes its message (and with
+    ``RUST_BACKTRACE`` a stack trace) there itself, around the Python exception."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to silence
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def _patterns(spec: Any) -> list[str]:
+    """Every regular expression a ``tokenizer.json`` holds (``{"Regex": ...}`` of Split, Replace, ...)."""
+    if isinstance(spec, dict):
+        found = [spec["Regex"]] if isinstance(spec.get("Regex"), str) else []
+        return found + [p for value in spec.values() for p in _patterns(value)]
+    if isinstance(spec, list):
+        return [p for value in spec for p in _patterns(value)]
+    return []
+
+
+def _trial_texts(spec: dict[str, Any]) -> list[str]:
+    """Texts that make a catastrophically backtracking pattern fail fast: each character of the
+    tokenizer's own patterns (and of a few common classes) repeated, then one that ends the run."""
+    chars = dict.fromkeys(" aA0_\n\t.,'-é中😀" + "".join(_patterns(spec)))
+    return ["def f(x):\n    return x + 1  # ok, ça va? 中文 😀\n"] + [c * 64 + "\x00!" for c in list(chars)[:96]]
 
 
 class Tokenizer(ABC):
@@ -282,13 +341,14 @@ class HFTokenizer(Tokenizer):
         except ImportError as err:
             raise ImportError(
                 'data.tokenizer: HF tokenizer files need the "tokenizers" package; '
-                'install it with pip install "elr-lightning[hf]"'
+                f"install it with {install_extra('hf')}"
             ) from err
         try:
             self._spec: dict[str, Any] = json.loads(raw)
             self._tok = _HFTokenizer.from_str(raw.decode("utf-8"))
         except Exception as err:  # tokenizers raises its own exception types for malformed files
             raise ValueError(f"data.tokenizer: {origin} is not a valid HF tokenizer.json ({err})") from err
+        self._trial(origin)
         self._raw = raw
         self._fingerprint = hashlib.sha256(raw).hexdigest()
         vocab = self._tok.get_vocab(with_added_tokens=True)
@@ -296,6 +356,30 @@ class HFTokenizer(Tokenizer):
         self._eos_id = next((vocab[t] for t in EOS_CANDIDATES if t in vocab), None)
         self._special_ids = {i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special}
         self._token_bytes: Optional[torch.Tensor] = None
+
+    def _trial(self, origin: str) -> None:
+        """Encode and decode :func:`_trial_texts` once, refusing a tokenizer that panics or is slow on them.
+
+        Raises:
+            ValueError: The tokenizer panicked, or took over :data:`TRIAL_CPU_S` of CPU.
+        """
+        start = time.process_time()
+        with _quiet_stderr():
+            for text in _trial_texts(self._spec):
+                try:
+                    self._tok.decode(self._tok.encode(text, add_special_tokens=False).ids)
+                except BaseException as err:
+                    if not (_is_panic(err) or isinstance(err, Exception)):
+                        raise
+                    raise ValueError(
+                        f"data.tokenizer: {origin} fails on a trial text ({_first_line(err)}); use a tokenizer.json "
+                        "whose patterns do not backtrack catastrophically (or pass --tokenizer)"
+                    ) from None
+                if time.process_time() - start > TRIAL_CPU_S:
+                    raise ValueError(
+                        f"data.tokenizer: {origin} took over {TRIAL_CPU_S:g} s of CPU to encode a few kB of trial "
+                        "text (a catastrophically backtracking pattern?); use another tokenizer.json (or pass --tokenizer)"
+                    )
 
     def to_json(self) -> str:
         """The ``tokenizer.json`` text this tokenizer was built from (see :meth:`from_json`)."""
@@ -320,7 +404,7 @@ class HFTokenizer(Tokenizer):
         Returns:
             The token ids.
         """
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._guard(lambda: self._tok.encode(text, add_special_tokens=False).ids, "encoding")
 
     def decode(self, ids: Sequence[int]) -> str:
         """Decode ids, keeping special tokens visible in the text.
@@ -331,7 +415,17 @@ class HFTokenizer(Tokenizer):
         Returns:
             The decoded text.
         """
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+        return self._guard(lambda: self._tok.decode(list(ids), skip_special_tokens=False), "decoding")
+
+    @staticmethod
+    def _guard(call: Any, what: str) -> Any:
+        """``call()``, with a panic of the Rust library as a one-line :class:`TokenizerFailure`."""
+        try:
+            return call()
+        except BaseException as err:
+            if not _is_panic(err):
+                raise
+            raise TokenizerFailure(f"the tokenizer failed while {what} this text ({_first_line(err)})") from None
 
     def token_bytes(self) -> torch.Tensor:
         """UTF-8 bytes per id; special tokens and unused ids count zero.

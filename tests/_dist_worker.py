@@ -14,7 +14,9 @@ import functools
 import json
 import os
 import sys
-from collections import defaultdict
+from unittest import mock
+from collections import Counter, defaultdict
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -40,6 +42,27 @@ COMPILE_BACKEND = "aot_eager_decomp_partition"
 
 #: Collective timeout of every test strategy: a hang fails in seconds.
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)
+
+
+class RecordEvaluationModes(Callback):
+    """Keeps ``[stage, sanity checking, inference mode on]`` at every validation batch this rank runs."""
+
+    def __init__(self) -> None:
+        self.modes: list[list[Any]] = []
+
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.modes.append([trainer.state.fn.value, trainer.sanity_checking, torch.is_inference_mode_enabled()])
+
+
+def evaluation_as_on_nccl() -> Any:
+    """Lightning's choice of evaluation context as on NCCL: its loops use ``torch.no_grad`` instead of
+    ``torch.inference_mode`` on a gloo process group only (``_no_grad_context``); this hides the group from
+    that check, so ``inference_mode`` is chosen wherever a loop and the strategy allow it."""
+    import lightning.pytorch.loops.utilities as loop_utilities
+
+    return mock.patch.object(loop_utilities, "_distributed_is_initialized", lambda: False)
 
 
 class RecordLoops(Callback):
@@ -271,6 +294,17 @@ class LabelledText(TextDataModule):
         return {"input_ids": ids, "labels": torch.where(keep, targets, IGNORE_INDEX)}
 
 
+def collective_counts(profile: torch.profiler.profile) -> dict[str, int]:
+    """How many times each collective ran in ``profile``: every ``c10d::`` op, and per FSDP2 unit its
+    all-gathers (``FSDP::all_gather (<unit>)``) and gradient reductions (``FSDP::post_backward_reduce (<unit>)``).
+
+    Ranks that issue different counts of any of them fall out of step: gloo then times out or aborts.
+    """
+    labels = ("c10d::", "FSDP::all_gather", "FSDP::post_backward_reduce")
+    names = (event.name for event in profile.events())
+    return dict(Counter(n for n in names if n.startswith(labels) and not n.startswith("FSDP::all_gather_copy")))
+
+
 def make_strategy(name: Optional[str], timeout: timedelta = COLLECTIVE_TIMEOUT, **options: Any) -> Any:
     """The strategy under test: ``"ddp"``, ``"fsdp"`` or ``None`` (Lightning's single-device default).
 
@@ -312,6 +346,10 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
     ``train/beta_mean``; the last step is a logging step; NaN under ``compile_model``, which does not log it),
     ``optimizer``: its ``fused`` and ``foreach`` choice and the devices of its parameters' local tensors and state,
     ``fsdp_offloaded``: the values of FSDP2's ``offload_to_cpu`` over every sharded parameter (``[]`` without FSDP2).
+    ``count_collectives`` profiles the run and returns :func:`collective_counts` as ``collectives`` (``{}`` otherwise).
+    ``nccl_evaluation`` validates before training and runs the sanity check and a validation after every step,
+    with Lightning choosing the evaluation context as on NCCL (:func:`evaluation_as_on_nccl`); every validation
+    batch's ``[stage, sanity check, inference mode]`` is returned as ``evaluation_modes``.
     """
     backprop = {key: case[key] for key in ("activation_checkpointing", "backprop_loops", "compile_model") if key in case}
     module = tiny_module(
@@ -330,7 +368,9 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
         sources=[spec["corpus"]], seq_len=16, batch_size=case["batch_size"], cache_dir=spec["cache_dir"], seed=3
     )
     record = RecordLoops(probe_forward_dtypes(module.model))
-    callbacks: list[Callback] = [record]
+    modes = RecordEvaluationModes()
+    callbacks: list[Callback] = [record, modes]
+    evaluating = case.get("nccl_evaluation", False)
     strategy_options = {key: case[key] for key in ("recurrent_units", "cpu_offload") if key in case}
     if case.get("rank_ordered"):  # the ranks' gradients added in rank order, as SimulatedRanks accumulates them
         callbacks.append(RankOrderedReductions())
@@ -350,8 +390,9 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
         precision=case.get("precision", "32-true"),
         # the loss is checked on logging steps; the last step logs, so train/beta_mean is reduced there
         log_every_n_steps=1 if "nan_rank" in case else spec["steps"],
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
+        limit_val_batches=1 if evaluating else 0,
+        num_sanity_val_steps=1 if evaluating else 0,
+        val_check_interval=1 if evaluating else None,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -374,8 +415,14 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
             return loss * float("nan") if hit else loss
 
         module.shard_loss = poisoned  # type: ignore[method-assign]
+    counting = case.get("count_collectives", False)
     try:
-        trainer.fit(module, datamodule=data)
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        with profiler if counting else nullcontext() as prof:
+            with evaluation_as_on_nccl() if evaluating else nullcontext():
+                if evaluating:  # validate first, as a user checking a model before training does
+                    trainer.validate(module, datamodule=data, verbose=False)
+                trainer.fit(module, datamodule=data)
     except FloatingPointError as err:
         if "nan_rank" not in case:
             raise
@@ -414,6 +461,8 @@ def train_case(case: dict[str, Any], spec: dict[str, Any], devices: int, num_nod
             "devices": sorted({str(t.device) for t in local + state if isinstance(t, torch.Tensor)}),
         },
         "dtypes": {key: sorted(value) for key, value in record.dtypes.items()},
+        "collectives": collective_counts(prof) if counting else {},
+        "evaluation_modes": modes.modes,
     }
 
 

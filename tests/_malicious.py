@@ -252,3 +252,172 @@ def sharded_bytes_entry(folder: Path) -> Path:
         pickle.dump(index, f)
     torch.save(raw, folder / "meta.pt")
     return folder
+
+
+# ---- round 3: sizes before shapes, shards outside the folder -----------------------------------------
+
+
+def oversized(path: Path, **arch: Any) -> Path:
+    """A good checkpoint whose ``arch`` (in ``hyper_parameters`` and ``elr``) declares ``arch``'s sizes."""
+    raw = cli_checkpoint(path)
+    for saved in (raw["hyper_parameters"]["arch"], raw["elr"]["arch"]):
+        saved.update(arch)
+    torch.save(raw, path)
+    return path
+
+
+def with_hparams(path: Path, **hparams: Any) -> Path:
+    """A good checkpoint whose ``hyper_parameters`` hold ``hparams`` (e.g. a list-valued ``_instantiator``)."""
+    raw = cli_checkpoint(path)
+    raw["hyper_parameters"].update(hparams)
+    torch.save(raw, path)
+    return path
+
+
+def depth_checkpoint(path: Path, **datamodule: Any) -> Path:
+    """A checkpoint of a parity model whose saved data module says ``datamodule`` (``eval_difficulties``, ...)."""
+    from elr_lightning.checkpoints.tokenizer import tokenizer_state
+    from elr_lightning.tokenizers import CharTokenizer
+
+    raw = good_checkpoint(path)
+    raw["elr"]["tokenizer"] = tokenizer_state(CharTokenizer("01^"))
+    raw["datamodule_hyper_parameters"] = {"task": "parity", **datamodule}
+    torch.save(raw, path)
+    return path
+
+
+def deflated_member(path: Path, mib: int = 4095) -> Path:
+    """A good checkpoint with one more record: ``mib`` MiB of zeros, deflated to a few MiB, with a right CRC.
+
+    ``zipfile`` writes it through a compressor that repeats one fully flushed deflate segment per
+    MiB (each is independent of the data before it), so building it costs a CRC pass, not compression.
+    """
+    import zipfile
+    import zlib
+
+    good_checkpoint(path)
+    zeros = bytes(1 << 20)
+    shared = zlib.compressobj(9, zlib.DEFLATED, -15)
+    segment = shared.compress(zeros) + shared.flush(zlib.Z_FULL_FLUSH)
+
+    class Repeat:
+        def compress(self, data: bytes) -> bytes:
+            return segment
+
+        def flush(self) -> bytes:
+            return shared.flush()
+
+    original = zipfile._get_compressor
+    zipfile._get_compressor = lambda *args, **kwargs: Repeat()
+    try:
+        with zipfile.ZipFile(path, "a") as archive:
+            info = zipfile.ZipInfo(f"{path.stem}/data/bomb")
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with archive.open(info, "w", force_zip64=True) as member:
+                for _ in range(mib):
+                    member.write(zeros)
+    finally:
+        zipfile._get_compressor = original
+    return path
+
+
+def sharded_good(folder: Path) -> Path:
+    """A well-formed sharded checkpoint folder of the tiny model."""
+    raw, state = _sharded_base(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"state_dict": state}, checkpoint_id=str(folder), no_dist=True)
+    torch.save(raw, folder / "meta.pt")
+    return folder
+
+
+def _rewrite_index(folder: Path, change: Any) -> Path:
+    with open(folder / ".metadata", "rb") as f:
+        index = pickle.load(f)  # our own, just written
+    change(index)
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(index, f)
+    return folder
+
+
+def sharded_storage_at(folder: Path, where: str, victim: Path) -> Path:
+    """A sharded folder whose index stores the embedding in ``where``: ``absolute`` (``victim``), ``dotdot``
+    (``victim`` by ``..``), ``symlink`` (a link in the folder to ``victim``) or ``fifo`` (a FIFO in the folder)."""
+    import dataclasses
+    import os
+
+    sharded_good(folder)
+    if where == "symlink":
+        os.symlink(victim, folder / "link.distcp")
+    elif where == "fifo":
+        os.mkfifo(folder / "pipe.distcp")
+    relative = {"absolute": str(victim), "dotdot": os.path.relpath(victim, folder), "symlink": "link.distcp",
+                "fifo": "pipe.distcp"}[where]  # fmt: skip
+
+    def change(index: Any) -> None:
+        key = next(k for k in index.storage_data if k.fqn == "state_dict.model.embed.weight")
+        index.storage_data[key] = dataclasses.replace(index.storage_data[key], relative_path=relative, offset=0)
+
+    return _rewrite_index(folder, change)
+
+
+def sharded_huge_tensor(folder: Path, rows: int = 4_000_000, width: int = 128) -> Path:
+    """A sharded folder whose index declares the embedding as ``rows x width`` floats over its few real bytes."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    sharded_good(folder)
+
+    def change(index: Any) -> None:
+        entry = index.state_dict_metadata["state_dict.model.embed.weight"]
+        entry.size = torch.Size([rows, width])
+        entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([rows, width]))]
+
+    return _rewrite_index(folder, change)
+
+
+def linked_meta(folder: Path, victim: Path) -> Path:
+    """A sharded folder whose ``meta.pt`` is a link to a file outside it."""
+    import os
+
+    sharded_good(folder)
+    (folder / "meta.pt").unlink()
+    os.symlink(victim, folder / "meta.pt")
+    return folder
+
+
+def repeated_view(path: Path, rows: int = 50_000_000) -> Path:
+    """A checkpoint of ``rows`` tokens whose embedding and head are one float repeated (stride 0): 2 KB on disk.
+
+    Its ``arch`` and its shapes agree, so only the bytes behind the shapes tell it from a real one.
+    """
+    raw = cli_checkpoint(path)
+    for saved in (raw["hyper_parameters"]["arch"], raw["elr"]["arch"]):
+        saved["vocab_size"] = rows
+    for key in ("model.embed.weight", "model.head.weight"):
+        raw["state_dict"][key] = torch.zeros(1).expand(rows, ARCH["d_model"])
+    torch.save(raw, path)
+    return path
+
+
+def sharded_overlapping(folder: Path) -> Path:
+    """A sharded folder whose index stores every tensor in the same bytes of one shard (each read anew)."""
+    import dataclasses
+
+    sharded_good(folder)
+
+    def change(index: Any) -> None:
+        first = next(iter(index.storage_data.values()))
+        for key, info in index.storage_data.items():
+            index.storage_data[key] = dataclasses.replace(
+                info, relative_path=first.relative_path, offset=0, length=max(info.length, first.length)
+            )
+
+    return _rewrite_index(folder, change)
+
+
+def fifo_checkpoint(path: Path) -> Path:
+    """A FIFO named like a checkpoint: opening it to read blocks until someone writes."""
+    import os
+
+    os.mkfifo(path)
+    return path

@@ -19,6 +19,11 @@ from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
 from elr_lightning.sampling import OneLoopOverride
 
+#: The repository's root folder (tests sit one or two folders below it).
+REPO_ROOT = Path(__file__).resolve().parents[1]
+#: Files the tests read: a checkpoint written before the package regroup and what it computes.
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
 settings.register_profile("elr", deadline=None, max_examples=25, derandomize=True)
 settings.load_profile("elr")
 
@@ -40,7 +45,7 @@ def fresh_dynamo() -> Iterator[None]:
 
 def load_bench(name: str) -> ModuleType:
     """``bench/<name>.py`` as a module (the benches are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO_ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -117,10 +122,18 @@ def switch_module(conditioner: bool = True, lr: float = 3e-3, **arch: Any) -> EL
     )
 
 
+def quiet_trainer(**overrides: Any) -> pl.Trainer:
+    """A CPU ``pl.Trainer`` that writes and prints nothing of its own: no logger, checkpointing, progress bar
+    or model summary; ``overrides`` set any of those and every other argument (a checkpoint callback needs
+    ``enable_checkpointing=True``)."""
+    quiet = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                 enable_model_summary=False)  # fmt: skip
+    return pl.Trainer(**{**quiet, **overrides})
+
+
 def fit_two_steps(module: pl.LightningModule, data: pl.LightningDataModule, path: Path) -> Path:
     """Train ``module`` 2 steps on ``data`` on the CPU, quietly and without validation, and save it at ``path``."""
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=0)
     trainer.fit(module, datamodule=data)
     trainer.save_checkpoint(path)
     return path

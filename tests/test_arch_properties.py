@@ -20,13 +20,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elr_lightning.cache import LastLoopCache, PerLoopCache, kv_cache_bytes, layer_caches, recurrent_state_bytes
+from elr_lightning.inference.cache import LastLoopCache, PerLoopCache, kv_cache_bytes, layer_caches, recurrent_state_bytes
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ROUTE_REPLAY, ModelConfig
-from elr_lightning.generation import generate
+from elr_lightning.inference.generate import generate
 from elr_lightning.model import LoopedLM
 from elr_lightning.parameter_usage import unused_parameters
-from elr_lightning.serving import conditioned_at, fold_conditioning
+from elr_lightning.inference.fold import conditioned_at, fold_conditioning
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
 
 pytestmark = [

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elr_lightning.config import ModelConfig
-from elr_lightning.generation import generate
+from elr_lightning.inference.generate import generate
 from elr_lightning.model import LoopedLM
-from elr_lightning.serving import conditioned_at, fold_conditioning
+from elr_lightning.inference.fold import conditioned_at, fold_conditioning
 from test_arch_properties import VOCAB, Arch, ids_for
 
 

@@ -19,7 +19,7 @@ from elr_lightning.callbacks.delayed_mixed_depth import load_weights_where_prese
 from elr_lightning.callbacks.switch import SwitchPoint
 from elr_lightning.callbacks.zero_init_conditioning import conditioning_parameters, zero_heads
 from elr_lightning.cli import run
-from conftest import SWITCH_ARCH, switch_module
+from conftest import SWITCH_ARCH, quiet_trainer, switch_module
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.data import TextDataModule
@@ -48,18 +48,8 @@ def make_data(tmp_path: Path) -> TextDataModule:
 
 
 def make_trainer(callbacks: list[Callback], max_steps: int = 6, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        precision=32,
-        callbacks=callbacks,
-        **kwargs,
+    return quiet_trainer(
+        max_steps=max_steps, devices=1, limit_val_batches=0, precision=32, callbacks=callbacks, **kwargs
     )
 
 

@@ -8,6 +8,7 @@ one-line errors and ``elr --help``.
 
 from __future__ import annotations
 
+import importlib
 import re
 import socket
 from argparse import ArgumentError
@@ -221,3 +222,18 @@ def test_help_lists_elr_commands_first_then_lightnings(capsys) -> None:
     listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
     assert listed == [*EXTRA_COMMANDS, *LIGHTNING_COMMANDS]
     assert all(len(line) <= 120 for line in out.splitlines())
+
+
+#: Commands whose module is not yet their package's ``command`` module: the memory tools (moving into an
+#: estimate/ package), the Hugging Face trio (hf/export.py and hf/retrofit.py) and the checkpoint upgrade.
+NOT_YET_COMMAND_MODULES = {"cost", "estimate", "export", "import", "retrofit", "upgrade-checkpoint"}
+
+
+def test_every_elr_command_lives_in_its_packages_command_module() -> None:
+    """``cli.EXTRA_COMMANDS`` is the one index; each entry points at ``elr_lightning.<package>.command``."""
+    for name, command in EXTRA_COMMANDS.items():
+        if name in NOT_YET_COMMAND_MODULES:
+            continue
+        assert command.module.startswith("elr_lightning.") and command.module.endswith(".command"), (name, command.module)
+        assert callable(getattr(importlib.import_module(command.module), command.run)), name
+    assert NOT_YET_COMMAND_MODULES <= set(EXTRA_COMMANDS)

@@ -191,9 +191,15 @@ def test_a_mistake_in_process_is_one_line_naming_the_field(
 def test_debug_lets_the_exception_through(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(workdir)
     monkeypatch.setenv("ELR_DEBUG", "0")  # registered, so the "1" that --debug exports is undone afterwards
-    with pytest.raises(ValueError, match=r"arch\.n_heads=5"):
+    with pytest.raises(ValueError, match=r"arch\.n_heads=5") as info:
         main([*CASES["n_heads"].args, "--debug"])
     assert os.environ.get("ELR_DEBUG") == "1"  # exported, so the other ranks a launcher starts see it too
+    # The error itself, not the parser's wrapper of it: the traceback ends where the package raised it
+    assert "Does not validate" not in str(info.value) and "Given value" not in str(info.value)
+    last = info.tb
+    while last.tb_next is not None:
+        last = last.tb_next
+    assert f"{os.sep}elr_lightning{os.sep}" in last.tb_frame.f_code.co_filename
 
 
 def planned_for_four_steps(checkpoint: Path, out: Path) -> Path:

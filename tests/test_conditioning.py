@@ -74,3 +74,39 @@ def test_the_hugging_face_conditioner_gives_the_same_contexts_at_every_k_to_2k(b
 def test_an_unknown_beyond_budget_is_refused_naming_the_field_and_the_choices():
     with pytest.raises(ValueError, match=r"LoopConditioner.beyond_budget='clip': choose one of ratio, clamp, replay"):
         LoopConditioner(beyond_budget="clip")
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_phi_is_computed_in_fp32_under_lightnings_half_precisions(precision):
+    """Eq. 4's codes are the fp32 codes of inference and export, cast to the MLP's dtype; the frequencies stay fp32."""
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
+
+    from elr_lightning.conditioning import sinusoid
+
+    plugin = HalfPrecision(precision) if precision.endswith("-true") else MixedPrecision(precision, "cpu")
+    reference = LoopConditioner(d_cond=16, rank=4, n_freqs=8)
+    model = LoopedLM(tiny_config(), conditioner=LoopConditioner(d_cond=16, rank=4, n_freqs=8))
+    model = plugin.convert_module(model)
+    conditioner = model.conditioner
+    assert conditioner.freqs.dtype == torch.float32 and torch.equal(conditioner.freqs, reference.freqs)
+    seen: list[torch.Tensor] = []
+    conditioner.mlp.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    max_loops, codes = 4, []
+    with plugin.forward_context():
+        for loops in range(1, 2 * max_loops + 1):
+            for loop in range(1, loops + 1):
+                conditioner(loop, loops, max_loops, torch.zeros(1))
+                tau, kappa = conditioner.steps(loop, loops, max_loops)
+                codes.append(torch.cat((sinusoid(tau, reference.freqs), sinusoid(kappa, reference.freqs))))
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    assert [x.dtype for x in seen] == [dtype] * len(codes)
+    assert all(torch.equal(x, code.to(dtype)) for x, code in zip(seen, codes))
+
+
+def test_a_cast_to_bfloat16_keeps_the_frequencies_and_a_cast_back_changes_nothing():
+    conditioner = LoopConditioner(n_freqs=8)
+    exact = conditioner.freqs.clone()
+    conditioner.to(torch.bfloat16)
+    assert conditioner.mlp[0].weight.dtype == torch.bfloat16 and torch.equal(conditioner.freqs, exact)
+    conditioner.to(torch.float64)  # a wider cast is nn.Module's own
+    assert conditioner.freqs.dtype == torch.float64 and torch.equal(conditioner.freqs, exact.double())

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import tiny_config
 from elr_lightning.context import LoopContext
-from elr_lightning.generation import generate
+from elr_lightning.inference.generate import generate
 from elr_lightning.mixers import MoE
 from elr_lightning.mixers.delta_rule import delta_product
 from elr_lightning.mixers.dispatch import compute_dtype, expert_swiglu, grouped_mm_supported, plan_dispatch

@@ -8,6 +8,8 @@
   the Python of the generation and checkpoints guides runs on a checkpoint, and the troubleshooting
   page's example prints the line it shows.
 * Every figure a page quotes agrees with the results file it names (``docs/_tools/results.py``).
+* Every ``from elr_lightning... import`` and ``::: elr_lightning...`` of the docs resolves at its
+  current path (an old path the regroup left, ``elr_lightning._moved``, fails too).
 * Every public name of the package has a docstring, as the API reference shows it (which renders
   only what has one), and ``generate`` documents each of its parameters.
 """
@@ -16,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
+import json
 import re
 import shlex
 import sys
 import sysconfig
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -106,6 +111,43 @@ def test_quoted_figures_agree_with_the_results_files() -> None:
     assert not starts, starts
 
 
+def test_results_fit_says_how_the_run_was_made_and_keeps_no_earlier_timings(tmp_path, monkeypatch) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    results = _tool("results")
+    with SummaryWriter(str(tmp_path / "run")) as writer:
+        for k, loss in ((1, 1.5), (2, 1.4)):
+            writer.add_scalar(f"val/loss_k{k}", loss, 99)
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"about": "an earlier run", "cpu_s": 1.0, "wall_s": 2.0, "max_rss_gb": 3.0, "eval": {}}))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    results.main(["fit", str(tmp_path / "run"), str(out), "--wall_s", "7.5", "--about", "a test machine"])
+    data = json.loads(out.read_text())
+    assert data["about"].startswith("OMP_NUM_THREADS=1 elr fit;") and data["about"].endswith("; a test machine")
+    assert data["wall_s"] == 7.5 and "cpu_s" not in data and "max_rss_gb" not in data  # this run's, or none
+    assert data["validations"] == {"100": {"loss": {"1": 1.5, "2": 1.4}}} and "eval" in data  # other keys kept
+
+
+def test_results_check_compares_a_rerun_within_the_stated_tolerances(tmp_path) -> None:
+    results = _tool("results")
+    quoted = json.loads((DOCS / "results" / "quickstart.json").read_text())
+    (tmp_path / "quickstart.json").write_text(json.dumps(quoted))
+    assert results.compare(str(tmp_path)) == []
+    losses = dict(quoted["validations"]["800"]["loss"])
+
+    def rerun(loss: dict, **more: float) -> None:
+        quoted["validations"]["800"]["loss"] = loss
+        (tmp_path / "quickstart.json").write_text(json.dumps({**quoted, **more}))
+
+    rerun({k: v + results.TOLERANCES["loss"] * 0.9 for k, v in losses.items()}, cpu_s=1.0)
+    assert results.compare(str(tmp_path)) == []  # within the tolerance, and timings are the machine's
+    rerun({**losses, "1": losses["1"] + 2 * results.TOLERANCES["loss"]})
+    wrong = results.compare(str(tmp_path))
+    assert wrong and all("quickstart.validations.800.loss" in line and "tolerance 0.01" in line for line in wrong)
+    with pytest.raises(SystemExit):
+        results.main(["check", "--results", str(tmp_path)])
+
+
 def test_every_public_name_has_a_docstring() -> None:
     """Names in ``__all__`` (else not starting with ``_``) and their classes' public methods, as the API reference
     sees them: an attribute's ``#:`` comment and an overridden method's docstring on its seam count."""
@@ -141,7 +183,7 @@ def test_every_public_name_has_a_docstring() -> None:
 def test_generate_documents_every_parameter() -> None:
     import inspect
 
-    from elr_lightning.generation import generate
+    from elr_lightning.inference.generate import generate
 
     documented = re.findall(r"^        (\w+):", generate.__doc__ or "", flags=re.M)
     assert documented == list(inspect.signature(generate).parameters)
@@ -162,6 +204,53 @@ def test_every_equation_number_links_to_the_equations_page() -> None:
             unlinked += [f"{page.name}: {line.strip()[:80]}" for _ in re.findall(r"\b[Ee]qs?\. \(?[1-5]", prose)]
     assert not unlinked, unlinked
     assert (DOCS / "equations.md").read_text().count('<a id="eq-') == 5
+
+
+def documented_python_paths() -> Iterator[tuple[str, str, list[str]]]:
+    """``(where, module, names)`` of every ``from elr_lightning... import ...``, ``import elr_lightning...``
+    and ``::: elr_lightning...`` (an API reference block) of the README and the docs."""
+    for page in pages():
+        text = page.read_text()
+        where = str(page.relative_to(ROOT))
+        for found in re.finditer(r"^\s*from (elr_lightning[\w.]*) import (\([^)]*\)|[^\n]+)", text, flags=re.M):
+            names = [n.split(" as ")[0].strip() for n in found.group(2).split("#")[0].strip("()").split(",")]
+            yield where, found.group(1), [n for n in names if n]
+        for found in re.finditer(r"^\s*import (elr_lightning[\w.]*)", text, flags=re.M):
+            yield where, found.group(1), []
+        for found in re.finditer(r"^::: (elr_lightning[\w.]*)", text, flags=re.M):
+            yield where, found.group(1), []
+
+
+def resolve(dotted: str) -> Any:
+    """The module or object that ``dotted`` names: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            found = getattr(found, attr)
+        return found
+    raise ModuleNotFoundError(dotted)
+
+
+DOCUMENTED_PATHS = list(documented_python_paths())
+
+
+def test_the_docs_name_python_paths_of_every_kind() -> None:
+    assert {bool(names) for _, _, names in DOCUMENTED_PATHS} == {True, False}
+    assert any(where.startswith("docs/reference/") for where, _, _ in DOCUMENTED_PATHS)
+
+
+@pytest.mark.parametrize(("where", "module", "names"), DOCUMENTED_PATHS, ids=[f"{w}:{m}" for w, m, _ in DOCUMENTED_PATHS])
+def test_every_documented_import_resolves_at_its_current_path(where: str, module: str, names: list[str]) -> None:
+    """The docs show where a name lives now: an old, deprecated path (``elr_lightning._moved``) fails too."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        found = resolve(module)
+        for name in names:
+            assert hasattr(found, name), f"{where}: {module} has no {name}"
 
 
 def test_readme_links_point_at_files() -> None:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import GQA_CONFIG, perturbed_model
-from elr_lightning.cache import PerLoopCache, kv_cache_bytes, layer_caches, recurrent_state_bytes
-from elr_lightning.serving import fold_conditioning
-from elr_lightning.generation import generate
+from elr_lightning.inference.cache import PerLoopCache, kv_cache_bytes, layer_caches, recurrent_state_bytes
+from elr_lightning.inference.fold import fold_conditioning
+from elr_lightning.inference.generate import generate
 from elr_lightning.model import LoopedLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -75,7 +75,7 @@ def test_cache_accounting_separates_kv_and_state(model: LoopedLM, policy: str, l
 
 
 def test_last_loop_state_is_the_last_loops(model: LoopedLM) -> None:
-    from elr_lightning.cache import LastLoopCache
+    from elr_lightning.inference.cache import LastLoopCache
 
     prompt = torch.randint(0, 64, (2, 7))
     per, last = PerLoopCache(8), LastLoopCache(8)

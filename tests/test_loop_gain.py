@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import Trainer
 
-from conftest import perturbed_model, tiny_config
+from conftest import perturbed_model, quiet_trainer, tiny_config
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.data import TextDataModule
 from elr_lightning.module import ELRModule
@@ -20,7 +19,7 @@ def test_validation_gain_is_the_recomputed_loss_drop_from_k1_to_K(tmp_path):
     module = ELRModule(arch=config, conditioner=LoopConditioner(d_cond=8, rank=2), val_loops=[1, 2, 3, 4, 6])
     module.model.load_state_dict(perturbed_model(config, seed=5).state_dict())  # every gate and head acts
     data = TextDataModule(seq_len=32, batch_size=4, max_bytes=20_000, cache_dir=str(tmp_path / "c"), val_batches=2)
-    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = quiet_trainer()
     logged = trainer.validate(module, datamodule=data, verbose=False)[0]
 
     losses = {}

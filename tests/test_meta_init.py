@@ -7,10 +7,9 @@ import math
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from torch import nn
 
-from conftest import SWITCH_ARCH
+from conftest import SWITCH_ARCH, quiet_trainer
 from elr_lightning.conditioning import LoopConditioner
 from elr_lightning.config import ModelConfig
 from elr_lightning.model import LoopedLM
@@ -61,15 +60,7 @@ def test_materialised_meta_model_gets_the_documented_init(conditioner_active):
 
 def test_meta_init_without_the_fsdp_strategy_says_what_to_do():
     data = torch.utils.data.DataLoader(torch.randint(0, ARCH.vocab_size, (4, 17)), batch_size=2)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(devices=1, max_steps=1)
     with pytest.raises(ValueError, match="meta_init: true needs OneLoopOverrideFSDPStrategy"):
         trainer.fit(_module(meta_init=True), train_dataloaders=data)
 

@@ -56,3 +56,33 @@ def test_loading_a_state_saved_by_the_loop_keeps_the_fused_update() -> None:
     torch.testing.assert_close(resumed.state[first]["exp_avg"], loop.state[first]["exp_avg"])
     _steps(model, resumed, 1)
     assert float(resumed.state[first]["step"]) == 3.0
+
+
+def test_bf16_mixed_clips_the_fused_adamws_gradients(tmp_path) -> None:
+    """Lightning's mixed precision refuses to clip a fused optimizer's gradients, which under bf16-mixed (no grad
+    scaler) stopped every run with gradient_clip_val at its first step; they are clipped to the norm asked."""
+    import pytest
+    from lightning.pytorch import Callback, Trainer
+
+    from elr_lightning.module import ELRModule
+
+    norms: list[float] = []
+
+    class GradNorm(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            def record(optimizer, args, kwargs) -> None:
+                grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+                norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+            trainer.optimizers[0].register_step_post_hook(record)  # the closure (backward, clipping) runs inside step
+
+    module = ELRModule(arch=tiny_config(), lr=1e-3, warmup_steps=0)
+    batches = torch.utils.data.DataLoader(torch.randint(0, 64, (8, 17)), batch_size=4)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, precision="bf16-mixed", gradient_clip_val=1e-3, max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        default_root_dir=tmp_path, callbacks=[GradNorm()],
+    )
+    trainer.fit(module, batches)
+    assert trainer.optimizers[0].defaults["fused"] is True
+    assert len(norms) == 2 and all(norm == pytest.approx(1e-3, rel=1e-3) for norm in norms), norms

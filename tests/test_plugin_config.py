@@ -8,26 +8,25 @@ from typing import Optional
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from elr_lightning.callbacks.delayed_mixed_depth import DelayedSampler, load_weights_where_present
-from elr_lightning.checkpoint_io import AtomicCheckpointIO, upgrade_checkpoint
+from elr_lightning.checkpoints.io import AtomicCheckpointIO, upgrade_checkpoint
 from elr_lightning.cli import main
 from elr_lightning.conditioning import LoopConditioner
-from elr_lightning.generation import load_model
+from elr_lightning.inference.generate import load_model
 from elr_lightning.hf.export import save_module_checkpoint
 from elr_lightning.module import ELRModule
-from elr_lightning.checkpoint_schema import build_plugin
+from elr_lightning.checkpoints.schema import build_plugin
 from elr_lightning.plugin_config import PluginConfigError, plugin_config
-from elr_lightning.safe_load import UnsafeCheckpointError
+from elr_lightning.checkpoints.safe_load import UnsafeCheckpointError
 from elr_lightning.sampling import LoopSampler, OneLoopOverride, Synchronized
 from elr_lightning.tokenizers import ByteTokenizer
-from elr_lightning.trust import TRUST_ENV, UntrustedModuleError
+from elr_lightning.checkpoints.trust import TRUST_ENV, UntrustedModuleError
 from elr_lightning.updates import FixedDelta, StateUpdate
 
-from conftest import tiny_config
+from conftest import quiet_trainer, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -91,8 +90,7 @@ def test_a_fit_checkpoint_loads_with_weights_only_and_rebuilds_every_plugin(
         conditioner=LoopConditioner(d_cond=8, rank=2, n_freqs=2), betas=(0.9, 0.99),
     )
     module.tokenizer = ByteTokenizer()
-    trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = quiet_trainer(max_steps=2)  # fmt: skip
     trainer.fit(module, DataLoader(torch.randint(0, 64, (4, 9)), batch_size=4))
     _perturbed(module)
     trainer.save_checkpoint(tmp_path / "fit.ckpt")

@@ -138,7 +138,7 @@ def test_bad_init_args_name_the_field() -> None:
 
 
 def test_folded_user_mixer_refuses_clearly() -> None:
-    from elr_lightning.serving import fold_conditioning
+    from elr_lightning.inference.fold import fold_conditioning
 
     cfg = tiny_config(mixers={"shift": f"{__name__}.ShiftMixer"}, token_pattern=["shift"])
     model = LoopedLM(cfg, conditioner=LoopConditioner(d_cond=8, rank=2))
@@ -148,7 +148,7 @@ def test_folded_user_mixer_refuses_clearly() -> None:
 
 def test_dense_model_output_is_unchanged_by_the_seams() -> None:
     """The per-loop cached forward equals the cache-free one (the single numbering drives both)."""
-    from elr_lightning.cache import PerLoopCache
+    from elr_lightning.inference.cache import PerLoopCache
 
     model = perturbed_model()
     x = torch.randint(0, 64, (2, 8))
@@ -177,7 +177,7 @@ def test_the_documented_mixer_trains_from_yaml_and_decodes(tmp_path, monkeypatch
     import yaml
 
     from elr_lightning.cli import main
-    from elr_lightning.generation import generate, load_model
+    from elr_lightning.inference.generate import generate, load_model
 
     (tmp_path / "my_lab").mkdir()
     (tmp_path / "my_lab" / "__init__.py").write_text("")

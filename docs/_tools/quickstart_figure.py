@@ -5,7 +5,8 @@
     python docs/_tools/quickstart_figure.py docs/results/quickstart.json docs/images/quickstart-loss-per-k.png
 
 Left: validation loss at every k over training. Right: the last validation's loss against k, with
-the change from k = 1 written beside each point.
+one kind of label beside each point: its change from k = 1 (a running total, so the label at K is
+the gain the pages quote as ``gain_k1_to_K``), never the step from the previous k.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main(results: str, out: str) -> None:
     for k, loss in list(last.items())[1:]:
         right.annotate(f"{loss - last[first]:+.4f}", (k, loss), textcoords="offset points", xytext=(-8, 6),
                        ha="right", fontsize=8)  # fmt: skip
-    right.set(xlabel="loops k", ylabel="validation loss", xticks=list(last), title=f"after {steps[-1]} steps, zoomed")
+    right.set(xlabel="loops k", ylabel="validation loss", xticks=list(last), title=f"step {steps[-1]}: change from k = {first}")
     right.ticklabel_format(axis="y", useOffset=False)
     fig.tight_layout()
     fig.savefig(out)

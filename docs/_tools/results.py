@@ -2,13 +2,16 @@
 
 A run's figures go into ``docs/results/<name>.json``, written from the run's own output files:
 
+    OMP_NUM_THREADS=1 /usr/bin/time -v elr fit --config config/quickstart.yaml
     python docs/_tools/results.py fit runs/quickstart/version_0 docs/results/quickstart.json \\
-        --config config/quickstart.yaml --cpu_s 345.6 --wall_s 670.7 --about "seed 0, one thread, 2 shared cores"
+        --config config/quickstart.yaml --cpu_s 345.6 --wall_s 670.7 --about "2 CPU cores shared with other jobs"
     python docs/_tools/results.py eval eval/summary.json docs/results/quickstart_depth.json --key eval
 
 ``fit`` reads the TensorBoard scalars of an ``elr fit`` run (``val/loss_k*`` and ``val/bpb_k*`` at each
 validation, and the last validation's loss at k = 1 less its loss at K) and, with ``--config``, the
-parameter count (``elr cost``); ``eval`` adds an ``elr eval``
+parameter count (``elr cost``). Its ``about`` always says how the run was made: the command, the
+thread count (``OMP_NUM_THREADS`` of this shell, or torch's default), the CPUs, then ``--about``; and
+``cpu_s``, ``wall_s``, ``max_rss_gb`` are this run's or absent, never an earlier run's. ``eval`` adds an ``elr eval``
 ``summary.json`` (or the JSON a ``bench/`` script writes) under ``--key``; ``ablate`` adds each run of
 an ``elr ablate`` ``results.json`` under ``--key``, by run name (``baseline-s0``). Other keys of an
 existing file are kept.
@@ -23,12 +26,19 @@ millions, ``75.9K``, ``1.09M``), ``GiB`` (bytes in GiB, ``.1f``).
 
     python docs/_tools/results.py write     # rewrite every quoted figure from the JSON files
     python docs/_tools/results.py check     # list the figures that disagree with them (tests/test_docs.py)
+    python docs/_tools/results.py check --results mine   # a rerun's results files, within TOLERANCES
+
+``check --results DIR`` compares the figures the pages quote with a rerun's results files in
+``DIR`` (named as in ``docs/results/``; files it lacks are not compared), each number within the
+tolerance :data:`TOLERANCES` gives its measure: how far a figure moves between machines and thread
+counts. Timings and memory are the machine's, not the recipe's, and are not compared.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -36,6 +46,16 @@ from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
+#: How far a rerun's figure may differ from the quoted one, by the measure its path names, in the unit
+#: the page prints (nats, bits per byte, percentage points, loops); ``None``: not compared (the
+#: machine's, not the recipe's). A path naming none of these (parameter counts, memory estimates)
+#: must agree exactly. Losses move by up to 0.005 nats between one thread and two
+#: (docs/getting-started.md), exact match by a few points.
+TOLERANCES: dict[str, float | None] = {
+    "loss": 0.01, "gain_k1_to_K": 0.01, "bpb": 0.015, "exact": 5.0, "mean_loops": 0.25,
+    "cpu_s": None, "wall_s": None, "max_rss_gb": None,
+}  # fmt: skip
+
 MARKER = re.compile(r"<!-- fig (?P<path>\S+)(?: (?P<spec>\S+))? -->(?P<text>.*?)<!-- /fig -->")
 
 
@@ -114,6 +134,47 @@ def sync(write: bool) -> list[str]:
     return wrong
 
 
+def _numbers(text: str) -> list[float]:
+    return [float(n) for n in re.findall(r"-?\d+(?:\.\d+)?", text)]
+
+
+def compare(results_dir: str) -> list[str]:
+    """The quoted figures that a rerun's results files in ``results_dir`` miss by more than :data:`TOLERANCES`."""
+    cache: dict[str, Any] = {}
+    wrong = []
+    for page in pages():
+        for match, table in markers(page.read_text()):
+            name, spec = match["path"].split(".")[0], match["spec"] or ""
+            file = Path(results_dir) / f"{name}.json"
+            tolerance = next((TOLERANCES[key] for key in match["path"].split(".") if key in TOLERANCES), 0.0)
+            if not file.is_file() or tolerance is None:
+                continue
+            if name not in cache:
+                cache[name] = json.loads(file.read_text())
+            try:
+                rerun = render(lookup(match["path"], {name: cache[name]}), spec, table)
+            except KeyError:
+                wrong.append(f"{page.relative_to(ROOT)}: {match['path']}: {file} has no such figure")
+                continue
+            quoted, got = _numbers(match["text"]), _numbers(rerun)
+            if len(quoted) != len(got) or any(abs(a - b) > tolerance + 1e-9 for a, b in zip(quoted, got)):
+                wrong.append(
+                    f"{page.relative_to(ROOT)}: {match['path']} quotes {match['text']!r}, the rerun gives {rerun!r} "
+                    f"(tolerance {tolerance:g})"
+                )
+    return wrong
+
+
+def run_about(config: list[str] | None, about: str) -> str:
+    """How a run was made: its command, threads and CPUs (this shell's, where the run was made), and ``about``."""
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    command = "elr fit" + "".join(f" --config {c}" for c in config or [])
+    made = f"OMP_NUM_THREADS={threads}" if threads else f"OMP_NUM_THREADS unset (torch's {torch.get_num_threads()} threads)"
+    return "; ".join(filter(None, [f"{made} {command}", f"{os.cpu_count()} CPU cores", about]))
+
+
 def read_scalars(run_dir: str) -> dict[str, dict[str, dict[str, float]]]:
     """``{step: {"loss": {k: value}, "bpb": {k: value}}}`` of a run's TensorBoard validations (steps counted from 1)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -135,9 +196,11 @@ def read_scalars(run_dir: str) -> dict[str, dict[str, dict[str, float]]]:
     return ordered
 
 
-def _update(out: str, entries: dict[str, Any]) -> None:
+def _update(out: str, entries: dict[str, Any], drop: tuple[str, ...] = ()) -> None:
     path = Path(out)
     data = json.loads(path.read_text()) if path.is_file() else {}
+    for key in drop:
+        data.pop(key, None)
     data.update(entries)
     path.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {out}: {', '.join(entries)}")
@@ -153,7 +216,8 @@ def main(argv: list[str]) -> None:
     fit.add_argument("--cpu_s", type=float, help="CPU seconds of the run (e.g. /usr/bin/time's user time)")
     fit.add_argument("--wall_s", type=float, help="wall-clock seconds of the run")
     fit.add_argument("--max_rss_gb", type=float, help="peak resident memory of the run, GB (/usr/bin/time -v)")
-    fit.add_argument("--about", default="", help="how the run was made: seed, threads, machine")
+    fit.add_argument("--about", default="", help="more on how the run was made (the machine); the command, threads "
+                     "and CPUs are written anyway")
     evaluate = commands.add_parser("eval", help="an elr eval summary.json (or a bench/ script's JSON) into a results file")
     evaluate.add_argument("summary")
     evaluate.add_argument("out")
@@ -163,13 +227,14 @@ def main(argv: list[str]) -> None:
     ablate.add_argument("out")
     ablate.add_argument("--key", default="ablate")
     commands.add_parser("write", help="rewrite the quoted figures of the pages from the results")
-    commands.add_parser("check", help="list the quoted figures that disagree with the results")
+    check = commands.add_parser("check", help="list the quoted figures that disagree with the results")
+    check.add_argument("--results", help="a folder of a rerun's results files: compare within TOLERANCES")
     args = parser.parse_args(argv)
     if args.command == "fit":
         validations = read_scalars(args.run_dir)
         last = validations[list(validations)[-1]]["loss"]
         entries: dict[str, Any] = {
-            "about": args.about,
+            "about": run_about(args.config, args.about),
             "validations": validations,
             "gain_k1_to_K": round(last["1"] - last[max(last, key=int)], 6),  # the last validation's
         }
@@ -179,13 +244,18 @@ def main(argv: list[str]) -> None:
             entries["parameters"] = cost_report(args.config)["parameters"]["total"]
         measured = (("cpu_s", args.cpu_s), ("wall_s", args.wall_s), ("max_rss_gb", args.max_rss_gb))
         entries.update({k: v for k, v in measured if v is not None})
-        _update(args.out, entries)
+        _update(args.out, entries, drop=tuple(k for k, _ in measured))  # an earlier run's timings never stay
     elif args.command == "eval":
         _update(args.out, {args.key: json.loads(Path(args.summary).read_text())})
     elif args.command == "ablate":
         runs = json.loads(Path(args.results).read_text())["runs"]
         keep = ("steps", "loss", "bpb", "seconds")
         _update(args.out, {args.key: {f"{run['arm']}-s{run['seed']}": {k: run[k] for k in keep} for run in runs}})
+    elif getattr(args, "results", None):
+        wrong = compare(args.results)
+        print("\n".join(wrong) or f"every quoted figure agrees with {args.results} within its tolerance")
+        if wrong:
+            sys.exit(1)
     else:
         wrong = sync(write=args.command == "write")
         print("\n".join(wrong) or "every quoted figure agrees with docs/results/")

@@ -7,18 +7,17 @@ import shutil
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from elr_lightning.checkpoint_io import AtomicCheckpointIO, remove_orphans, replace_atomically
+from elr_lightning.checkpoints.io import install_safe_checkpoint_io
+from elr_lightning.files import remove_orphans, replace_atomically
 
 
 class AtomicModelCheckpoint(ModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` with crash-safe files; takes the same arguments.
 
-    * In ``setup`` it installs :class:`~elr_lightning.checkpoint_io.AtomicCheckpointIO` in place of
+    * In ``setup`` it installs :class:`~elr_lightning.checkpoints.io.AtomicCheckpointIO` in place of
       the strategy's default ``TorchCheckpointIO``: every checkpoint is written to a temporary file
       beside it and renamed over it, and a damaged file is refused with a clear error on resume. A
       strategy with its own checkpoint IO (e.g. sharded checkpoints written as folders) keeps it,
@@ -42,17 +41,10 @@ class AtomicModelCheckpoint(ModelCheckpoint):
             removed = remove_orphans(str(self.dirpath))  # a killed write's leftovers; no writer runs yet
             if removed:
                 rank_zero_warn(f"AtomicModelCheckpoint: removed {len(removed)} temporary file(s) of a killed save")
-        strategy = trainer.strategy
-        io = strategy.checkpoint_io
-        if type(io) is TorchCheckpointIO:
-            strategy.checkpoint_io = AtomicCheckpointIO()
-        elif isinstance(io, _WrappingCheckpointIO) and type(io.checkpoint_io) is TorchCheckpointIO:
-            io.checkpoint_io = AtomicCheckpointIO()
-        elif not isinstance(io, AtomicCheckpointIO) and not isinstance(
-            getattr(io, "checkpoint_io", None), AtomicCheckpointIO
-        ):
+        if not install_safe_checkpoint_io(trainer.strategy):
+            name = type(trainer.strategy.checkpoint_io).__name__
             rank_zero_warn(
-                f"AtomicModelCheckpoint: the strategy writes checkpoints with {type(io).__name__}, whose writes "
+                f"AtomicModelCheckpoint: the strategy writes checkpoints with {name}, whose writes "
                 "may not be atomic; a kill mid-save can leave a damaged checkpoint"
             )
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from elr_lightning.callbacks.switch import DEFAULT_SWITCH_FRACTION, SwitchCallback, SwitchPoint
-from elr_lightning.safe_load import load_weights_only
+from elr_lightning.checkpoints.safe_load import load_weights_only
 from elr_lightning.sampling import LoopSampler
 
 
@@ -69,7 +69,7 @@ def load_weights_where_present(model: nn.Module, path: str) -> list[str]:
     fresh model).
 
     The file is read with ``weights_only=True``, like every checkpoint this library reads: a file that
-    holds a pickled object is refused in one line (:mod:`elr_lightning.safe_load`), never unpickled;
+    holds a pickled object is refused in one line (:mod:`elr_lightning.checkpoints.safe_load`), never unpickled;
     convert a checkpoint of an earlier version once with ``elr upgrade-checkpoint OLD NEW --trust``.
 
     Args:

@@ -39,6 +39,7 @@ class DepthAccuracy(Callback):
         datamodule = getattr(trainer, "datamodule", None)
         if trainer.sanity_checking or not hasattr(datamodule, "eval_difficulties"):
             return
+        # Lazy hook: scoring decodes (the inference layer, above the callbacks), only on a depth task's validation.
         from elr_lightning.depth.score import default_loops, format_table, heatmap, score
 
         max_loops = pl_module.arch.max_loops

@@ -56,7 +56,7 @@ class ZeroInitConditioning(SwitchCallback):
     Under DDP (``find_unused_parameters=True``) and under
     :class:`~elr_lightning.strategies.OneLoopOverrideFSDPStrategy` (FSDP2) the inactive heads are
     skipped alike on every rank and their gradients stay ``None``: nothing is reduced for them and
-    AdamW keeps no state (``tests/test_resume.py`` checks both with two processes). A sharded setup
+    AdamW keeps no state (``tests/checkpoints/test_resume.py`` checks both with two processes). A sharded setup
     that must touch every parameter instead (``reduce_scatter_unused_params=True``, or a
     multiply-by-zero gate) gives them zero gradients: AdamW, without weight decay in this group,
     leaves them unchanged but counts steps, and step 2 above discards that state at the switch.

@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 import numpy as np
 from torch.utils.data import DataLoader
 
-from elr_lightning.checkpoint_io import write_atomically
+from elr_lightning.files import write_atomically
 from elr_lightning.data.base import TokenDataModule, document_separator
 from elr_lightning.data.sources import capped_documents, iter_documents, resolve_sources
 from elr_lightning.data.windows import StepIndexedLoader, TokenWindows

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Optional
 
 from elr_lightning.data.sources import TEXT_SUFFIXES, decode_text, read_text, record_text, resolve_sources
+from elr_lightning.errors import install_extra
 
 JSONL_SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 """Files read one JSON record per line."""
@@ -79,7 +80,7 @@ def _parquet_file(path: str) -> Any:
         import pyarrow.parquet as pq
     except ImportError as err:
         raise ImportError(
-            f"{SOURCES_FIELD}: {path!r} is parquet, which needs pyarrow: pip install 'elr-lightning[data]'"
+            f"{SOURCES_FIELD}: {path!r} is parquet, which needs pyarrow: {install_extra('data')}"
         ) from err
     try:
         return pq.ParquetFile(path)
@@ -239,7 +240,7 @@ def _open_binary(path: str) -> IO[bytes]:
             import zstandard
         except ImportError as err:
             raise ImportError(
-                f"{SOURCES_FIELD}: {path!r} is zstd-compressed, which needs zstandard: pip install 'elr-lightning[data]'"
+                f"{SOURCES_FIELD}: {path!r} is zstd-compressed, which needs zstandard: {install_extra('data')}"
             ) from err
         return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
     return open(path, "rb")

@@ -15,12 +15,13 @@ from typing import Any, Optional
 
 import torch
 
-from elr_lightning.checkpoint_io import save_figure, write_file
-from elr_lightning.decode import AdaptiveDepth
+from elr_lightning.files import print_written, save_figure, write_file
+from elr_lightning.inference.decode import AdaptiveDepth
 from elr_lightning.depth.score import Table, default_loops, format_table, heatmap, score, score_adaptive
 from elr_lightning.depth.tasks import TASKS, DepthTask
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import CharTokenizer, Tokenizer
+from elr_lightning.checkpoints.trust import shown
 
 
 def depth_task_of(tokenizer: Optional[Tokenizer]) -> Optional[DepthTask]:
@@ -34,16 +35,32 @@ def saved_difficulties(ckpt_path: str) -> Optional[list[int]]:
     """The ``eval_difficulties`` of the data module a checkpoint was trained with, if it saved them.
 
     Read with ``weights_only=True``: Lightning keeps the data module's hyperparameters as plain data.
+    They are checked as ``--difficulties`` is, before anything is drawn: a saved difficulty out of
+    the task's range would size the instances (and their memory) by itself.
+
+    Raises:
+        ValueError: A saved task, difficulty or ``eval_difficulties`` out of range, naming the field.
     """
-    raw = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
-    hparams = raw.get("datamodule_hyper_parameters") or {}
-    if not isinstance(hparams, dict) or "task" not in hparams:
-        return None
+    from elr_lightning.checkpoints.io import is_sharded_checkpoint, read_sharded_meta
     from elr_lightning.depth.datamodule import default_difficulties
     from elr_lightning.depth.tasks import get_task
+    from elr_lightning.checkpoints.safe_load import load_weights_only
 
-    task = get_task(hparams["task"])
-    return hparams.get("eval_difficulties") or default_difficulties(task, hparams.get("difficulty", task.min_difficulty))
+    raw = read_sharded_meta(ckpt_path) if is_sharded_checkpoint(ckpt_path) else load_weights_only(ckpt_path)
+    hparams = raw.get("datamodule_hyper_parameters") if isinstance(raw, dict) else None
+    if not isinstance(hparams, dict) or "task" not in hparams:
+        return None
+    field = f"{ckpt_path!r}: datamodule_hyper_parameters"
+    if not isinstance(hparams["task"], str):
+        raise ValueError(f"{field}.task={shown(hparams['task'])} is not a depth task; use another checkpoint")
+    task = get_task(hparams["task"], f"{field}.task")
+    difficulty = task.check_difficulty(hparams.get("difficulty", task.min_difficulty), f"{field}.difficulty")
+    saved = hparams.get("eval_difficulties")
+    if saved is None:
+        return default_difficulties(task, difficulty)
+    if not isinstance(saved, (list, tuple)) or not saved:
+        raise ValueError(f"{field}.eval_difficulties={shown(saved)} must be a non-empty list; use another checkpoint")
+    return sorted({task.check_difficulty(d, f"{field}.eval_difficulties") for d in saved})
 
 
 def parse_difficulties(spec: str, task: DepthTask) -> list[int]:
@@ -65,8 +82,7 @@ def run_depth_eval(args: Any, model: LoopedLM, task: DepthTask) -> dict[str, Any
     distinct held-out instances of every cell, fewer than ``limit`` where the held-out space is smaller),
     each ``{difficulty: {k: value}}``.
     """
-    from elr_lightning.eval.adapter import check_loops
-    from elr_lightning.loop_points import auto_label, parse_points, parse_thresholds
+    from elr_lightning.loop_points import auto_label, check_loops, parse_points, parse_thresholds
 
     max_loops = model.config.max_loops
     if args.loops is None:
@@ -101,9 +117,11 @@ def run_depth_eval(args: Any, model: LoopedLM, task: DepthTask) -> dict[str, Any
             )
     print(_report(table, task, summary))
     os.makedirs(args.output_dir, exist_ok=True)
-    write_file(os.path.join(args.output_dir, "summary.json"), json.dumps(summary, indent=2))
+    written = os.path.join(args.output_dir, "summary.json"), os.path.join(args.output_dir, "depth_heatmap.png")
+    write_file(written[0], json.dumps(summary, indent=2))
     figure = heatmap(table, title=f"{task.name}: exact match (%); right of the line: k > K", max_loops=max_loops)
-    save_figure(figure, os.path.join(args.output_dir, "depth_heatmap.png"))
+    save_figure(figure, written[1])
+    print_written("eval", written[0], written[1:])
     if args.log_dir:
         _log_tensorboard(table, figure, args.log_dir, task)
     return summary

@@ -20,7 +20,7 @@ from __future__ import annotations
 from statistics import mean
 from typing import Any, Optional
 
-from elr_lightning.checkpoint_io import save_figure
+from elr_lightning.files import save_figure
 
 DEPTH_GAIN = 0.40
 """Exact-match points k = K must add over k = 1 at the hardest training difficulty."""

@@ -14,8 +14,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from elr_lightning.cache import PolicyLike
-from elr_lightning.decode import Decoder, Depth, budget
+from elr_lightning.inference.cache import PolicyLike
+from elr_lightning.inference.decode import Decoder, Depth, budget
 from elr_lightning.depth.datamodule import instance_rng
 from elr_lightning.batches import IGNORE_INDEX
 from elr_lightning.depth.tasks import DepthTask, draw
@@ -67,7 +67,7 @@ def decode_teacher_forced(
     """Logits ``[B, T, V]`` and loops used ``[B, T]`` of ``ids`` ``[B, T]`` fed one token per step to the serving decoder.
 
     Each row's first token is prefilled at the depth's budget; every later token is decoded at
-    ``depth`` (a fixed k, or :class:`~elr_lightning.decode.AdaptiveDepth` per token), teacher-forced:
+    ``depth`` (a fixed k, or :class:`~elr_lightning.inference.decode.AdaptiveDepth` per token), teacher-forced:
     the next token fed is the true one, so position t's logits are ``elr generate``'s after ids[:t + 1].
     """
     rows, length = ids.shape

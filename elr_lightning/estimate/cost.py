@@ -17,7 +17,7 @@ from torch import nn
 from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
 from elr_lightning.callbacks.switch import DEFAULT_SWITCH_FRACTION
 from elr_lightning.flops import compute_multiplier, forward_flops_per_token
-from elr_lightning.cache import CACHE_POLICIES, kv_cache_bytes, recurrent_state_bytes
+from elr_lightning.inference.cache import CACHE_POLICIES, kv_cache_bytes, recurrent_state_bytes
 from elr_lightning.lightning_cli import build_module, merged_config
 from elr_lightning.mixers import ChannelMixer, TokenMixer
 from elr_lightning.model import LoopedLM

@@ -37,13 +37,14 @@ from torch import Tensor
 from tqdm import tqdm
 from typing_extensions import override
 
-from elr_lightning.cache import CACHE_POLICIES, KVCache, PerLoopCache, resolve_policy
+from elr_lightning.inference.cache import CACHE_POLICIES, KVCache, PerLoopCache, resolve_policy
 from elr_lightning.eval.adaptive import AdaptiveScoring
-from elr_lightning.generation import load_model, stream_generate
-from elr_lightning.prompts import left_pad
+from elr_lightning.inference.generate import load_model, stream_generate
+from elr_lightning.loop_points import check_loops
+from elr_lightning.inference.prompts import left_pad
 from elr_lightning.model import LoopedLM
-from elr_lightning.serving import serving_model
-from elr_lightning.tokenizer_checkpoint import choose_tokenizer
+from elr_lightning.inference.fold import serving_model
+from elr_lightning.checkpoints.tokenizer import choose_tokenizer
 from elr_lightning.tokenizers import Tokenizer
 
 #: ``dtype`` model argument -> autocast dtype (``None``: the weights' own fp32).
@@ -51,30 +52,6 @@ DTYPES: dict[str, Optional[torch.dtype]] = {"float32": None, "bfloat16": torch.b
 
 #: A request's context and continuation token ids.
 Pair = tuple[list[int], list[int]]
-
-
-def check_loops(
-    loops: int, max_loops: int, allow_extrapolation: bool, field: str = "loops", flag: str = "allow_extrapolation=true"
-) -> None:
-    """Refuse a loop count below 1, or above the trained budget unless extrapolation is allowed.
-
-    Args:
-        loops: The loop count k.
-        max_loops: The checkpoint's ``arch.max_loops``.
-        allow_extrapolation: Accept ``loops > max_loops`` (with a warning).
-        field: Name of the argument, for the message.
-        flag: How the caller allows extrapolation, for the message.
-
-    Raises:
-        ValueError: Naming the field and the fix.
-    """
-    if loops < 1:
-        raise ValueError(f"{field}={loops} must be >= 1")
-    if loops > max_loops:
-        message = f"{field}={loops} is above the checkpoint's arch.max_loops={max_loops}, the loop budget it was trained for"
-        if not allow_extrapolation:
-            raise ValueError(f"{message}; pass {flag} to run it anyway")
-        warnings.warn(f"{message}; extrapolating", stacklevel=3)
 
 
 def resolve_device(device: Optional[str]) -> torch.device:
@@ -115,7 +92,7 @@ class ELRLM(AdaptiveScoring, TemplateLM):
         max_gen_toks: Default token budget of ``generate_until`` when a task sets none.
         allow_extrapolation: Accept ``loops`` above the checkpoint's ``arch.max_loops``.
         fold: ``true`` scores and generates with each k's conditioning constants computed once
-            (:func:`~elr_lightning.serving.serving_model`: the same scores to fp32 round-off,
+            (:func:`~elr_lightning.inference.fold.serving_model`: the same scores to fp32 round-off,
             faster), ``false`` runs the conditioner per forward pass; unset follows
             ``model.serve_folded`` (on).
         max_batch_size: Accepted for the harness's CLI, unused (no automatic batch size).
@@ -435,7 +412,7 @@ class ELRLM(AdaptiveScoring, TemplateLM):
         seed: Optional[int] = None,
         **unused: Any,
     ) -> list[str]:
-        """One padded batch through :func:`~elr_lightning.generation.stream_generate`, cut at stop strings.
+        """One padded batch through :func:`~elr_lightning.inference.generate.stream_generate`, cut at stop strings.
 
         Contexts are cut from the left to leave room for ``max_gen_toks`` tokens; decoding stops
         once every sequence has produced a stop string (or EOS), or after ``max_gen_toks`` tokens.

@@ -1,8 +1,8 @@
 """Adaptive depth in the lm-eval adapter (``loops=auto``): its settings, its scoring, the loops it counts.
 
 At ``loops="auto"`` each context is prefilled at the budget ``max_loops`` into a slot of a
-:class:`~elr_lightning.decode.Decoder`, and each continuation token is then decoded at its own
-depth (:class:`~elr_lightning.decode.AdaptiveDepth`: it leaves the recurrent block once its exit
+:class:`~elr_lightning.inference.decode.Decoder`, and each continuation token is then decoded at its own
+depth (:class:`~elr_lightning.inference.decode.AdaptiveDepth`: it leaves the recurrent block once its exit
 criterion holds), so the scores are those of ``elr generate --loops auto`` over the same tokens.
 The loops of the scored tokens are counted, for the mean loops per token ``elr eval`` reports.
 """
@@ -15,14 +15,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from elr_lightning.decode import AdaptiveDepth, Decoder, Depth
+from elr_lightning.inference.decode import AdaptiveDepth, Decoder, Depth
 
 
 class AdaptiveScoring:
     """The ``loops="auto"`` part of :class:`~elr_lightning.eval.adapter.ELRLM`, a base class of it.
 
     Contract: the class that derives from it sets ``model`` (the looped LM), ``policy`` (a
-    :class:`~elr_lightning.cache.KVCache` class), ``autocast_dtype``, ``fold`` and ``loops`` (k or
+    :class:`~elr_lightning.inference.cache.KVCache` class), ``autocast_dtype``, ``fold`` and ``loops`` (k or
     ``"auto"``), and calls :meth:`_setup_adaptive` once while it sets up.
 
     Attributes:
@@ -45,7 +45,7 @@ class AdaptiveScoring:
 
     @property
     def depth(self) -> Depth:
-        """What ``loops`` decodes at: k, or :class:`~elr_lightning.decode.AdaptiveDepth` for ``"auto"``."""
+        """What ``loops`` decodes at: k, or :class:`~elr_lightning.inference.decode.AdaptiveDepth` for ``"auto"``."""
         if self.loops == "auto":
             return AdaptiveDepth(self.max_loops, self.threshold, self.exit_criterion)
         return self.loops

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, Literal, Optional
@@ -30,11 +31,11 @@ from typing import Any, Literal, Optional
 import torch
 
 from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
-from elr_lightning.checkpoint_io import save_figure, write_file
+from elr_lightning.files import print_written, refuse_to_replace, save_figure, write_file
 from elr_lightning.errors import refuse_unread_flags
-from elr_lightning.loop_points import auto_label, parse_thresholds
-from elr_lightning.tokenizer_checkpoint import choose_tokenizer
-from elr_lightning.trust import add_trust_argument, apply_trust_argument
+from elr_lightning.loop_points import auto_label, check_loops, parse_thresholds
+from elr_lightning.checkpoints.tokenizer import choose_tokenizer
+from elr_lightning.checkpoints.trust import add_trust_argument, apply_trust_argument
 
 def eval_parser() -> CommandParser:
     """The parser of ``elr eval``."""
@@ -74,10 +75,22 @@ def eval_parser() -> CommandParser:
     p.add_argument("--include_path", type=Optional[str], default=None, help="Extra folder of task YAMLs.")
     p.add_argument("--data_dir", type=Optional[str], default=None, help="Local task data (built there if missing).")
     p.add_argument("--output_dir", type=str, default="eval", help="Folder for the JSON results and the PNG.")
+    add_switch(p, "--overwrite", False, "Replace the result files of an earlier elr eval in --output_dir.")
     p.add_argument("--log_dir", type=Optional[str], default=None, help="TensorBoard log folder.")
     p.add_argument("--seed", type=int, default=0, help="Seed of the harness's samplers and of sampled generation.")
     add_trust_argument(p)
     return p
+
+
+#: The files an ``elr eval`` writes into ``--output_dir`` (harness tasks and depth tasks).
+RESULT_FILES = re.compile(r"^(summary\.json|results_.+\.json|accuracy_vs_k\.png|reasoning_vs_k\.png|depth_heatmap\.png)$")
+
+
+def earlier_results(output_dir: str) -> list[str]:
+    """The result files of an earlier ``elr eval`` in ``output_dir`` (:data:`RESULT_FILES`), sorted."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(name for name in os.listdir(output_dir) if RESULT_FILES.match(name))
 
 
 def eval_command(argv: list[str]) -> None:
@@ -95,9 +108,11 @@ def run_eval(args: Any) -> dict[str, Any]:
     criterion = args.exit_criterion or "kl"
     if not os.path.exists(args.ckpt_path):
         raise FileNotFoundError(f"--ckpt_path: checkpoint {args.ckpt_path!r} does not exist")
+    refuse_to_replace("--output_dir", args.output_dir, earlier_results(args.output_dir), args.overwrite,
+                      "the earlier results")  # fmt: skip
     apply_trust_argument(args.trust_module)
     from elr_lightning.depth.evaluate import depth_task_of, run_depth_eval
-    from elr_lightning.generation import load_model
+    from elr_lightning.inference.generate import load_model
 
     loaded = None
     if args.tasks in (None, "depth"):
@@ -109,10 +124,12 @@ def run_eval(args: Any) -> dict[str, Any]:
             raise ValueError("--tasks depth: this checkpoint was not trained on a depth task (its tokenizer is no task's alphabet)")
     if args.difficulties is not None:
         raise ValueError("--difficulties is only read for a checkpoint trained on a depth task; drop it")
+    from elr_lightning.eval import LOCAL_GROUP, TASKS_DIR, require_harness
+
+    require_harness()
     from lm_eval.tasks import TaskManager
 
-    from elr_lightning.eval import LOCAL_GROUP, TASKS_DIR, ELRLM
-    from elr_lightning.eval.adapter import check_loops
+    from elr_lightning.eval import ELRLM
     from elr_lightning.eval.reasoning import by_difficulty
     from elr_lightning.reasoning.report import by_k, format_levels, plot_panels
 
@@ -164,12 +181,16 @@ def run_eval(args: Any) -> dict[str, Any]:
     levels = by_difficulty(summary)
     if levels:
         summary["reasoning"] = levels
-    _write_json(os.path.join(args.output_dir, "summary.json"), summary)
+    table = os.path.join(args.output_dir, "summary.json")
+    _write_json(table, summary)
     print(format_table(summary))
-    plot(summary, os.path.join(args.output_dir, "accuracy_vs_k.png"))
+    pictures = [os.path.join(args.output_dir, "accuracy_vs_k.png")]
+    plot(summary, pictures[0])
     if levels:
         print(format_levels(levels, loops))
-        plot_panels(by_k(levels), os.path.join(args.output_dir, "reasoning_vs_k.png"))
+        pictures.append(os.path.join(args.output_dir, "reasoning_vs_k.png"))
+        plot_panels(by_k(levels), pictures[-1])
+    print_written("eval", table, pictures)
     if args.log_dir:
         log_tensorboard(summary, args.log_dir)
     return summary

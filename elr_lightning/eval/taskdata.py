@@ -29,7 +29,7 @@ import sys
 from functools import lru_cache
 from typing import Any, Optional
 
-from elr_lightning.checkpoint_io import write_file
+from elr_lightning.files import write_file
 from elr_lightning.data import default_corpus_files, iter_documents
 
 FORMAT = 1

@@ -20,7 +20,6 @@ the export does not know.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import uuid
@@ -31,16 +30,17 @@ import torch
 from torch import Tensor
 
 from elr_lightning.arguments import CommandParser, add_switch, command_parser
-from elr_lightning.checkpoint_io import write_atomically
-from elr_lightning.checkpoint_schema import checked_arch, plugin_from_config
+from elr_lightning.files import new_file_mode, write_atomically
+from elr_lightning.checkpoints.schema import checked_arch, plugin_from_config
 from elr_lightning.conditioning import Conditioner, LoopConditioner
+from elr_lightning.errors import install_extra
 from elr_lightning.config import ModelConfig
+from elr_lightning.hf.config_json import read_json_object
 from elr_lightning.layers import Block
 from elr_lightning.mixers import Attention, GatedDeltaProduct, MoE, SwiGLU
 from elr_lightning.model import LoopedLM
-from elr_lightning.tokenizer_checkpoint import choose_tokenizer
 from elr_lightning.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
-from elr_lightning.trust import add_trust_argument, apply_trust_argument
+from elr_lightning.checkpoints.trust import add_trust_argument, apply_trust_argument
 from elr_lightning.updates import AdaptiveDelta, FixedDelta, NonRecurrent, Replace, Residual, StateUpdate
 
 #: ``ModelConfig`` fields the modeling file implements; a field outside it must keep its default.
@@ -81,7 +81,7 @@ def _hf():
         import transformers
     except ImportError as err:
         raise ImportError(
-            'Hugging Face export and import need transformers and safetensors; pip install "elr-lightning[hf]"'
+            f"Hugging Face export and import need transformers and safetensors; install them with {install_extra('hf')}"
         ) from err
     return transformers, safetensors.torch
 
@@ -313,6 +313,7 @@ def _write_export(model: LoopedLM, tokenizer: Tokenizer, config: Any, tensors: d
         str(out)
     )
     st.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out / "model.safetensors", new_file_mode())  # safetensors creates it 0600, whatever the umask
     package = Path(__file__).parent.parent
     for name, source in REMOTE_CODE.items():
         shutil.copyfile(package.joinpath(*source), out / name)
@@ -361,11 +362,37 @@ def place_export(new: Path, out: Path) -> None:
             (out / name).unlink()
 
 
+def _update_from_config(fields: dict[str, Any], source: str) -> StateUpdate:
+    """The state update ``config.json``'s ``state_update``, ``fixed_delta_beta`` and ``injection`` describe.
+
+    Raises:
+        ValueError: A key missing or of the wrong type or value, naming it, the file and the fix.
+    """
+    def bad(key: str, want: str) -> ValueError:
+        got = f"is {fields[key]!r}" if key in fields else "is missing"
+        return ValueError(f"{source}: {key} {got}; it must be {want} (as `elr export` writes it)")
+
+    rule = fields.get("state_update")
+    if not isinstance(rule, str) or rule not in UPDATE_RULES:
+        raise bad("state_update", f"one of {sorted(UPDATE_RULES)}")
+    if rule == "fixed_delta":
+        beta = fields.get("fixed_delta_beta")
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 < beta <= 1.0:
+            raise bad("fixed_delta_beta", "a number in (0, 1]")
+        return FixedDelta(float(beta))
+    if rule == "adaptive_delta":
+        injection = fields.get("injection", "sum")
+        if injection not in ("sum", "mean"):
+            raise bad("injection", "'sum' or 'mean'")
+        return AdaptiveDelta(injection=injection)
+    return UPDATE_RULES[rule]()
+
+
 def import_hf(directory: str | os.PathLike) -> Any:
     """Rebuild an :class:`~elr_lightning.module.ELRModule` from an export (weights bit for bit).
 
     The folder is data: ``config.json``'s ``elr_arch`` and ``conditioning`` are checked against
-    their schema before anything is built (:func:`~elr_lightning.checkpoint_schema.checked_arch`:
+    their schema before anything is built (:func:`~elr_lightning.checkpoints.schema.checked_arch`:
     plain data, layers only from trusted modules), and the weights are safetensors.
 
     Raises:
@@ -381,33 +408,37 @@ def import_hf(directory: str | os.PathLike) -> Any:
     for name in ("config.json", "model.safetensors"):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"--hf {str(directory)!r} has no {name}; give the directory `elr export` wrote")
-    fields = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    source = str(directory / "config.json")
+    fields = read_json_object(directory / "config.json", "use the one `elr export` wrote")
     if fields.get("model_type") != "elr":
         raise ValueError(f"--hf {str(directory)!r}: model_type is {fields.get('model_type')!r}, not 'elr'")
-    source = str(directory / "config.json")
     arch = ModelConfig(**checked_arch(fields.get("elr_arch"), "elr_arch", source))  # checked before a layer imports
-    rule = fields["state_update"]
-    if rule not in UPDATE_RULES:
-        raise ValueError(f"--hf config.json: state_update={rule!r} is not one of {sorted(UPDATE_RULES)}")
-    if rule == "fixed_delta":
-        update: StateUpdate = FixedDelta(fields["fixed_delta_beta"])
-    elif rule == "adaptive_delta":
-        update = AdaptiveDelta(injection=fields.get("injection", "sum"))
-    else:
-        update = UPDATE_RULES[rule]()
+    update = _update_from_config(fields, source)
     cond = fields.get("conditioning")
     conditioner = plugin_from_config(
         {"class_path": f"{LoopConditioner.__module__}.LoopConditioner", "init_args": cond}, Conditioner, "conditioning", source
     ) if cond else None
     module = ELRModule(arch=arch, update=update, conditioner=conditioner)
+    weights = directory / "model.safetensors"
+    try:
+        loaded = st.load_file(str(weights))
+    except Exception as err:  # safetensors raises its own SafetensorError for a damaged header
+        raise ValueError(f"--hf {str(weights)!r} is not a readable safetensors file ({err}); export it again") from None
     state = {}
-    for name, tensor in st.load_file(str(directory / "model.safetensors")).items():
+    for name, tensor in loaded.items():
         state[name.removeprefix("model.") if name.startswith("model.") else name.replace("lm_head.", "head.")] = tensor
-    if arch.tie_embeddings:
+    if arch.tie_embeddings and "embed.weight" in state:
         state["head.weight"] = state["embed.weight"]
     if conditioner is not None:
-        state[_ACTIVE_FLAG] = torch.tensor(bool(fields.get("conditioning_active", True)))
-    module.model.load_state_dict(state, strict=True)
+        active = fields.get("conditioning_active", True)
+        if not isinstance(active, bool):
+            raise ValueError(f"{source}: conditioning_active is {active!r}; it must be true or false (as `elr export` writes it)")
+        state[_ACTIVE_FLAG] = torch.tensor(active)
+    try:
+        module.model.load_state_dict(state, strict=True)
+    except RuntimeError as err:  # missing, unexpected or mis-shaped tensors
+        problem = " ".join(str(err).split())
+        raise ValueError(f"--hf {str(weights)!r} does not fit config.json's elr_arch ({problem[:300]}); export it again") from None
     if fields.get("elr_tokenizer") == "byte":
         module.tokenizer = ByteTokenizer()
     elif (directory / "tokenizer.json").is_file():
@@ -418,7 +449,7 @@ def import_hf(directory: str | os.PathLike) -> Any:
 def save_module_checkpoint(module: Any, path: str | os.PathLike, overwrite: bool = True) -> None:
     """Write ``module`` as a Lightning checkpoint that ``ELRModule.load_from_checkpoint`` reads (no optimizer).
 
-    The file is written atomically (:func:`~elr_lightning.checkpoint_io.write_atomically`).
+    The file is written atomically (:func:`~elr_lightning.files.write_atomically`).
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is false; it is left as it is.
@@ -455,15 +486,13 @@ def export_parser() -> CommandParser:
 
 def export_command(argv: list[str]) -> None:
     """``elr export --ckpt_path X --out DIR [--tokenizer T] [--overwrite]``."""
-    from elr_lightning.generation import load_model
+    from elr_lightning.inference.open import open_checkpoint
 
     args = export_parser().parse_args(argv)
     _hf()
     check_export_folder(Path(args.out), args.overwrite)
-    apply_trust_argument(args.trust_module)
-    model, module = load_model(args.ckpt_path)
-    tokenizer = choose_tokenizer(module.tokenizer, args.tokenizer, model.config.vocab_size)
-    out = export_hf(model, tokenizer, args.out, overwrite=args.overwrite)
+    opened = open_checkpoint(args.ckpt_path, args.trust_module, args.tokenizer)
+    out = export_hf(opened.model, opened.tokenizer, args.out, overwrite=args.overwrite)
     print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
 
 

@@ -21,9 +21,7 @@ learns its step from there. The conditioning heads (eq. 4) start at zero, so the
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -32,8 +30,9 @@ import torch
 from torch import Tensor
 
 from elr_lightning.arguments import CommandParser, add_switch, command_parser
-from elr_lightning.checkpoint_io import write_file
+from elr_lightning.files import refuse_to_replace, write_file
 from elr_lightning.config import ModelConfig
+from elr_lightning.hf.config_json import read_json_object
 from elr_lightning.hf.source_weights import SafetensorsWeights
 from elr_lightning.tokenizers import HFTokenizer
 
@@ -164,9 +163,7 @@ def read_hf_config(directory: Path) -> Any:
 
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"--hf {str(directory)!r} has no config.json; give a Hugging Face model folder")
-    raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    if not isinstance(raw, dict):
-        raise ValueError(f"--hf {str(directory)!r}: config.json holds a {type(raw).__name__}, not a model config")
+    raw = read_json_object(directory / "config.json", "give a Hugging Face model folder")
     if "auto_map" in raw:
         raise ValueError(
             f"--hf {str(directory)!r}: config.json has auto_map, which asks to run the model's own Python code; "
@@ -513,11 +510,7 @@ def retrofit_command(argv: list[str]) -> None:
     conditioner = {"d_cond": 64, "rank": 8}
     tokenizer = Path(args.tokenizer) if args.tokenizer is not None else directory / "tokenizer.json"
     ckpt, tok_out, yaml_out = out / "retrofit.ckpt", out / "tokenizer.json", out / "retrofit.yaml"
-    held = [path.name for path in (ckpt, tok_out, yaml_out) if os.path.lexists(path)]
-    if held and not args.overwrite:
-        raise FileExistsError(
-            f"--out {str(out)!r} already holds {', '.join(held)}; choose a new folder, or add --overwrite to replace them"
-        )
+    refuse_to_replace("--out", out, (ckpt.name, tok_out.name, yaml_out.name), args.overwrite)
     module = build_module(directory, split, args.max_loops, args.max_seq_len, tokenizer, conditioner, DTYPES[args.dtype])
     save_module_checkpoint(module, ckpt, overwrite=args.overwrite)
     write_file(tok_out, module.tokenizer.to_json(), overwrite=args.overwrite)

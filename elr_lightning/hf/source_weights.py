@@ -56,7 +56,7 @@ class SafetensorsWeights:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
                 outside = sorted({file for file in weight_map.values() if not _inside(file)})
                 self.files = {name: directory / file for name, file in weight_map.items()}
-            except (ValueError, KeyError, TypeError, AttributeError) as err:
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
                 raise ValueError(f"--hf: {str(index)!r} is not a safetensors index ({err}); download it again") from err
             if outside:
                 raise ValueError(

@@ -214,7 +214,7 @@ class _Mixer(nn.Module):
         """A copy computing ``gate * self(pre @ h + shift)``, for serving at a fixed loop count.
 
         ``pre`` ``[d, d]``, ``shift`` ``[d]`` and ``gate`` ``[d]`` are in float64 (see
-        :mod:`elr_lightning.serving`). The default multiplies ``pre`` and ``shift`` into every Linear
+        :mod:`elr_lightning.inference.fold`). The default multiplies ``pre`` and ``shift`` into every Linear
         named in :attr:`fold_inputs` (which gain a bias) and ``gate`` into the rows of every Linear
         named in :attr:`fold_outputs`; it is exact when the mixer reads its input only through those
         maps and writes its output only through those. Override it otherwise.

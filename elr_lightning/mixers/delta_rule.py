@@ -163,7 +163,7 @@ def fla_unsupported(
         return "the tensors are not on CUDA"
     why = _fla_shapes_unsupported(q, k, v)
     if why is None and _fla_kernel() is None:
-        return "fla does not import (pip install 'elr-lightning[fla]')"
+        return "fla does not import (install the fla extra)"
     return why
 
 

@@ -286,7 +286,7 @@ class MoE(ChannelMixer):
         Folding the pre-map into the router and every expert's up-projection, and the gate into
         every expert's down-projection, would copy all E experts once per loop (k times the layer's
         largest weights) and give each expert a bias its dispatch does not take, to save what
-        :func:`~elr_lightning.serving.serving_model` already keeps small: decoding with the
+        :func:`~elr_lightning.inference.fold.serving_model` already keeps small: decoding with the
         constants and shared weights ran at 0.97x (k = 1) and 1.03x (k = 4) of the same model's
         decode rate without conditioning, the op sequence a weight fold would run
         (``bench/moe.py --only decode``, CPU, d = 256, 16 experts, top-2).

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Union
 
 from typing_extensions import override
 
-from elr_lightning.checkpoint_io import write_atomically
+from elr_lightning.files import write_atomically
 from elr_lightning.data import TextDataModule
 from elr_lightning.reasoning.generators import GENERATORS, check_seed, parse_levels, training_instances
 

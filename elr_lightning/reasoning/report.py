@@ -16,7 +16,7 @@ from __future__ import annotations
 from statistics import mean
 from typing import Any, Optional
 
-from elr_lightning.checkpoint_io import save_figure
+from elr_lightning.files import save_figure
 
 from elr_lightning.reasoning.generators import GENERATORS
 

@@ -14,7 +14,8 @@ drops the request at its next step.
 
 Endpoints: ``POST /v1/completions`` (``prompt``, ``max_tokens``, ``temperature``, ``top_p``,
 ``stop``, ``stream``, ``seed``, ``loops`` (k or ``"auto"``), and for ``"auto"`` ``max_loops``,
-``threshold`` and ``exit_criterion``), ``GET /v1/models`` (the loop counts served and their
+``threshold`` and ``exit_criterion``), ``POST /v1/chat/completions`` (``messages`` through the chat template,
+then the same fields; :mod:`elr_lightning.serve.chat`), ``GET /v1/models`` (the loop counts served and their
 relative cost D_eff(k) / D_eff(1), eq. 1) and LitServe's ``GET /health``. The ``usage`` block
 reports ``loops_per_token`` (the recurrent loops each completion token took) and their mean.
 
@@ -43,11 +44,14 @@ from litserve.loops.continuous_batching_loop import ContinuousBatchingLoop, Outp
 from litserve.specs.base import LitSpec
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 from typing_extensions import override
 
 from elr_lightning.config import ModelConfig
-from elr_lightning.decode import AdaptiveDepth, Depth
+from elr_lightning.inference.decode import AdaptiveDepth, Depth
+from elr_lightning.serve.chat import ChatError, ChatTemplate, PreRead, chat_response, completion_body
 from elr_lightning.serve.engine import CompletionRequest, DecodeEngine
+from elr_lightning.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from elr_lightning.tokenizers import Tokenizer
 
 
@@ -93,14 +97,48 @@ class Cancel:
 class RequestError(Exception):
     """A request the server refuses: HTTP ``status`` with an OpenAI error body naming ``param``."""
 
-    def __init__(self, message: str, param: Optional[str], status: int = 400) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: Optional[str],
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: Optional[str] = None,
+    ) -> None:
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.kind, self.code = param, status, kind, code
 
     def response(self) -> JSONResponse:
         """The OpenAI-style error body, with the HTTP ``status``."""
-        body = {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": None}}
-        return JSONResponse(body, status_code=self.status)
+        return error_response(str(self), self.kind, self.status, self.param, self.code)
+
+
+def error_response(
+    message: str, kind: str, status: int, param: Optional[str] = None, code: Optional[str] = None
+) -> JSONResponse:
+    """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}`` with HTTP ``status``."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body's JSON, refused with a :class:`RequestError` naming the problem.
+
+    Nesting deeper than Python's recursion limit and an integer longer than Python converts
+    (``sys.get_int_max_str_digits``) are a 400 naming the problem, not a server error.
+    """
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RequestError(f"the request body is not valid JSON ({err}); send a JSON object", "body") from err
+    except RecursionError as err:
+        raise RequestError("the request body nests arrays or objects too deeply; send a flat JSON object", "body") from err
+    except ValueError as err:  # an integer of more digits than Python converts
+        raise RequestError(f"the request body cannot be read ({_first_line(err)}); send smaller numbers", "body") from err
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def relative_costs(config: ModelConfig, loops_max: int) -> dict[str, float]:
@@ -124,6 +162,9 @@ class CompletionsSpec(LitSpec):
         max_context: Most positions (prompt plus ``max_tokens``) a request may take: the cache's length;
             ``None`` for ``arch.max_seq_len``.
         max_request_bytes: Largest request body read.
+        body_timeout_s: Seconds a client has to send its whole body; a slower one gets a 408.
+        chat_template: Renders ``/v1/chat/completions`` messages into a prompt; without one that endpoint
+            answers 400.
     """
 
     def __init__(
@@ -134,16 +175,20 @@ class CompletionsSpec(LitSpec):
         loops_default: Union[int, Literal["auto"]],
         loops_max: int,
         max_context: Optional[int] = None,
-        max_request_bytes: int = 4 << 20,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+        chat_template: Optional[ChatTemplate] = None,
     ) -> None:
         super().__init__()
         self.config, self.tokenizer, self.model_name = config, tokenizer, model_name
         self.loops_default, self.loops_max = loops_default, loops_max
         self.max_context = config.max_seq_len if max_context is None else max_context
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes, self.body_timeout_s = max_request_bytes, body_timeout_s
         self.api_path = "/v1/completions"
         self.add_endpoint(self.api_path, self.completions, ["POST"])
         self.add_endpoint("/v1/models", self.models, ["GET"])
+        self.chat_template = chat_template
+        self.add_endpoint("/v1/chat/completions", self.chat_completions, ["POST"])
 
     @property
     @override
@@ -180,10 +225,7 @@ class CompletionsSpec(LitSpec):
 
     def parse(self, raw: bytes) -> tuple[CompletionBody, CompletionRequest]:
         """Validate a request body; raise :class:`RequestError` naming the first bad field."""
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise RequestError(f"the request body is not valid JSON ({err}); send a JSON object", "body") from err
+        data = parse_json(raw)
         if not isinstance(data, dict):
             raise RequestError("the request body must be a JSON object", "body")
         try:
@@ -192,10 +234,15 @@ class CompletionsSpec(LitSpec):
             first = err.errors()[0]
             param = str(first["loc"][0]) if first["loc"] else "body"
             raise RequestError(f"{param}: {first['msg']}", param) from err
+        if body.model is not None and body.model != self.model_name:  # as OpenAI answers an unknown model
+            raise RequestError(
+                f"The model `{body.model}` does not exist; this server serves `{self.model_name}` (GET /v1/models)",
+                "model", 404, code="model_not_found",
+            )
         loops = self.depth(body)
         try:
             ids = tuple(self.tokenizer.encode(body.prompt))
-        except ValueError as err:  # a character the model's alphabet lacks (CharTokenizer)
+        except ValueError as err:  # a character the model's alphabet lacks, or the tokenizer failed on the text
             raise RequestError(f"prompt: {err}", "prompt") from err
         need = len(ids) + body.max_tokens - 1
         if need > self.max_context:
@@ -223,16 +270,32 @@ class CompletionsSpec(LitSpec):
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_big
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(
+                f"the request body did not arrive within {self.body_timeout_s:g} s (elr serve --body_timeout); "
+                "send the whole body at once",
+                "body",
+                408,
+            ) from None
+        except ClientDisconnect:
+            log.info("a client disconnected before sending its whole request body (%d bytes read)", sum(map(len, chunks)))
+            raise RequestError("the client disconnected before sending its whole body", "body", 499) from None
         return b"".join(chunks)
 
     def depth(self, body: CompletionBody) -> Depth:
-        """The request's depth: its k, or :class:`~elr_lightning.decode.AdaptiveDepth` for ``"auto"``
+        """The request's depth: its k, or :class:`~elr_lightning.inference.decode.AdaptiveDepth` for ``"auto"``
         (the server's ``loops_default`` when it gives none)."""
         loops = self.loops_default if body.loops is None else body.loops
         if loops != "auto":
@@ -273,11 +336,11 @@ class CompletionsSpec(LitSpec):
                 if not answer.done() and await request.is_disconnected():
                     answer.cancel()
                     self.cancel(uid)
-                    return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled"}}, 499)
+                    return error_response("client disconnected", "cancelled", 499)
         finally:
             self.response_buffer.pop(uid, None)  # done or client gone: later pieces are dropped
-        if answer.result() is None:
-            return JSONResponse({"error": {"message": "inference failed", "type": "server_error"}}, 500)
+        if isinstance(answer.result(), JSONResponse):
+            return answer.result()
         text, finish, loops = answer.result()
         return {
             **head,
@@ -285,6 +348,17 @@ class CompletionsSpec(LitSpec):
             "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
             "usage": _usage(job, loops),
         }
+
+    async def chat_completions(self, request: Request) -> Any:
+        """``POST /v1/chat/completions``: the messages rendered by the chat template, then :meth:`completions`."""
+        try:
+            raw = await self.read_body(request)
+            prompt_body = await asyncio.to_thread(completion_body, raw, self.chat_template)
+        except RequestError as err:
+            return err.response()
+        except ChatError as err:
+            return RequestError(str(err), err.param).response()
+        return chat_response(await self.completions(PreRead(request, prompt_body)))
 
     def cancel(self, uid: str) -> None:
         """Tell the inference worker that request ``uid``'s client went away (see the module docstring)."""
@@ -297,12 +371,11 @@ class CompletionsSpec(LitSpec):
         finished = False
         try:
             async for data, status in pieces:
-                if status == LitAPIStatus.ERROR:
+                piece = None if status == LitAPIStatus.ERROR else json.loads(data)
+                if piece is None or "error" in piece:
                     finished = True
-                    error = {"error": {"message": "inference failed", "type": "server_error"}}
-                    yield "data: " + json.dumps(error) + "\n\n"
+                    yield "data: " + bytes(_failure(piece).body).decode() + "\n\n"
                     return
-                piece = json.loads(data)
                 loops += [piece["loops"]] if piece["loops"] else []
                 finished = piece["finish_reason"] is not None
                 choice = {"text": piece["text"], "index": 0, "logprobs": None, "finish_reason": piece["finish_reason"]}
@@ -317,24 +390,32 @@ class CompletionsSpec(LitSpec):
                 self.cancel(uid)
 
 
-async def _collect(pieces: AsyncIterator) -> Optional[tuple[str, Optional[str], list[int]]]:
-    """The text, finish reason and loops per token of a whole completion; ``None`` if inference failed."""
+def _failure(piece: Optional[dict[str, Any]]) -> JSONResponse:
+    """The 500 of a request that failed: alone (``piece`` names why) or with its whole step (``None``)."""
+    if piece is None:
+        return error_response("inference failed for every request in the step", "server_error", 500)
+    return error_response(f"inference failed for this request: {piece['error']}", "server_error", 500)
+
+
+async def _collect(pieces: AsyncIterator) -> Union[tuple[str, Optional[str], list[int]], JSONResponse]:
+    """The text, finish reason and loops per token of a whole completion, or the error response if it failed."""
     text, finish, loops = [], None, []
     async for data, status in pieces:
-        if status == LitAPIStatus.ERROR:
-            return None
-        piece = json.loads(data)
+        piece = None if status == LitAPIStatus.ERROR else json.loads(data)
+        if piece is None or "error" in piece:
+            return _failure(piece)
         text.append(piece["text"])
         finish = piece["finish_reason"]
         loops += [piece["loops"]] if piece["loops"] else []
     return "".join(text), finish, loops
 
 
-def _depth_json(depth: Depth) -> Union[int, dict[str, Any]]:
+def _depth_json(depth: Depth) -> dict[str, Any]:
+    """The response's ``loops``: one object for a fixed k and for ``auto`` (the unused fields ``null``)."""
     if isinstance(depth, AdaptiveDepth):
         return {"loops": "auto", "max_loops": depth.max_loops, "threshold": depth.threshold,
                 "exit_criterion": depth.criterion}
-    return depth
+    return {"loops": depth, "max_loops": depth, "threshold": None, "exit_criterion": None}
 
 
 def _usage(job: CompletionRequest, loops: list[int]) -> dict[str, Any]:
@@ -389,7 +470,7 @@ class ELRServeAPI(ls.LitAPI):
 
     @override
     def setup(self, device: str) -> None:
-        from elr_lightning.generation import load_model
+        from elr_lightning.inference.generate import load_model
 
         torch.set_flush_denormal(True)
         if not log.handlers:  # the worker is a fresh process: its log goes to the server's stderr
@@ -428,7 +509,8 @@ class ELRServeAPI(ls.LitAPI):
     def step(self, prev_outputs: Optional[list[Output]]) -> list[Output]:
         """One engine step: every request's new text, then a finish marker for each that ended.
 
-        If the step fails, the engine drops every request and the pending cancellation notes are
+        A request that fails alone (see :class:`DecodeEngine`) gets a piece carrying its ``error`` and
+        is finished; the others go on. If the whole step fails, the engine drops every request and the pending cancellation notes are
         forgotten before the error reaches LitServe's loop, which answers all requests in flight (the
         notes' ids among them) with an error and stops tracking them; the server then serves new ones.
         A note kept past that point would be reported finished at the next step under an id the loop
@@ -445,10 +527,14 @@ class ELRServeAPI(ls.LitAPI):
         for event in events:
             piece = {"text": event.text, "finish_reason": event.finish_reason,
                      "completion_tokens": event.completion_tokens, "loops": event.loops}
+            if event.error is not None:
+                piece["error"] = event.error
+                log.warning("request %s failed alone after %d tokens: %s", event.uid, event.completion_tokens, event.error)
+            elif event.finish_reason is not None:
+                log.info("request %s: %s after %d tokens", event.uid, event.finish_reason, event.completion_tokens)
             outputs.append(Output(event.uid, piece, LitAPIStatus.OK))
             if event.finish_reason is not None:
                 outputs.append(Output(event.uid, "", LitAPIStatus.FINISH_STREAMING))
-                log.info("request %s: %s after %d tokens", event.uid, event.finish_reason, event.completion_tokens)
         return outputs
 
     @override

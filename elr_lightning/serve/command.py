@@ -11,10 +11,11 @@ from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
 from elr_lightning.arguments import CommandParser, add_loops, command_parser
-from elr_lightning.checkpoint_io import is_sharded_checkpoint, read_sharded_checkpoint, verify_checkpoint_path
-from elr_lightning.checkpoint_schema import checked_arch
+from elr_lightning.checkpoints.io import is_sharded_checkpoint, read_sharded_checkpoint, verify_checkpoint_path
+from elr_lightning.errors import install_extra
 from elr_lightning.config import ModelConfig
-from elr_lightning.safe_load import read_checkpoint
+from elr_lightning.checkpoints.safe_load import read_checkpoint
+from elr_lightning.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from elr_lightning.serve.memory import (
     available_bytes,
     check_fits,
@@ -24,12 +25,9 @@ from elr_lightning.serve.memory import (
     resolve_accelerator,
     serving_memory,
 )
-from elr_lightning.tokenizer_checkpoint import checkpoint_tokenizer, choose_tokenizer
+from elr_lightning.checkpoints.tokenizer import checkpoint_tokenizer, choose_tokenizer
 from elr_lightning.tokenizers import Tokenizer
-from elr_lightning.trust import add_trust_argument, apply_trust_argument
-
-#: Default ``--max_request_bytes``: 4 MiB, room for a 131,072-token prompt of plain text.
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+from elr_lightning.checkpoints.trust import add_trust_argument, apply_trust_argument
 
 
 def serve_parser() -> CommandParser:
@@ -67,6 +65,16 @@ def serve_parser() -> CommandParser:
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="Largest request body accepted; a larger one gets a 413 before it is read.",
     )
+    parser.add_argument(
+        "--body_timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="Seconds a client has to send its whole request body; a slower one gets a 408.",
+    )
+    parser.add_argument(
+        "--chat_template", type=Optional[str], default=None,
+        help="Jinja chat template file (e.g. an export's chat_template.jinja) for /v1/chat/completions.",
+    )  # fmt: skip
     parser.add_argument("--accelerator", type=str, default="auto", help="LitServe accelerator: auto, cpu or cuda.")
     parser.add_argument("--dtype", type=Literal["float32", "bfloat16"], default="float32", help="Autocast dtype.")
     parser.add_argument(
@@ -96,28 +104,25 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-def checkpoint_arch(raw: Mapping[str, Any], ckpt_path: str) -> ModelConfig:
-    """The :class:`ModelConfig` saved in a loaded Lightning checkpoint's hyperparameters.
-
-    Raises:
-        ValueError: The checkpoint holds no ELRModule hyperparameters.
-        CheckpointConfigError: Its ``arch`` breaks the schema (:func:`~elr_lightning.checkpoint_schema.checked_arch`).
-        UntrustedModuleError: Its ``arch`` names a layer of a module that is not trusted.
-    """
-    hparams = raw.get("hyper_parameters")
-    if not isinstance(hparams, Mapping):
-        raise ValueError(f"checkpoint {ckpt_path!r} has no hyper_parameters; use one written by `elr fit`")
-    saved = raw.get("elr")
-    arch = saved.get("arch") if isinstance(saved, Mapping) and saved.get("arch") else hparams.get("arch")
-    if arch is None:
-        return ModelConfig()
-    field = "elr.arch" if isinstance(saved, Mapping) and saved.get("arch") else "hyper_parameters.arch"
-    return ModelConfig(**checked_arch(arch, field, ckpt_path))
-
-
 def serving_tokenizer(raw: Mapping[str, Any], override: Optional[str], config: ModelConfig) -> Tokenizer:
     """The tokenizer to serve with: ``--tokenizer`` if given, else the checkpoint's, else bytes."""
     return choose_tokenizer(checkpoint_tokenizer(raw), override, config.vocab_size)
+
+
+def without_broken_mcp() -> None:
+    """Keep LitServe's MCP endpoint off unless LitServe can build it.
+
+    LitServe 0.2.19 turns the endpoint on when the ``mcp`` package is importable but defines its server
+    class only when ``fastmcp`` is, so with ``mcp`` alone (vLLM requires ``mcp>=2``: the ``vllm`` extras
+    install it) every server fails at start with ``NameError: name 'MCPServer' is not defined``.
+    ``elr serve`` uses no MCP. The HTTP workers are forked from this process and inherit the setting.
+    """
+    import importlib.util
+
+    import litserve.server
+
+    if importlib.util.find_spec("fastmcp") is None:
+        litserve.server._MCP_AVAILABLE = False
 
 
 def serve_command(argv: list[str]) -> None:
@@ -137,21 +142,26 @@ def serve_command(argv: list[str]) -> None:
     try:
         import litserve as ls
     except ImportError as err:
-        raise ImportError('elr serve needs LitServe; install it with pip install "elr-lightning[serve]"') from err
-    from elr_lightning.generation import load_model
+        raise ImportError(f"elr serve needs LitServe; install it with {install_extra('serve')}") from err
+    from elr_lightning.inference.generate import load_model
     from elr_lightning.serve.api import CompletionsSpec, ELRServeAPI
+    from elr_lightning.serve.chat import ChatTemplate, special_texts
 
     apply_trust_argument(args.trust_module)  # exported: the workers inherit it
+    if args.log_level not in ("debug", "trace"):
+        # A request that makes the tokenizer's Rust code panic is answered alone (a 400); the panic hook's
+        # message still goes to stderr, but without a stack trace per request.
+        os.environ["RUST_BACKTRACE"] = "0"
     verify_checkpoint_path(args.ckpt_path, "--ckpt_path")
     if is_sharded_checkpoint(args.ckpt_path):
         raw = read_sharded_checkpoint(args.ckpt_path, weights=False)
     else:
         raw = read_checkpoint(args.ckpt_path)
-    # Every check of the workers' load (plug-ins, tensor names and shapes), on the meta device, before any starts.
-    load_model(args.ckpt_path, meta=True)
+    # Every check of the workers' load (plug-ins, tensor names and shapes), on the meta device, before any starts;
+    # the architecture is the one the workers build (hyper_parameters.arch, checked against elr.arch there).
+    config = load_model(args.ckpt_path, meta=True)[0].config
     if not isinstance(raw, Mapping):
         raise ValueError(f"--ckpt_path {args.ckpt_path!r} is not a Lightning checkpoint")
-    config = checkpoint_arch(raw, args.ckpt_path)
     tokenizer = serving_tokenizer(raw, args.tokenizer, config)
     params = checkpoint_parameters(raw, config)
     del raw
@@ -170,6 +180,8 @@ def serve_command(argv: list[str]) -> None:
         raise ValueError(f"--max_batch_size {args.max_batch_size} must be >= 1")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max_request_bytes {args.max_request_bytes} must be >= 1")
+    if not 0 < args.body_timeout < float("inf"):
+        raise ValueError(f"--body_timeout {args.body_timeout} must be a number of seconds > 0")
     max_context = default_max_context(config) if args.max_context is None else args.max_context
     if not 1 <= max_context <= config.max_seq_len:
         raise ValueError(f"--max_context {max_context} must be in 1..arch.max_seq_len ({config.max_seq_len})")
@@ -178,8 +190,13 @@ def serve_command(argv: list[str]) -> None:
     accelerator = resolve_accelerator(args.accelerator)
     check_fits(memory, available_bytes(accelerator), accelerator)
     name = os.path.splitext(os.path.basename(args.ckpt_path))[0]
-    spec = CompletionsSpec(config, tokenizer, name, loops_default, loops_max, max_context, args.max_request_bytes)
+    chat = None if args.chat_template is None else ChatTemplate.from_file(args.chat_template, *special_texts(tokenizer))
+    spec = CompletionsSpec(
+        config, tokenizer, name, loops_default, loops_max, max_context, args.max_request_bytes, args.body_timeout,
+        chat_template=chat,
+    )
     api = ELRServeAPI(args.ckpt_path, spec, args.kv_cache, args.max_batch_size, args.dtype, args.log_level)
+    without_broken_mcp()
     server = ls.LitServer(api, accelerator=args.accelerator, devices=1, workers_per_device=1, timeout=False)
 
     main_pid = os.getpid()

@@ -1,16 +1,22 @@
 """The serving engine: continuous batching over slots, each request at its own loop count k, or adaptive.
 
 A :class:`DecodeEngine` keeps up to ``max_batch_size`` requests in the slots of one
-:class:`~elr_lightning.decode.Decoder`. Every :meth:`DecodeEngine.step` decodes one token for every
+:class:`~elr_lightning.inference.decode.Decoder`. Every :meth:`DecodeEngine.step` decodes one token for every
 running request in one step whatever their k (rows are gathered per depth and scattered back, so a
 step costs sum(k) row-loops, DESIGN §7), then prefills waiting requests into the slots that are
 free. A finished or cancelled request frees its slot at once; a waiting request takes it in the
 same step. Memory stays bounded: the cache holds ``max_batch_size`` rows of ``max_len`` positions
 whatever the traffic.
 
+A request that fails fails alone. Its sampling, detokenising and prefill run per row, and an
+error there ends that request with ``finish_reason="error"``; a decode step that fails is run again
+row by row (the failed pass's recurrent-state writes discarded first, its key/value writes
+overwritten), so only the rows that fail on their own are ended. Only a step in which every row
+fails alone raises, for the caller to :meth:`DecodeEngine.reset`.
+
 Every row samples with its own ``torch.Generator`` seeded from the request, through the same
-:func:`~elr_lightning.generation.sample_next` and the same decoder as
-:func:`~elr_lightning.generation.generate`, so a request's tokens are those of ``elr generate`` for
+:func:`~elr_lightning.inference.generate.sample_next` and the same decoder as
+:func:`~elr_lightning.inference.generate.generate`, so a request's tokens are those of ``elr generate`` for
 its prompt, k and seed. Batching changes only the fp32 round-off of the products and of the masked
 attention over the longest row (measured below 1e-5 on the logits), which can move a sample only
 at a near tie.
@@ -22,13 +28,13 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from elr_lightning.cache import PolicyLike
-from elr_lightning.decode import Decoder, Depth, budget
-from elr_lightning.generation import sample_next
+from elr_lightning.inference.cache import PolicyLike
+from elr_lightning.inference.decode import Decoder, Depth, budget
+from elr_lightning.inference.generate import sample_next
 from elr_lightning.model import LoopedLM
 from elr_lightning.tokenizers import IncrementalDecoder, Tokenizer
 
@@ -39,7 +45,7 @@ class CompletionRequest:
 
     Attributes:
         prompt_ids: The prompt's token ids (non-empty).
-        loops: Loop count k, or an :class:`~elr_lightning.decode.AdaptiveDepth` for per-token depth.
+        loops: Loop count k, or an :class:`~elr_lightning.inference.decode.AdaptiveDepth` for per-token depth.
         max_tokens: Most tokens to generate (>= 1).
         temperature: Softmax temperature; 0 is greedy.
         top_p: Nucleus mass in (0, 1], or ``None`` for none.
@@ -64,9 +70,11 @@ class Event:
         uid: The request's id.
         text: Newly final text (possibly empty).
         finish_reason: ``"stop"`` (a stop string or EOS), ``"length"`` (``max_tokens``),
-            ``"cancelled"`` (:meth:`DecodeEngine.cancel`), or ``None`` while the request runs.
+            ``"cancelled"`` (:meth:`DecodeEngine.cancel`), ``"error"`` (this request alone failed:
+            see ``error``), or ``None`` while the request runs.
         completion_tokens: Tokens generated so far.
         loops: The recurrent loops the token of this step took (0 when no token was made).
+        error: One line saying why the request failed, with ``finish_reason="error"``.
     """
 
     uid: str
@@ -74,6 +82,13 @@ class Event:
     finish_reason: Optional[str]
     completion_tokens: int
     loops: int = 0
+    error: Optional[str] = None
+
+
+def _one_line(err: BaseException) -> str:
+    """``err`` as one line: its type and the first line of its message."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 class _StopText:
@@ -91,13 +106,24 @@ class _StopText:
         hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
         if hits:
             return self._release(min(hits)), True
-        hold = 0
+        return self._release(len(self.text) - self._held()), False
+
+    def _held(self) -> int:
+        """Length of the longest tail of the text that begins some stop string (shorter than it).
+
+        Only the tails that start with the stop string's first character and end with the
+        character it has there are compared: a long stop string costs about the length of the text
+        it could still begin per token, not its square.
+        """
+        text, hold = self.text, 0
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:n]):
-                    hold = n
+            i = text.find(s[0], max(0, len(text) - len(s) + 1))
+            while i != -1 and len(text) - i > hold:
+                if s[len(text) - i - 1] == text[-1] and s.startswith(text[i:]):
+                    hold = len(text) - i
                     break
-        return self._release(len(self.text) - hold), False
+                i = text.find(s[0], i + 1)
+        return hold
 
     def flush(self) -> str:
         return self._release(len(self.text))
@@ -125,7 +151,7 @@ class DecodeEngine:
     Args:
         model: The looped LM, in eval mode.
         tokenizer: Decodes the generated ids to text; its ``eos_id`` ends a completion.
-        kv_cache: The KV-cache policy, as for :func:`~elr_lightning.generation.generate`.
+        kv_cache: The KV-cache policy, as for :func:`~elr_lightning.inference.generate.generate`.
         autocast_dtype: Run the model under ``torch.autocast`` with this dtype, or ``None``.
         max_batch_size: Slots: most requests decoded at once, all k together; more wait in a queue.
         max_len: Positions per slot (prompt plus generated tokens); ``None`` for ``arch.max_seq_len``.
@@ -216,29 +242,75 @@ class DecodeEngine:
             slots = list(self._rows)
             rows = [self._rows[s] for s in slots]
             tokens = torch.tensor([row.token for row in rows], device=self.device)
-            logits, used = self.decoder.step(slots, tokens, [row.request.loops for row in rows])
-            for i, slot in enumerate(slots):
-                events.append(self._sample(slot, logits[i], int(used[i])))
+            depths = [row.request.loops for row in rows]
+            try:
+                logits, used = self.decoder.step(slots, tokens, depths)
+            except Exception:
+                if len(slots) == 1:
+                    raise
+                events += self._step_rows_alone(slots, tokens, depths)
+            else:
+                for i, slot in enumerate(slots):
+                    events.append(self._sample(slot, logits[i], int(used[i])))
         while self._free:
             with self._lock:
                 if not self._queue:
                     break
-                uid, request = self._queue[0]  # only this thread takes from the queue
+                uid, request = self._queue.popleft()  # only this thread takes from the queue
+            events.append(self._admit(uid, request))
+        return events
+
+    def _step_rows_alone(self, slots: list[int], tokens: torch.Tensor, depths: list[Depth]) -> list[Event]:
+        """After a failed decode step: run each row alone, ending only the rows that fail alone.
+
+        Raises:
+            Exception: Every row failed alone (the model, not a request, is at fault): the first error.
+        """
+        results: list[Union[Exception, tuple[torch.Tensor, int]]] = []
+        for i, slot in enumerate(slots):
+            self.decoder.cache.discard()  # the failed pass's recurrent-state writes must not reach a commit
+            try:
+                logits, used = self.decoder.step([slot], tokens[i : i + 1], [depths[i]])
+                results.append((logits[0], int(used[0])))
+            except Exception as err:
+                results.append(err)
+        self.decoder.cache.discard()
+        if all(isinstance(result, Exception) for result in results):
+            raise results[0]
+        return [
+            self._fail(slot, result) if isinstance(result, Exception) else self._sample(slot, *result)
+            for slot, result in zip(slots, results)
+        ]
+
+    def _admit(self, uid: str, request: CompletionRequest) -> Event:
+        """Give a queued request a free slot and prefill its prompt; a failure ends this request alone."""
+        slot = self._free.pop()
+        try:
             seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()).item())
-            row = _Row(
+            self._rows[slot] = _Row(
                 uid,
                 request,
                 torch.Generator(device=self.device).manual_seed(seed),
                 IncrementalDecoder(self.tokenizer),
                 _StopText(request.stop),
             )
-            with self._lock:
-                self._queue.popleft()
-            slot = self._free.pop()
-            self._rows[slot] = row
             ids = torch.tensor(request.prompt_ids, device=self.device)
-            events.append(self._sample(slot, self.decoder.prefill(slot, ids, request.loops), budget(request.loops)))
-        return events
+            logits = self.decoder.prefill(slot, ids, request.loops)
+        except Exception as err:
+            self.decoder.cache.discard()
+            self.decoder.lengths[slot] = 0
+            self.decoder.cache.offset = max(self.decoder.lengths)
+            if slot not in self._rows:
+                self._free.append(slot)
+                return Event(uid, "", "error", 0, error=_one_line(err))
+            return self._fail(slot, err)
+        return self._sample(slot, logits, budget(request.loops))
+
+    def _fail(self, slot: int, err: BaseException) -> Event:
+        """End the request in ``slot`` alone, with ``err`` as its reason."""
+        event = self._release(slot, "error")
+        event.error = _one_line(err)
+        return event
 
     def _release(self, slot: int, reason: str) -> Event:
         row = self._rows.pop(slot)
@@ -246,21 +318,27 @@ class DecodeEngine:
         return Event(row.uid, "", reason, row.generated)
 
     def _sample(self, slot: int, logits: torch.Tensor, loops: int) -> Event:
+        """Sample and detokenise the next token of the request in ``slot``; a failure ends this request alone."""
         row = self._rows[slot]
         req = row.request
-        token = int(sample_next(logits[None], req.temperature, None, req.top_p, generator=row.generator)[0])
-        row.token = token
-        row.generated += 1
-        finish = None
-        at_eos = token == self.tokenizer.eos_id
-        text, stopped = ("", False) if at_eos else row.stop.feed(row.decoder.push(token))
-        if stopped:
-            finish = "stop"
-        elif at_eos or row.generated >= req.max_tokens:
-            # The completion ends here: release what the decoder and the stop matcher still hold back.
-            tail, stopped = row.stop.feed(row.decoder.flush())
-            text += tail if stopped else tail + row.stop.flush()
-            finish = "stop" if stopped or at_eos else "length"
+        try:
+            if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()):
+                raise ValueError("the model's logits for this request are NaN or +inf")
+            token = int(sample_next(logits[None], req.temperature, None, req.top_p, generator=row.generator)[0])
+            row.token = token
+            row.generated += 1
+            finish = None
+            at_eos = token == self.tokenizer.eos_id
+            text, stopped = ("", False) if at_eos else row.stop.feed(row.decoder.push(token))
+            if stopped:
+                finish = "stop"
+            elif at_eos or row.generated >= req.max_tokens:
+                # The completion ends here: release what the decoder and the stop matcher still hold back.
+                tail, stopped = row.stop.feed(row.decoder.flush())
+                text += tail if stopped else tail + row.stop.flush()
+                finish = "stop" if stopped or at_eos else "length"
+        except Exception as err:
+            return self._fail(slot, err)
         if finish is not None:
             self._rows.pop(slot)
             self._free.append(slot)

@@ -2,7 +2,7 @@
 
 The inference worker allocates one KV cache of ``--max_batch_size`` slots of ``--max_context``
 positions (every attention store the ``--kv_cache`` policy keeps up to ``--max_loops``, counted by
-:func:`~elr_lightning.cache.kv_cache_bytes`, as ``elr cost`` does), the recurrent state of any
+:func:`~elr_lightning.inference.cache.kv_cache_bytes`, as ``elr cost`` does), the recurrent state of any
 linear-attention layers, and the fp32 weights. :func:`serving_memory` counts them,
 :func:`available_bytes` asks the device what is free, and :func:`check_fits` refuses a server that
 cannot hold them, in one line naming the flags that shrink it.
@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from elr_lightning.cache import kv_cache_bytes, recurrent_state_bytes
+from elr_lightning.inference.cache import kv_cache_bytes, recurrent_state_bytes
 from elr_lightning.config import ModelConfig
 
 #: Default ``--max_context``: the checkpoint's ``arch.max_seq_len``, capped here.

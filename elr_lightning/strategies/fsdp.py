@@ -32,8 +32,8 @@ except ImportError:  # torch 2.4 and 2.5 (pyproject allows torch>=2.4) ship it u
     from torch.distributed._composable.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from elr_lightning.checkpoint_io import check_sharded_folder, read_sharded_meta
-from elr_lightning.safe_load import load_sharded, refusing_pickles
+from elr_lightning.checkpoints.io import check_sharded_folder, read_sharded_meta
+from elr_lightning.checkpoints.safe_load import load_sharded, refusing_pickles
 from elr_lightning.model import LoopedLM
 from elr_lightning.strategies.common import find_looped_lm, loop_dependent_parameters, verify_loop_schedule
 
@@ -150,6 +150,22 @@ def shard_looped_lm(
         root.set_reduce_scatter_unused_params(True)
 
 
+def evaluate_under_no_grad(trainer: "pl.Trainer") -> None:
+    """Make ``trainer`` validate, test and predict under ``torch.no_grad`` rather than ``torch.inference_mode``.
+
+    Lightning runs those loops under ``inference_mode`` unless the process group is gloo or the
+    strategy is its own ``FSDPStrategy`` (``lightning.pytorch.loops.utilities._no_grad_context``;
+    pytorch/pytorch#95957), and its ``ModelParallelStrategy``, this strategy's base, is not one. An
+    FSDP2 forward under ``inference_mode`` makes the buffers that the units gather into inference
+    tensors, and the next training forward fails ("Inplace update to inference tensor outside
+    InferenceMode"): on NCCL, a ``trainer.validate`` (or ``test``, ``predict``) before ``trainer.fit``
+    crashed the first training step. The loops' own ``inference_mode`` flag (``Trainer(inference_mode=False)``)
+    is what the choice falls back to; fit's validation (the sanity check included) already has it off.
+    """
+    for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        loop.inference_mode = False
+
+
 class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
     """FSDP2 (``fully_shard``) over all ranks for mixed-depth training; runs on CPU (gloo) and GPU.
 
@@ -180,6 +196,9 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
     strategy does not shard go to the accelerator as usual. On an accelerator the process group is
     ``<device>:<backend>,cpu:gloo`` (as torchtitan's), since gradient clipping and checkpoints run
     collectives on the CPU shards; an explicit ``process_group_backend`` wins.
+
+    Validation, testing and prediction run under ``torch.no_grad``, never ``torch.inference_mode``
+    (:func:`evaluate_under_no_grad`), as under Lightning's own ``FSDPStrategy``.
 
     Every rank must reduce-scatter the same parameters at every step, whatever k it runs. At setup
     the strategy probes the unsharded model at k = 1..``arch.max_loops`` (conditioner as it is and
@@ -268,6 +287,7 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        evaluate_under_no_grad(trainer)
         model = find_looped_lm(self.lightning_module)
         if not isinstance(model.core, FSDPModule):
             if not self.reduce_scatter_unused_params:
@@ -288,6 +308,13 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
                 # Offloaded shards live on the CPU (FSDP2 refuses them elsewhere).
                 model.to_empty(device="cpu" if self.cpu_offload else self.root_device)
                 self._init_shards(model)
+        else:
+            # Sharded by an earlier run of this trainer (``validate`` before ``fit``): FSDP2 keeps the
+            # root unit gathered after a forward without backward, so its parameters are the full
+            # tensors now, and an optimizer built on them would step copies that training never touches.
+            for unit in model.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.reshard()
         super().setup(trainer)
 
     @override
@@ -363,7 +390,7 @@ class OneLoopOverrideFSDPStrategy(ModelParallelStrategy):
         state, as in the run that wrote the checkpoint, so the resumed run continues exactly. The
         model's weights and the metadata load as in Lightning, as data: ``weights_only`` is ``True``
         unless given, a pickled object is refused in one line, a sharded folder's index is checked
-        before torch unpickles it, and its shards are read as data (:mod:`elr_lightning.safe_load`;
+        before torch unpickles it, and its shards are read as data (:mod:`elr_lightning.checkpoints.safe_load`;
         Lightning's own sharded load lets torch unpickle their non-tensor entries).
         """
         path = Path(self.broadcast(checkpoint_path))

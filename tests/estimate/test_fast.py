@@ -165,3 +165,13 @@ def test_worker_processes_trace_the_same_table(tmp_path: Path) -> None:
     shared = memory_report(_quickstart(tmp_path), workers=2, **common)
     assert [row["peak"] for row in shared["rows"]] == [row["peak"] for row in alone["rows"]]
     assert shared["verdict"] == alone["verdict"]
+
+
+def test_the_old_estimate_module_names_still_read_with_a_warning() -> None:
+    import elr_lightning.estimate as package
+    from elr_lightning.estimate import memory
+
+    with pytest.warns(DeprecationWarning, match="elr_lightning.estimate.memory.Setting"):
+        assert package.Setting is memory.Setting
+    with pytest.raises(AttributeError):
+        package.no_such_name  # noqa: B018
