@@ -485,7 +485,10 @@ def test_config_strategies_map_to_targets() -> None:
     assert estimate_target.target_of_config(config, 8, "ddp").cpu_offload is False
     four = _config("4b.yaml")
     target = estimate_target.target_of_config(four, 16)
-    assert (target.strategy, target.precision, target.gradient_clip_val) == ("ddp", "bf16-mixed", 1.0)
+    assert (target.strategy, target.precision, target.gradient_clip_val, target.accumulate_grad_batches) == (
+        "fsdp", "bf16-mixed", 1.0, 2
+    )
+    assert estimate_target.target_of_config(_config("gpt_0.5b.yaml"), 8).strategy == "ddp"  # OneLoopOverrideDDPStrategy
     assert estimate_target.target_of_config(_config("quickstart.yaml"), 1).strategy == "single"
     assert estimate_target.layout_of_config(four, 8, 2) == (8, 2)
 
