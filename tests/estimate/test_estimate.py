@@ -503,7 +503,9 @@ def test_gdp_layers_take_the_path_a_run_takes(monkeypatch) -> None:
     assert estimate.gdp_path("bf16-mixed", "cuda") == (False, "the PyTorch chunked path (fla does not import here)")
     monkeypatch.setattr(estimate, "_fla_kernel", lambda: print)
     assert estimate.gdp_path("bf16-mixed", "cuda")[0] is True
-    four = _config("4b.yaml")  # bf16-mixed, accelerator auto: this machine's device decides
+    four = _config("4b.yaml")  # bf16-mixed; with accelerator auto and kernels auto this machine's device decides
+    four["trainer"]["accelerator"] = "auto"
+    four["model"]["init_args"]["arch"]["mixers"]["gdp"]["init_args"]["kernels"] = "auto"
     fla, why = estimate_target.gdp_choice(four)
     assert fla is torch.cuda.is_available() and ("--gdp_kernels fla estimates a CUDA run" in why) is not fla
     assert estimate_target.gdp_choice(four, "fla") == (True, "fla's kernels (--gdp_kernels fla)")
