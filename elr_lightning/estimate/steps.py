@@ -4,8 +4,9 @@ A traced step (:func:`~elr_lightning.estimate.memory.traced_phases`) gives the p
 step: the forward and backward passes (``step``), and the update (``update``: clipping and the optimizer
 step). Within one backward setting and micro-batch, each phase's columns grow by the same bytes per loop
 from k = 3 on (every loop past the third adds the same saved activations; before, the moment of the peak
-may still move within the backward pass); ``tests/estimate/test_fast.py`` checks it at every k on small dense,
-hybrid and MoE configs under DDP and FSDP2. So the fast path (the default) traces k = 1, 2 and 3 and
+may still move within the backward pass); ``tests/estimate/test_fast.py`` checks it at every k on small dense
+and hybrid configs under DDP and FSDP2. A mixture of experts' step is not (its per-loop growth changes past
+k = 3 on the MoE quickstart), so a config with MoE layers has every k traced. So the fast path (the default) traces k = 1, 2 and 3 and
 extrapolates every larger k from the last two traced, phase by phase; ``--exact`` traces every step. The
 micro-batch search traces its first probe at the row's own k, probes the line through the two traced sizes
 (each phase on its own line) and traces the size it settles on: the micro-batch it reports and the rows at

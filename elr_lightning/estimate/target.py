@@ -217,12 +217,18 @@ def has_gdp(arch: dict[str, Any]) -> bool:
     return any("GatedDeltaProduct" in str((spec or {}).get("class_path", "")) for spec in (arch.get("mixers") or {}).values())
 
 
+def has_moe(arch: dict[str, Any]) -> bool:
+    """Whether a config's ``arch`` names a mixture-of-experts mixer (whose step the fast path does not extrapolate in k)."""
+    return any(str((spec or {}).get("class_path", "")).rsplit(".", 1)[-1] == "MoE" for spec in (arch.get("mixers") or {}).values())
+
+
 
 __all__ = [
     "accelerator_type",
     "gdp_choice",
     "geometry_of_config",
     "has_gdp",
+    "has_moe",
     "layout_of_config",
     "meta_builder",
     "target_of_config",
