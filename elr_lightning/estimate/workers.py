@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -27,9 +29,17 @@ _STACK: Optional[contextlib.ExitStack] = None
 _TRACE: Optional[Callable[[Setting], dict[str, StepMemory]]] = None
 
 
+def _exit_with(parent: int) -> None:
+    """Exit this worker once its parent is gone (killed without the chance to stop its workers)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
 def _start(config: dict[str, Any], path: str, conditioning: bool, target: Target) -> None:
     """A worker's initializer: the config's model on fake tensors, kept for the worker's life."""
     global _STACK, _TRACE
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     _STACK = contextlib.ExitStack()
     _TRACE = _STACK.enter_context(fake_training(meta_builder(config, path, conditioning), target, phases=True))
 
