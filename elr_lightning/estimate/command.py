@@ -59,7 +59,7 @@ def estimate_parser() -> CommandParser:
     add_switch(parser, "--json", False, "Print JSON instead of a table.", was_bool=True)
     add_switch(
         parser, "--exact", False,
-        "Trace every step (minutes to hours for a large config) instead of extrapolating k past 3 from k = 2 and 3.",
+        "Trace every step (minutes to hours for a large config) instead of extrapolating k past 4 from k = 3 and 4.",
     )  # fmt: skip
     parser.add_argument(
         "--workers", type=Optional[int], default=None,

@@ -3,7 +3,7 @@ largest micro-batch that fits a device, and a verdict.
 
 ``elr estimate --config config/4b.yaml --devices 8 --device_memory 80GB`` prints the table. The numbers
 come from :mod:`elr_lightning.estimate.memory` (one training step traced on fake tensors), on the fast path
-for k past 3 extrapolated from the traced k = 2 and 3 (:mod:`elr_lightning.estimate.steps`); this module
+for k past 4 extrapolated from the traced k = 3 and 4 (:mod:`elr_lightning.estimate.steps`); this module
 builds the rows from the config's run (:mod:`elr_lightning.estimate.target`) and formats them, and
 :mod:`elr_lightning.estimate.budget` says what fits. :mod:`elr_lightning.estimate.fit` reads the run from a
 live trainer instead, for ``elr fit``.
@@ -152,7 +152,7 @@ def memory_report(
     report = run.header(config, conditioning, gdp_kernels, accelerator)
     say = _progress(progress)
     traced: dict[str, Callable[[Setting], dict[str, StepMemory]]] = {}
-    # a mixture of experts' step is not affine in k from k = 3 (tests/estimate/test_fast.py): every k is traced
+    # a mixture of experts' step is not checked to be affine in k (tests/estimate/test_fast.py): every k is traced
     steps = Steps(lambda setting: traced["trace"](setting), exact or has_moe(run.arch), _trace_cost(run.arch, run.target), say)
     steps.plan([*settings, configured])
     rows: list[dict[str, Any]] = []
@@ -398,7 +398,7 @@ def format_memory_report(report: dict[str, Any]) -> str:
             f"{row['peak'] / _GIB:>9.2f}" + (f"{row['host'] / _GIB:>9.2f}" if offloaded else "")
         )
     if report.get("extrapolated"):
-        lines.append(f"extrapolated in k from the traced k = 2 and 3 (--exact traces them): {', '.join(report['extrapolated'])}")
+        lines.append(f"extrapolated in k from the traced k = 3 and 4 (--exact traces them): {', '.join(report['extrapolated'])}")
     if "verdict" in report:
         lines.append(f"verdict: {report['verdict']}")
         lines.append(f"per k: {report['per_k_verdict']}")

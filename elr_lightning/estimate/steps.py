@@ -3,11 +3,12 @@
 A traced step (:func:`~elr_lightning.estimate.memory.traced_phases`) gives the peak of each phase of the
 step: the forward and backward passes (``step``), and the update (``update``: clipping and the optimizer
 step). Within one backward setting and micro-batch, each phase's columns grow by the same bytes per loop
-from k = 3 on (every loop past the third adds the same saved activations; before, the moment of the peak
-may still move within the backward pass); ``tests/estimate/test_fast.py`` checks it at every k on small dense
-and hybrid configs under DDP and FSDP2. A mixture of experts' step is not (its per-loop growth changes past
-k = 3 on the MoE quickstart), so a config with MoE layers has every k traced. So the fast path (the default) traces k = 1, 2 and 3 and
-extrapolates every larger k from the last two traced, phase by phase; ``--exact`` traces every step. The
+from k = 3 on (every further loop adds the same saved activations; before, the moment of the peak may still
+move within the backward pass: under FSDP2 with ``layer`` checkpointing on the quickstart the line through
+k = 2 and 3 is 7-29% high at k = 4 to 6). So the fast path (the default) traces k = 1 to 4 and extrapolates
+every larger k along the line through k = 3 and 4, phase by phase; ``tests/estimate/test_fast.py`` checks it
+at every k to 6 on small dense and hybrid configs under DDP and FSDP2. A mixture of experts' step is not
+checked to be affine, so a config with MoE layers has every k traced; ``--exact`` traces every step. The
 micro-batch search traces its first probe at the row's own k, probes the line through the two traced sizes
 (each phase on its own line) and traces the size it settles on: the micro-batch it reports and the rows at
 that size are traced, never extrapolated.
@@ -25,7 +26,7 @@ from elr_lightning.estimate.memory import Setting, StepMemory, step_peak
 _GIB = 2**30
 
 #: The largest k the fast path traces; larger ones are extrapolated from it and the one before.
-TRACED_LOOPS = 3
+TRACED_LOOPS = 4
 
 
 def _line(a: StepMemory, b: StepMemory, t: float) -> StepMemory:
@@ -134,7 +135,7 @@ class Steps:
 
     def traced(self, setting: Setting) -> StepMemory:
         """The step's peak, traced at its own k unless it is known already (one trace at k costs less than two at
-        k = 2 and 3: what the micro-batch search probes)."""
+        k = 3 and 4: what the micro-batch search probes)."""
         if setting in self.memory:
             return self.memory[setting]
         return step_peak(self._phases_at(setting))
