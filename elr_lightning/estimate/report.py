@@ -28,7 +28,7 @@ from elr_lightning.estimate.memory import (
     fake_training,
     largest_fitting,
 )
-from elr_lightning.estimate.steps import Steps
+from elr_lightning.estimate.steps import Steps, extrapolates
 from elr_lightning.estimate.workers import traced_in_workers
 from elr_lightning.estimate.target import (
     accelerator_type,
@@ -152,8 +152,11 @@ def memory_report(
     report = run.header(config, conditioning, gdp_kernels, accelerator)
     say = _progress(progress)
     traced: dict[str, Callable[[Setting], dict[str, StepMemory]]] = {}
-    # a mixture of experts' step is not checked to be affine in k (tests/estimate/test_fast.py): every k is traced
-    steps = Steps(lambda setting: traced["trace"](setting), exact or has_moe(run.arch), _trace_cost(run.arch, run.target), say)
+    moe = has_moe(run.arch)
+    steps = Steps(
+        lambda setting: traced["trace"](setting), exact, _trace_cost(run.arch, run.target), say,
+        lambda setting: extrapolates(run.target, setting, moe),
+    )  # fmt: skip
     steps.plan([*settings, configured])
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:

@@ -17,7 +17,7 @@ from elr_lightning.cli import main
 from elr_lightning.estimate import report as estimate_report
 from elr_lightning.estimate.memory import Setting, StepMemory, Target, fake_training, step_peak
 from elr_lightning.estimate.report import EstimateInterrupted, memory_report
-from elr_lightning.estimate.steps import TRACED_LOOPS, Steps, extrapolated
+from elr_lightning.estimate.steps import TRACED_LOOPS, Steps, extrapolated, extrapolates
 from elr_lightning.lightning_cli import build_module, merged_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +50,8 @@ def test_the_fast_path_matches_the_full_trace_at_every_k(name: str, strategy: st
     with fake_training(lambda: build_module(config), target, phases=True) as trace:
         for checkpointing, backprop in MODES:
             traced = {k: trace(Setting(k, checkpointing, backprop, 2, 16)) for k in range(1, 7)}
-            steps = Steps(lambda s: traced[s.loops], exact=False, cost=lambda s: 1.0, say=lambda line: None)
+            steps = Steps(lambda s: traced[s.loops], exact=False, cost=lambda s: 1.0, say=lambda line: None,
+                          extrapolable=lambda s: extrapolates(target, s, moe=False))  # fmt: skip
             for k in range(1, 7):
                 exact = step_peak(traced[k])
                 fast = steps(Setting(k, checkpointing, backprop, 2, 16))
