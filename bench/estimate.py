@@ -22,6 +22,16 @@ the resting memory (parameters, buffers, optimizer state), the part a step adds.
     python bench/estimate.py --allocator default --out bench/results/estimate_default_allocator.json
 
 Target (issue 33): every estimate within 15% of the measured peak.
+
+``--speed`` (issue 47) times ``elr estimate`` itself on the shipped GPU configs, each with the hardware its
+header names (the ``elr estimate`` line in its comments): the fast path and ``--exact`` (every step traced),
+each in a fresh process, their wall and CPU time, and the largest difference between their tables (every row,
+the configured step and the per-k choices), in GiB and relative to the exact figure:
+
+    nice python bench/estimate.py --speed                     # writes bench/results/estimate_speed.json
+    python bench/estimate.py --speed --speed_configs config/gpt_0.5b.yaml --no_exact
+
+Target: the fast table within 1% (or 0.1 GiB) of the exact one, in under 60 s alone on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -61,9 +72,9 @@ def worker(config_path: str, loops: int, mode: str, micro_batch: int, seq_len: i
     """One case on real tensors in this process: ``{rss_peak, rss_step, tracker_peak, resting}`` in bytes."""
     import torch
 
-    from elr_lightning.cost import merged_config
-    from elr_lightning.estimate import Setting, Target, primed_optimizer, step_batch, traced_step, training_step
-    from elr_lightning.estimate_report import target_of_config
+    from elr_lightning.lightning_cli import merged_config
+    from elr_lightning.estimate.memory import Setting, Target, primed_optimizer, step_batch, traced_step, training_step
+    from elr_lightning.estimate.target import target_of_config
     from elr_lightning.module import ELRModule
 
     torch.set_flush_denormal(True)
@@ -89,6 +100,84 @@ def worker(config_path: str, loops: int, mode: str, micro_batch: int, seq_len: i
     return {"rss_peak": resting + hwm - before, "rss_step": hwm - before, "tracker_peak": tracked.peak, "resting": resting}
 
 
+SPEED_CONFIGS = ("config/gpt_0.5b.yaml", "config/4b.yaml", "config/30b_a3b.yaml")
+
+
+def header_estimate_flags(path: str) -> list[str]:
+    """The flags of the ``elr estimate --config <path> ...`` line in a config's header comments (its hardware)."""
+    with open(os.path.join(ROOT, path)) as f:
+        for line in f:
+            if not line.startswith("#"):
+                break
+            words = line.lstrip("#").split()
+            if words[:2] == ["elr", "estimate"]:
+                flags = words[2:]
+                at = flags.index("--config")
+                return flags[:at] + flags[at + 2 :]
+    raise ValueError(f"{path}: no `elr estimate --config {path} ...` line in its header")
+
+
+def _timed_estimate(path: str, flags: list[str]) -> dict:
+    """``elr estimate --json`` of ``path`` in a fresh process: its report, wall and CPU seconds."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "elr_lightning.cli", "estimate", "--config", path, *flags, "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"report": json.loads(done.stdout), "wall_s": wall, "cpu_s": cpu}
+
+
+def table_difference(fast: dict, exact: dict) -> dict:
+    """The largest difference of the peaks (and host memory) of the same rows of two reports: GiB and relative."""
+    def entries(report: dict) -> dict:
+        rows = {("row", r["loops"], r["mode"], r["micro_batch"]): r for r in report["rows"]}
+        rows[("configured",)] = report["configured"]
+        rows.update({("per_k", e["loops"]): e for e in report["per_k"]})
+        return rows
+
+    a, b = entries(fast), entries(exact)
+    worst = {"gib": 0.0, "relative": 0.0, "where": None}
+    for key in a.keys() & b.keys():
+        for column in ("peak", "host"):
+            diff = abs(a[key].get(column, 0) - b[key].get(column, 0))
+            relative = diff / max(b[key].get(column, 0), 1)
+            if diff / 2**30 > worst["gib"] or relative > worst["relative"]:
+                worst = {"gib": max(worst["gib"], diff / 2**30), "relative": max(worst["relative"], relative),
+                         "where": " ".join(map(str, key)) + f" {column}"}
+    same_choices = [(e["loops"], e["mode"], e["micro_batch"]) for e in fast["per_k"]] == [
+        (e["loops"], e["mode"], e["micro_batch"]) for e in exact["per_k"]
+    ]
+    return {**worst, "same_per_k_choices": same_choices, "same_largest_micro_batch":
+            fast.get("largest_micro_batch") == exact.get("largest_micro_batch")}
+
+
+def speed(configs: list[str], exact: bool, out: str) -> None:
+    """Fast path against ``--exact`` on each config with its header's hardware; JSON to ``out``."""
+    results = []
+    for path in configs:
+        flags = header_estimate_flags(path)
+        fast = _timed_estimate(path, flags)
+        entry = {"config": path, "flags": flags, "fast_wall_s": fast["wall_s"], "fast_cpu_s": fast["cpu_s"],
+                 "fast_verdict": fast["report"]["verdict"], "fast": fast["report"]}
+        print(f"{path}: fast {fast['wall_s']:.0f} s wall, {fast['cpu_s']:.0f} s CPU; {fast['report']['verdict']}", flush=True)
+        if exact:
+            full = _timed_estimate(path, [*flags, "--exact"])
+            entry.update(exact_wall_s=full["wall_s"], exact_cpu_s=full["cpu_s"], exact=full["report"],
+                         difference=table_difference(fast["report"], full["report"]))
+            print(f"{path}: exact {full['wall_s']:.0f} s wall, {full['cpu_s']:.0f} s CPU; largest difference "
+                  f"{entry['difference']['gib']:.3f} GiB, {entry['difference']['relative']:.2%} "
+                  f"({entry['difference']['where']})", flush=True)
+        results.append(entry)
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump({"load_average": os.getloadavg(), "cpu_count": os.cpu_count(), "results": results}, f, indent=2)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -104,16 +193,23 @@ def main() -> None:
         help="tuned: MALLOC_MMAP_THRESHOLD_=65536 in the workers; default: glibc's own thresholds",
     )
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--speed", action="store_true", help="time elr estimate, fast path against --exact")
+    parser.add_argument("--speed_configs", nargs="+", default=list(SPEED_CONFIGS))
+    parser.add_argument("--no_exact", action="store_true", help="with --speed: the fast path only")
     args = parser.parse_args()
+    if args.speed:
+        out = args.out if args.out != "bench/results/estimate.json" else "bench/results/estimate_speed.json"
+        speed(args.speed_configs, not args.no_exact, out)
+        return
     if args.worker:
         path, loops, mode, batch, length = args.worker
         print(json.dumps(worker(path, int(loops), mode, int(batch), int(length))))
         return
 
     sys.path.insert(0, ROOT)
-    from elr_lightning.cost import build_module, merged_config
-    from elr_lightning.estimate import Setting, Target, estimate_steps
-    from elr_lightning.estimate_report import geometry_of_config, target_of_config
+    from elr_lightning.lightning_cli import build_module, merged_config
+    from elr_lightning.estimate.memory import Setting, Target, estimate_steps
+    from elr_lightning.estimate.target import geometry_of_config, target_of_config
 
     load_before = os.getloadavg()
     rows = []

@@ -36,6 +36,10 @@ MOVED_MODULES: dict[str, str] = {
     "elr_lightning.cache": "elr_lightning.inference.cache",
     "elr_lightning.generate_cli": "elr_lightning.inference.command",
     "elr_lightning.ablate_report": "elr_lightning.ablate.report",
+    "elr_lightning.estimate_fla": "elr_lightning.estimate.fla",
+    "elr_lightning.estimate_fit": "elr_lightning.estimate.fit",
+    "elr_lightning.estimate_report": "elr_lightning.estimate.report",
+    "elr_lightning.cost": "elr_lightning.estimate.cost",
 }
 
 #: Names that left their old module for another than the module's new home: old module -> {name: new module}.
@@ -47,6 +51,17 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
             "write_file",
         )
     },
+    "elr_lightning.estimate_report": {
+        **{name: "elr_lightning.estimate.hardware" for name in (
+            "DEFAULT_DEVICE_MEMORY", "detected_device_memory", "detected_host_memory", "device_count", "parse_memory",
+        )},
+        **{name: "elr_lightning.estimate.target" for name in (
+            "accelerator_type", "gdp_choice", "geometry_of_config", "layout_of_config", "meta_builder", "target_of_config",
+        )},
+        **{name: "elr_lightning.estimate.budget" for name in ("Budget", "per_k_verdict", "verdict")},
+        **{name: "elr_lightning.estimate.command" for name in ("estimate_parser", "main")},
+    },
+    "elr_lightning.cost": {name: "elr_lightning.lightning_cli" for name in ("build_module", "merged_config")},
 }  # fmt: skip
 
 

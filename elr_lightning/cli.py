@@ -70,11 +70,11 @@ EXTRA_COMMANDS: dict[str, Command] = {
     ),
     "cost": Command(
         "parameters, FLOPs and KV memory per k of a config (eq. 1, 3 and 5)",
-        "elr_lightning.cost", "main", "cost_parser",
+        "elr_lightning.estimate.cost", "main", "cost_parser",
     ),
     "estimate": Command(
         "per-rank peak training memory per k, and the largest micro-batch that fits",
-        "elr_lightning.estimate_report", "main", "estimate_parser", "torch >= 2.6 (torch.distributed._tools)",
+        "elr_lightning.estimate.command", "main", "estimate_parser", "torch >= 2.6 (torch.distributed._tools)",
     ),
     "serve": Command(
         "OpenAI-compatible completions server, k (or auto) per request",

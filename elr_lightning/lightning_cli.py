@@ -7,8 +7,12 @@ import glob
 import os
 import sys
 import warnings
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
+import torch
+import yaml
+from jsonargparse import ArgumentParser
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
@@ -89,11 +93,20 @@ class ELRCLI(LightningCLI):
             kwargs["callbacks"] = [*callbacks, StepProgressBar()]
         return super().instantiate_trainer(**kwargs)
 
-    def before_fit(self) -> None:
-        """On a GPU, log the run's estimated peak memory per rank once, and warn if it exceeds the device."""
-        from elr_lightning.estimate_fit import log_fit_estimate  # it reads configs through this module
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """``--skip_memory_check``: train even where the estimated step exceeds the GPU."""
+        parser.add_argument(
+            "--skip_memory_check", type=bool, default=False,
+            help="On a GPU, train even where the estimated peak memory of a step exceeds the device.",
+        )  # fmt: skip
 
-        log_fit_estimate(self.trainer, self.model, self.datamodule)
+    def before_fit(self) -> None:
+        """On a GPU, log the run's estimated peak memory per rank once, and refuse a step that does not fit."""
+        from elr_lightning.estimate.fit import log_fit_estimate  # it reads configs through this module
+
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        log_fit_estimate(self.trainer, self.model, self.datamodule, check=not config.get("skip_memory_check", False))
 
     @override
     def _parse_ckpt_path(self) -> None:
@@ -280,3 +293,36 @@ def make_cli(
             trainer_defaults=trainer_defaults,
             args=args,
         )
+
+
+def merged_config(paths: Union[str, Sequence[str]]) -> dict[str, Any]:
+    """The ``elr fit`` configuration of one or more YAML files, merged exactly as ``elr fit`` merges them.
+
+    Later files override earlier ones and ``trainer.callbacks+`` appends (so a callbacks fragment
+    such as ``callbacks/delayed_mixed_depth.yaml`` counts); nothing is instantiated.
+
+    Raises:
+        FileNotFoundError: A path does not exist.
+        ValueError: The files hold no ``model`` section.
+    """
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--config {path!r} does not exist")
+    cli = make_cli(ConfigOnlyCLI, [arg for path in paths for arg in ("--config", path)], run=False)
+    config = cli.parser.dump(cli.config, format="yaml", skip_none=False, skip_link_targets=False)
+    merged = yaml.safe_load(config) or {}
+    if not (merged.get("model") or {}).get("class_path"):
+        raise ValueError(
+            f"{', '.join(paths)} has no 'model' section; pass an `elr fit` config such as config/quickstart.yaml"
+        )
+    return merged
+
+
+def build_module(config: dict[str, Any]) -> ELRModule:
+    """Instantiate the ``model`` section of a :func:`merged_config` on the meta device."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(ELRModule, "model", required=True)
+    cfg = parser.parse_object({"model": config["model"]})
+    with torch.device("meta"):
+        return parser.instantiate_classes(cfg).model

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from elr_lightning.cli import run
-from elr_lightning.cost import cost_report
+from elr_lightning.estimate.cost import cost_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "config", "*.yaml")))

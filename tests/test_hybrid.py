@@ -100,7 +100,7 @@ def test_fold_works_for_hybrid(model: LoopedLM) -> None:
 def test_cost_json_reports_recurrent_state(tmp_path, capsys) -> None:
     import yaml
 
-    from elr_lightning.cost import main
+    from elr_lightning.estimate.cost import main
 
     raw = yaml.safe_load(open("config/quickstart_hybrid.yaml"))
     main(["--config", "config/quickstart_hybrid.yaml", "--json"])

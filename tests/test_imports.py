@@ -169,17 +169,13 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("checkpoints", ["checkpoints"]),
     ("training", ["module", "module_checks", "callbacks", "strategies", "data"]),
     ("inference", ["inference"]),
-    ("tools", ["inference.command", "depth", "reasoning", "eval", "hf", "serve", "estimate", "estimate_fit",
-               "estimate_fla", "estimate_report", "cost", "ablate", "lightning_cli", "vllm"]),
+    ("tools", ["inference.command", "depth", "reasoning", "eval", "hf", "serve", "estimate", "ablate", "lightning_cli",
+               "vllm"]),
     ("entry", ["cli", ""]),
 ]  # fmt: skip
 
 #: Imports up the layers, each inside a function and marked "Lazy hook" on the line above it: importer -> imported.
 LAZY_HOOKS = {"elr_lightning.callbacks.depth_accuracy": "elr_lightning.depth.score"}
-
-#: The memory-estimate modules, at the root until they move into an estimate/ package (issue 47).
-ESTIMATE_AT_ROOT = {"estimate", "estimate_fit", "estimate_fla", "estimate_report", "cost"}
-
 
 def layer_of(module: str) -> int:
     """The index in :data:`LAYERS` of ``module`` (a dotted name), by the longest prefix that names it."""
@@ -219,7 +215,7 @@ def test_every_lazy_hook_is_inside_a_function_and_named_in_a_comment() -> None:
 def test_the_package_root_holds_at_most_30_modules() -> None:
     root = {path.stem for path in PACKAGE.glob("*.py")}
     assert {"module", "updates", "sampling", "conditioning", "plugin_config"} <= root  # the seams never move
-    assert len(root - ESTIMATE_AT_ROOT) <= 30, sorted(root)
+    assert len(root) <= 30, sorted(root)
 
 
 def test_the_tests_mirror_the_package() -> None:

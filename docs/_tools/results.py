@@ -239,7 +239,7 @@ def main(argv: list[str]) -> None:
             "gain_k1_to_K": round(last["1"] - last[max(last, key=int)], 6),  # the last validation's
         }
         if args.config:
-            from elr_lightning.cost import cost_report
+            from elr_lightning.estimate.cost import cost_report
 
             entries["parameters"] = cost_report(args.config)["parameters"]["total"]
         measured = (("cpu_s", args.cpu_s), ("wall_s", args.wall_s), ("max_rss_gb", args.max_rss_gb))

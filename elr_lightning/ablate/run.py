@@ -386,7 +386,7 @@ def run_ablation(
 
     Args:
         config_path: The ``elr fit`` config the arms derive from, or several merged as ``elr fit`` merges
-            them (:func:`~elr_lightning.cost.merged_config`).
+            them (:func:`~elr_lightning.lightning_cli.merged_config`).
         out: Output folder (configs, runs, TensorBoard, report).
         arms: Arm names (default: all of :data:`ARMS`).
         steps: ``trainer.max_steps`` of every arm (default: the config's).
@@ -414,7 +414,7 @@ def run_ablation(
         with open(config_path) as f:
             base = yaml.safe_load(f) or {}
     else:
-        from elr_lightning.cost import merged_config
+        from elr_lightning.lightning_cli import merged_config
 
         base = merged_config(config_path)
     if loops is not None:

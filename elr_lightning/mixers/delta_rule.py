@@ -181,7 +181,7 @@ def _fla_shapes_unsupported(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
 
 
 #: While set, called in place of fla's kernels wherever their inputs suit them, on any device: the memory
-#: estimate traces fake tensors on the CPU with :func:`~elr_lightning.estimate_fla.fla_stand_in` here, so
+#: estimate traces fake tensors on the CPU with :func:`~elr_lightning.estimate.fla.fla_stand_in` here, so
 #: that its GDP layers hold what fla's hold on a GPU. Same arguments as :func:`_fla_delta_product`.
 FLA_STAND_IN: ContextVar[Optional[Callable[..., tuple[Tensor, Tensor]]]] = ContextVar("fla_stand_in", default=None)
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from conftest import GQA_CONFIG, REPO_ROOT, perturbed_model, quiet_trainer, tiny_config
 from elr_lightning.config import ModelConfig
 from elr_lightning.context import LoopContext
-from elr_lightning.cost import cost_report
+from elr_lightning.estimate.cost import cost_report
 from elr_lightning.flops import train_flops_per_token
 from elr_lightning.inference.generate import generate
 from elr_lightning.inference.fold import fold_conditioning, serving_model

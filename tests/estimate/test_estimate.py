@@ -21,11 +21,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elr_lightning import estimate_fit, estimate_report
+from elr_lightning.estimate import fit as estimate_fit
+from elr_lightning.estimate import report as estimate_report
+from elr_lightning.estimate import target as estimate_target
 from elr_lightning.cli import main
 from elr_lightning.core import CHECKPOINTING
-from elr_lightning.cost import build_module, merged_config
-from elr_lightning.estimate import (
+from elr_lightning.estimate.memory import (
     FSDPStepTracker,
     Setting,
     StepMemory,
@@ -40,12 +41,14 @@ from elr_lightning.estimate import (
     offload_copy_bytes,
     primed_optimizer,
 )
-from elr_lightning.estimate_fit import log_fit_estimate
-from elr_lightning.estimate_report import DEFAULT_DEVICE_MEMORY, detected_device_memory, memory_report, parse_memory
+from elr_lightning.estimate.fit import log_fit_estimate
+from elr_lightning.estimate.hardware import DEFAULT_DEVICE_MEMORY, detected_device_memory, parse_memory
+from elr_lightning.estimate.report import memory_report
+from elr_lightning.lightning_cli import build_module, merged_config
 from elr_lightning.module import ELRModule
 from elr_lightning.strategies import shard_looped_lm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICKSTARTS = ("quickstart.yaml", "quickstart_hybrid.yaml", "quickstart_moe.yaml")
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: per-op latency, not arithmetic
 
@@ -329,8 +332,8 @@ def _synthetic_steps(monkeypatch, host_gib: float = 20.0) -> list[Setting]:
         return StepMemory(10 * 2**30, 0, 0, setting.micro_batch * per_sequence * 2**30, int(host_gib * 2**30))
 
     @contextlib.contextmanager
-    def fake(build, target):  # noqa: ANN001, ARG001 - the signature of fake_training
-        yield step
+    def fake(build, target, phases=False):  # noqa: ANN001, ARG001 - the signature of fake_training
+        yield (lambda setting: {"step": step(setting)}) if phases else step
 
     monkeypatch.setattr(estimate_report, "fake_training", fake)
     return asked
@@ -369,7 +372,7 @@ def test_the_verdict_names_a_fitting_mode_and_micro_batch_for_every_k(monkeypatc
 
 
 @pytest.mark.slow
-def test_fit_logs_the_estimate_once_and_warns_when_it_exceeds_the_device(tmp_path: Path, capsys, monkeypatch) -> None:
+def test_fit_logs_the_estimate_and_refuses_a_step_over_the_device_unless_told(tmp_path: Path, capsys, monkeypatch) -> None:
     config = tmp_path / "tiny.yaml"
     config.write_text(
         "seed_everything: 0\n"
@@ -391,13 +394,46 @@ def test_fit_logs_the_estimate_once_and_warns_when_it_exceeds_the_device(tmp_pat
         return 2**16
 
     monkeypatch.setattr(estimate_fit, "cuda_total_memory", tiny_device)
-    main(["fit", "--config", str(config)])
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", str(config)])
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    refusals = [line for line in err.splitlines() if line.startswith("elr fit: error: the estimated peak")]
+    assert len(refusals) == 1 and "exceeds 0.0 GiB" in refusals[0] and "--skip_memory_check trains anyway" in refusals[0], err
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").rglob("*.ckpt"))
+    main(["fit", "--config", str(config), "--skip_memory_check", "true"])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("elr: ")]
     assert len([line for line in lines if line.startswith("elr: estimated peak memory per rank")]) == 1, err
     warnings = [line for line in lines if line.startswith("elr: warning: the estimated peak")]
-    assert len(warnings) == 1 and "exceeds 0.0 GiB" in warnings[0], err
-    assert queried == [torch.device("cpu")]
+    assert len(warnings) == 1 and "training anyway (--skip_memory_check)" in warnings[0], err
+    assert queried == [torch.device("cpu")] * 2
+
+
+@pytest.mark.parametrize("mode", ["none", "layer"])
+def test_fit_refuses_naming_the_smallest_change_that_fits(mode: str, capsys) -> None:
+    """A device between the configured step and the next lighter one: the refusal names that one (lighter
+    checkpointing under ``none``; under ``layer``, nothing is lighter: the largest micro-batch that fits)."""
+    config = _small("quickstart.yaml")
+    module = ELRModule(**{**config["model"]["init_args"], "activation_checkpointing": mode, "virtual_ranks": 1})
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    data = SimpleNamespace(batch_size=4, seq_len=16)
+    peaks = estimate_steps(lambda: build_module(config), Target("single", 1, "32-true"), [
+        Setting(3, mode, None, 4, 16), Setting(3, "loop", None, 4, 16), Setting(3, mode, None, 2, 16), Setting(3, mode, None, 3, 16),
+    ])  # fmt: skip
+    configured, lighter, half, three = (p.peak for p in peaks)
+    target = (configured + lighter) // 2 if mode == "none" else (half + three) // 2
+    with pytest.raises(estimate_fit.MemoryCheckFailed) as refused:
+        log_fit_estimate(trainer, module, data, total_memory=lambda device: target, headroom=0.0)
+    message = str(refused.value)
+    assert "\n" not in message and message.endswith("--skip_memory_check trains anyway")
+    if mode == "none":
+        assert "--model.init_args.activation_checkpointing loop" in message
+    else:
+        assert "--data.init_args.batch_size 2 with --trainer.accumulate_grad_batches 2" in message
+    assert capsys.readouterr().err.count("elr: estimated peak memory per rank") == 1
+    assert log_fit_estimate(trainer, module, data, total_memory=lambda device: target, headroom=0.0, check=False) is not None
+    assert "training anyway (--skip_memory_check)" in capsys.readouterr().err
 
 
 def test_on_a_cpu_nothing_is_traced(capsys) -> None:
@@ -422,7 +458,7 @@ def test_the_fit_estimate_is_the_runs_worst_step(capsys) -> None:
 
 
 def test_the_fit_estimate_takes_the_strategys_offload_and_the_devices_headroom() -> None:
-    from elr_lightning.estimate import default_headroom
+    from elr_lightning.estimate.memory import default_headroom
     from elr_lightning.strategies import OneLoopOverrideFSDPStrategy
 
     strategy = OneLoopOverrideFSDPStrategy(cpu_offload=True)
@@ -442,21 +478,24 @@ def test_a_run_the_estimate_cannot_cover_trains_on_with_one_line(capsys) -> None
 
 def test_config_strategies_map_to_targets() -> None:
     config = _config("30b_a3b.yaml")
-    target = estimate_report.target_of_config(config, 8)
+    target = estimate_target.target_of_config(config, 8)
     assert (target.strategy, target.cpu_offload, target.accelerator) == ("fsdp", True, "cuda")  # one 8-GPU node
-    assert estimate_report.target_of_config(config, 8, cpu_offload=False).cpu_offload is False
-    assert estimate_report.target_of_config(config, 8, "ddp").strategy == "ddp"
-    assert estimate_report.target_of_config(config, 8, "ddp").cpu_offload is False
+    assert estimate_target.target_of_config(config, 8, cpu_offload=False).cpu_offload is False
+    assert estimate_target.target_of_config(config, 8, "ddp").strategy == "ddp"
+    assert estimate_target.target_of_config(config, 8, "ddp").cpu_offload is False
     four = _config("4b.yaml")
-    target = estimate_report.target_of_config(four, 16)
-    assert (target.strategy, target.precision, target.gradient_clip_val) == ("ddp", "bf16-mixed", 1.0)
-    assert estimate_report.target_of_config(_config("quickstart.yaml"), 1).strategy == "single"
-    assert estimate_report.layout_of_config(four, 8, 2) == (8, 2)
+    target = estimate_target.target_of_config(four, 16)
+    assert (target.strategy, target.precision, target.gradient_clip_val, target.accumulate_grad_batches) == (
+        "fsdp", "bf16-mixed", 1.0, 2
+    )
+    assert estimate_target.target_of_config(_config("gpt_0.5b.yaml"), 8).strategy == "ddp"  # OneLoopOverrideDDPStrategy
+    assert estimate_target.target_of_config(_config("quickstart.yaml"), 1).strategy == "single"
+    assert estimate_target.layout_of_config(four, 8, 2) == (8, 2)
 
 
 def test_gdp_layers_take_the_path_a_run_takes(monkeypatch) -> None:
     """fla's kernels only where ``elr fit`` would run them: CUDA, half precision, fla importable."""
-    from elr_lightning import estimate
+    from elr_lightning.estimate import memory as estimate
 
     assert estimate.gdp_path("32-true", "cuda") == (False, "the PyTorch chunked path (32-true: fla's kernels need bf16 or fp16)")
     assert estimate.gdp_path("bf16-mixed", "cpu")[0] is False
@@ -464,19 +503,21 @@ def test_gdp_layers_take_the_path_a_run_takes(monkeypatch) -> None:
     assert estimate.gdp_path("bf16-mixed", "cuda") == (False, "the PyTorch chunked path (fla does not import here)")
     monkeypatch.setattr(estimate, "_fla_kernel", lambda: print)
     assert estimate.gdp_path("bf16-mixed", "cuda")[0] is True
-    four = _config("4b.yaml")  # bf16-mixed, accelerator auto: this machine's device decides
-    fla, why = estimate_report.gdp_choice(four)
+    four = _config("4b.yaml")  # bf16-mixed; with accelerator auto and kernels auto this machine's device decides
+    four["trainer"]["accelerator"] = "auto"
+    four["model"]["init_args"]["arch"]["mixers"]["gdp"]["init_args"]["kernels"] = "auto"
+    fla, why = estimate_target.gdp_choice(four)
     assert fla is torch.cuda.is_available() and ("--gdp_kernels fla estimates a CUDA run" in why) is not fla
-    assert estimate_report.gdp_choice(four, "fla") == (True, "fla's kernels (--gdp_kernels fla)")
-    assert estimate_report.target_of_config(four, 8, gdp_kernels="torch").fla_kernels is False
+    assert estimate_target.gdp_choice(four, "fla") == (True, "fla's kernels (--gdp_kernels fla)")
+    assert estimate_target.target_of_config(four, 8, gdp_kernels="torch").fla_kernels is False
     # the layers' own choice: torch is the chunked path anywhere; fla on a CUDA device that is not this machine's
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(estimate, "_fla_kernel", lambda: None)
-    assert estimate_report.gdp_choice(_config("30b_a3b.yaml"))[0] is True  # kernels: fla, accelerator: gpu
-    assert estimate_report.gdp_choice(_config("30b_a3b.yaml"), accelerator="cpu")[0] is False
+    assert estimate_target.gdp_choice(_config("30b_a3b.yaml"))[0] is True  # kernels: fla, accelerator: gpu
+    assert estimate_target.gdp_choice(_config("30b_a3b.yaml"), accelerator="cpu")[0] is False
     gdp = four["model"]["init_args"]["arch"]["mixers"]["gdp"]
     gdp["init_args"]["kernels"] = "torch"
-    fla, why = estimate_report.gdp_choice(four, accelerator="gpu")
+    fla, why = estimate_target.gdp_choice(four, accelerator="gpu")
     assert not fla and "kernels: torch" in why
 
 
@@ -502,4 +543,4 @@ def test_fsdp_layer_units_gather_one_recurrent_layer_at_a_time() -> None:
     core, = estimate_steps(build, Target("fsdp", 4, recurrent_units="core"), [setting])
     layer, = estimate_steps(build, Target("fsdp", 4, recurrent_units="layer"), [setting])
     assert layer.params < core.params and layer.peak < core.peak
-    assert estimate_report.target_of_config(_config("30b_a3b.yaml"), 8).recurrent_units == "layer"
+    assert estimate_target.target_of_config(_config("30b_a3b.yaml"), 8).recurrent_units == "layer"

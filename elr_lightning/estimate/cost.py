@@ -8,56 +8,20 @@ Models are built on the meta device, so a 4B configuration is counted without al
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import torch
-import yaml
-from jsonargparse import ArgumentParser
 from torch import nn
 
 from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
 from elr_lightning.callbacks.switch import DEFAULT_SWITCH_FRACTION
 from elr_lightning.flops import compute_multiplier, forward_flops_per_token
 from elr_lightning.inference.cache import CACHE_POLICIES, kv_cache_bytes, recurrent_state_bytes
-from elr_lightning.lightning_cli import ConfigOnlyCLI, make_cli
+from elr_lightning.lightning_cli import build_module, merged_config
 from elr_lightning.mixers import ChannelMixer, TokenMixer
 from elr_lightning.model import LoopedLM
 from elr_lightning.module import ELRModule
-
-
-def merged_config(paths: Union[str, Sequence[str]]) -> dict[str, Any]:
-    """The ``elr fit`` configuration of one or more YAML files, merged exactly as ``elr fit`` merges them.
-
-    Later files override earlier ones and ``trainer.callbacks+`` appends (so a callbacks fragment
-    such as ``callbacks/delayed_mixed_depth.yaml`` counts); nothing is instantiated.
-
-    Raises:
-        FileNotFoundError: A path does not exist.
-        ValueError: The files hold no ``model`` section.
-    """
-    paths = [paths] if isinstance(paths, str) else list(paths)
-    for path in paths:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"--config {path!r} does not exist")
-    cli = make_cli(ConfigOnlyCLI, [arg for path in paths for arg in ("--config", path)], run=False)
-    config = cli.parser.dump(cli.config, format="yaml", skip_none=False, skip_link_targets=False)
-    merged = yaml.safe_load(config) or {}
-    if not (merged.get("model") or {}).get("class_path"):
-        raise ValueError(
-            f"{', '.join(paths)} has no 'model' section; pass an `elr fit` config such as config/quickstart.yaml"
-        )
-    return merged
-
-
-def build_module(config: dict[str, Any]) -> ELRModule:
-    """Instantiate the ``model`` section of a :func:`merged_config` on the meta device."""
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_subclass_arguments(ELRModule, "model", required=True)
-    cfg = parser.parse_object({"model": config["model"]})
-    with torch.device("meta"):
-        return parser.instantiate_classes(cfg).model
 
 
 def mixed_fraction(config: dict[str, Any]) -> Optional[float]:

@@ -2,7 +2,7 @@
 
 On a CUDA device with bf16 activations, :func:`~elr_lightning.mixers.delta_rule.delta_product` runs
 fla's ``chunk_gated_delta_product``, whose Triton kernels cannot run on the fake tensors of
-:mod:`elr_lightning.estimate`. There, :func:`fla_stand_in` takes their place
+:mod:`elr_lightning.estimate.memory`. There, :func:`fla_stand_in` takes their place
 (:data:`~elr_lightning.mixers.delta_rule.FLA_STAND_IN`): an autograd function that computes nothing
 and allocates, in order, what fla-core 0.6.0's ``ChunkGatedDeltaProductFunction`` allocates, read
 from ``fla/ops/gated_delta_product/chunk.py`` and the kernel wrappers it calls: the forward's
