@@ -7,6 +7,7 @@ on any k whose step does not fit under the config's own checkpointing and micro-
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 
@@ -17,8 +18,14 @@ from elr_lightning.estimate.report import memory_report
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(path.name for path in (ROOT / "config").glob("*.yaml"))
-#: The GPU configs: minutes of tracing each on a CPU.
+#: The GPU configs: minutes of tracing each on a CPU (the 4B: 400 s of CPU time on the 2-core machine), more
+#: than CI's budget holds until the estimate's fast path composes one traced layer per kind (issue 47). They run
+#: where ``ELR_GPU_CONFIG_FITS=1`` is set, before a config change lands.
 LARGE = {"gpt_0.5b.yaml", "4b.yaml", "30b_a3b.yaml"}
+LARGE_MARKS = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("ELR_GPU_CONFIG_FITS") != "1", reason="set ELR_GPU_CONFIG_FITS=1 (minutes each)"),
+]
 
 
 def header_estimate(name: str) -> list[str]:
@@ -42,7 +49,7 @@ def test_every_config_header_names_its_hardware_and_the_estimate_line() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(name, marks=pytest.mark.slow) if name in LARGE else name for name in CONFIGS]
+    "name", [pytest.param(name, marks=LARGE_MARKS) if name in LARGE else name for name in CONFIGS]
 )
 def test_the_shipped_config_fits_at_every_k_as_shipped(name: str, monkeypatch) -> None:
     monkeypatch.chdir(ROOT)
