@@ -247,7 +247,8 @@ def test_the_docs_name_python_paths_of_every_kind() -> None:
 def test_every_documented_import_resolves_at_its_current_path(where: str, module: str, names: list[str]) -> None:
     """The docs show where a name lives now: an old, deprecated path (``elr_lightning._moved``) fails too."""
     with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
+        # Only the alias table's warning: a third-party import (vLLM's use of torch.jit) may warn too.
+        warnings.filterwarnings("error", message=r".* moved to .*; import from there", category=DeprecationWarning)
         found = resolve(module)
         for name in names:
             assert hasattr(found, name), f"{where}: {module} has no {name}"
