@@ -1,6 +1,6 @@
 """The ELR looped LM in vLLM's layers, with k per token: what ``elr_lightning/hf/modeling_elr.py`` computes.
 
-Built from vLLM's own parts: :class:`~vllm.model_executor.layers.attention.Attention` (paged KV cache,
+Built from vLLM's own parts: its ``Attention`` (paged KV cache,
 the block manager, every attention backend), the tensor-parallel linears, RoPE, RMSNorm, the
 vocabulary-parallel embedding and head, the logits processor and the weight loaders. The eq. (2)
 state update, the eq. (4) modulators and the loop conditioner are small replicated ``nn.Linear`` s.
@@ -41,12 +41,13 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
+from elr_lightning.hf.configuration_elr import ELRConfig
 from elr_lightning.hf.modeling_elr import ELRModulator
 from elr_lightning.vllm.config import ServedELR, served_elr
 from elr_lightning.vllm.loops import elr_model_state
 
 
-def _rope_parameters(config) -> dict:
+def _rope_parameters(config: ELRConfig) -> dict:
     """vLLM's ``rope_parameters`` for the export's RoPE: half-split (NeoX), optional Llama 3 scaling."""
     scaling = config.rope_freq_scaling
     if scaling is None:
@@ -63,7 +64,7 @@ class ELRAttention(nn.Module):
         vllm_config: vLLM's config (cache and quantisation settings).
     """
 
-    def __init__(self, config, slots: list[int], vllm_config: VllmConfig) -> None:
+    def __init__(self, config: ELRConfig, slots: list[int], vllm_config: VllmConfig) -> None:
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
         self.hd = config.head_dim
@@ -103,7 +104,7 @@ class ELRAttention(nn.Module):
 class ELRMLP(nn.Module):
     """SwiGLU, gate and up in one column-parallel projection (the export's ``up`` is ``[gate; up]``)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: ELRConfig) -> None:
         super().__init__()
         self.up = MergedColumnParallelLinear(config.d_model, [config.d_ff, config.d_ff], bias=False)
         self.down = RowParallelLinear(config.d_ff, config.d_model, bias=False)
@@ -117,7 +118,7 @@ class ELRMLP(nn.Module):
 class ELRBlock(nn.Module):
     """One pre-norm attention + SwiGLU layer; recurrent and output layers carry modulators when conditioned."""
 
-    def __init__(self, config, slots: list[int], modulated: bool, vllm_config: VllmConfig) -> None:
+    def __init__(self, config: ELRConfig, slots: list[int], modulated: bool, vllm_config: VllmConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = ELRAttention(config, slots, vllm_config)
@@ -147,7 +148,7 @@ class ELRBlock(nn.Module):
 class ELRUpdate(nn.Module):
     """The state update s_i = Update(s_{i-1}, r_i, s~_i); eq. (2) for ``adaptive_delta``."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: ELRConfig) -> None:
         super().__init__()
         self.rule, self.beta, self.injection = config.state_update, config.fixed_delta_beta, config.injection
         if self.rule == "adaptive_delta":
@@ -198,7 +199,7 @@ class ELRConditioner(nn.Module):
 class ELRCore(nn.Module):
     """The shared recurrent block with its state update and conditioner."""
 
-    def __init__(self, config, served: ServedELR, vllm_config: VllmConfig) -> None:
+    def __init__(self, config: ELRConfig, served: ServedELR, vllm_config: VllmConfig) -> None:
         super().__init__()
         self.update = ELRUpdate(config)
         self.conditioner = ELRConditioner(**config.conditioning) if config.conditioning else None
