@@ -103,10 +103,14 @@ class ELRCLI(LightningCLI):
 
     def before_fit(self) -> None:
         """On a GPU, log the run's estimated peak memory per rank once, and refuse a step that does not fit."""
+        from elr_lightning.estimate.cache import default_cache_dir
         from elr_lightning.estimate.fit import log_fit_estimate  # it reads configs through this module
 
         config = self.config[self.subcommand] if self.subcommand else self.config
-        log_fit_estimate(self.trainer, self.model, self.datamodule, check=not config.get("skip_memory_check", False))
+        log_fit_estimate(
+            self.trainer, self.model, self.datamodule, check=not config.get("skip_memory_check", False),
+            cache_dir=default_cache_dir(),
+        )  # fmt: skip
 
     @override
     def _parse_ckpt_path(self) -> None:

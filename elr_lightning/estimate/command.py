@@ -8,6 +8,7 @@ import sys
 from typing import Optional
 
 from elr_lightning.arguments import CommandParser, add_loops, add_switch, command_parser
+from elr_lightning.estimate.cache import CACHE_ENV, default_cache_dir
 from elr_lightning.estimate.report import MODES, EstimateInterrupted, format_memory_report, memory_report
 
 
@@ -65,6 +66,11 @@ def estimate_parser() -> CommandParser:
         "--workers", type=Optional[int], default=None,
         help="Processes tracing steps at once (default: this machine's cores, at most 4; 1: this process alone).",
     )  # fmt: skip
+    parser.add_argument(
+        "--cache_dir", type=Optional[str], default=None,
+        help=f"Where traced steps are kept for later runs (default: ${CACHE_ENV}, else ~/.cache/elr-lightning/estimate).",
+    )  # fmt: skip
+    add_switch(parser, "--cache", True, "Read and keep traced steps in --cache_dir (--no_cache: trace every step).")
     return parser
 
 
@@ -95,6 +101,7 @@ def main(argv: list[str]) -> None:
             host_memory=args.host_memory,
             exact=args.exact,
             workers=args.workers if args.workers is not None else min(4, os.cpu_count() or 1),
+            cache_dir=(args.cache_dir or default_cache_dir()) if args.cache else None,
         )
     except EstimateInterrupted as stop:
         print(json.dumps(stop.report, indent=2) if args.json else format_memory_report(stop.report))

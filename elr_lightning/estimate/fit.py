@@ -12,12 +12,14 @@ as before.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, TextIO
 
 import torch
@@ -143,6 +145,7 @@ def log_fit_estimate(
     headroom: Optional[float] = None,
     stream: Optional[TextIO] = None,
     check: bool = True,
+    cache_dir: Optional[Path] = None,
 ) -> Optional["StepMemory"]:
     """At the start of ``elr fit`` on a GPU: estimate the run's worst step once, and refuse a step that does not fit.
 
@@ -158,6 +161,10 @@ def log_fit_estimate(
     ``cpu_offload`` the line adds the host memory per rank. A run the estimate cannot cover logs why in one
     line and trains on.
 
+    With ``cache_dir`` (:mod:`elr_lightning.estimate.cache`) the step is read from there where an earlier
+    start of the same run (module, hyperparameters, trainer, data geometry and code) traced it, and kept
+    there otherwise, so a restarted run checks its memory without tracing again.
+
     Returns:
         The estimate, or ``None`` where none was made.
 
@@ -172,7 +179,10 @@ def log_fit_estimate(
     model = module.model
     try:
         # torch's memory tools: imported on a GPU only
-        from elr_lightning.estimate.memory import Setting, default_headroom, fake_training, gdp_path, has_gdp_layers
+        from elr_lightning.estimate.cache import TraceCache
+        from elr_lightning.estimate.memory import (
+            Setting, default_headroom, fake_training, gdp_path, has_gdp_layers, step_peak,
+        )  # fmt: skip
 
         headroom = default_headroom(trainer.strategy.root_device.type)[0] if headroom is None else headroom
         target = target_of_trainer(trainer)
@@ -192,7 +202,21 @@ def log_fit_estimate(
 
         budget = memory * (1 - headroom)
         start = time.perf_counter()
-        with fake_training(build, target) as trace:
+        model_section = {"class_path": f"{type(module).__module__}.{type(module).__qualname__}", "init_args": hparams}
+        cache = None if cache_dir is None else TraceCache(cache_dir, model_section, True, target, True)
+        with contextlib.ExitStack() as stack:
+            built: dict[str, Callable[[Setting], dict[str, StepMemory]]] = {}
+
+            def trace(s: Setting) -> StepMemory:
+                phases = cache.get(s) if cache is not None else None
+                if phases is None:
+                    if "trace" not in built:  # the fake model is built once, where the cache does not hold a step
+                        built["trace"] = stack.enter_context(fake_training(build, target, phases=True, prior_grads=True))
+                    phases = built["trace"](s)
+                    if cache is not None:
+                        cache.put(s, phases)
+                return step_peak(phases)
+
             estimate = trace(setting)
             seconds = time.perf_counter() - start
             change = None
@@ -214,8 +238,8 @@ def log_fit_estimate(
         print(
             f"elr: estimated peak memory per rank {estimate.peak / _GIB:.1f} GiB of {memory / _GIB:.1f} GiB "
             f"({what}: params {estimate.params / _GIB:.1f}, grads {estimate.grads / _GIB:.1f}, optimizer "
-            f"{estimate.optimizer / _GIB:.1f}, activations {estimate.activations / _GIB:.1f} GiB; traced in "
-            f"{seconds:.0f} s{notes})",
+            f"{estimate.optimizer / _GIB:.1f}, activations {estimate.activations / _GIB:.1f} GiB; "
+            f"{'traced in' if built else 'read from the cache in'} {seconds:.0f} s{notes})",
             file=out,
         )
     if estimate.peak <= budget:

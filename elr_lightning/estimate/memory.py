@@ -331,6 +331,13 @@ class _PeakOnly:
         self.phase_peaks["step"] = {device: dict(snap) for device, snap in self._peak_mem_snap.items()}
         return entered
 
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # a tensor's device (most of a step's operations: the autograd engine asks for it for every gradient,
+        # FSDP2 for every parameter it gathers) allocates nothing: skip the tracker's bookkeeping for it
+        if func is torch.ops.prim.device.default:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
+
     def _update_peak_stats(self, peak_state: _State) -> None:
         phase = self.phase_peaks.setdefault(self.phase, {})
         for device, snapshot in self._curr_mem_snap.items():
@@ -435,19 +442,20 @@ def training_step(
     setting: Setting,
     batch: Tensor,
     before_update: Optional[Callable[[], None]] = None,
+    micro_batches: Optional[int] = None,
 ) -> None:
     """One optimizer step of ``module`` on ``batch`` as Lightning runs it: the loss under the precision's autocast,
     backward, gradient clipping, ``optimizer.step()``, ``zero_grad(set_to_none=True)``.
 
     Every local shard runs ``setting.loops`` under ``setting``'s backward setting (set on the model).
     With gradient accumulation two micro-batches run before the optimizer step (the memory of any
-    later one is the second's). ``before_update`` is called after the last backward pass, before
-    clipping.
+    later one is the second's), or ``micro_batches`` of them. ``before_update`` is called after the
+    last backward pass, before clipping.
     """
     model = module.model
     model.set_backprop(setting.checkpointing, setting.backprop_loops)
     autocast_dtype, _ = PRECISIONS[target.precision]
-    for _ in range(min(target.accumulate_grad_batches, 2)):
+    for _ in range(min(target.accumulate_grad_batches, 2) if micro_batches is None else micro_batches):
         autocast = (
             torch.autocast(batch.device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
         )
@@ -465,16 +473,29 @@ def training_step(
         layer.mlp.discard_step()
 
 
-def traced_phases(module: ELRModule, optimizer: torch.optim.Optimizer, target: Target, setting: Setting) -> dict[str, StepMemory]:
+def traced_phases(
+    module: ELRModule, optimizer: torch.optim.Optimizer, target: Target, setting: Setting, prior_grads: bool = False
+) -> dict[str, StepMemory]:
     """:func:`training_step` of ``module`` (fake or real tensors) under the tracker of ``target``; the peak of each
     of its phases: ``step`` (forward and backward passes) and ``update`` (clipping, the optimizer step).
 
     The module's model must already be in the state the strategy gives it (sharded for FSDP2, on
     the step's device); ``optimizer`` from :func:`primed_optimizer`. :func:`step_peak` of the result is
     the step's peak.
+
+    With ``prior_grads`` and gradient accumulation, the first micro-batch is not run: every trainable
+    parameter is given the gradient it leaves (:func:`accumulated_grads`, before the tracker starts, so
+    the tracker files them as gradients, sharded under FSDP2 and in host memory under its offload), and
+    one micro-batch is traced. That micro-batch is the step's second: what is alive at each of its
+    moments is what was alive at the same moment of the first plus the gradients, so the step's peak
+    is the same, at half the tracing.
     """
     model = module.model
     batch = step_batch(module, setting)
+    micro_batches = None
+    if prior_grads and target.accumulate_grad_batches > 1:
+        accumulated_grads(model)
+        micro_batches = 1
     if target.strategy == "fsdp":
         tracker: MemTracker = FSDPStepTracker(model, optimizer)
         tracker.track_inputs((batch,))
@@ -490,7 +511,7 @@ def traced_phases(module: ELRModule, optimizer: torch.optim.Optimizer, target: T
         # torch's module tracker notes the modules it cannot see in the backward pass (a mixer called through
         # functional_call); the peak does not depend on them
         warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
-        training_step(module, optimizer, target, setting, batch, before_update=updating)
+        training_step(module, optimizer, target, setting, batch, before_update=updating, micro_batches=micro_batches)
     phases = {}
     for phase, snapshots in tracker.phase_peaks.items():
         memory = _columns(snapshots.get(batch.device, {}))
@@ -509,6 +530,14 @@ def traced_phases(module: ELRModule, optimizer: torch.optim.Optimizer, target: T
     return phases
 
 
+def accumulated_grads(model: nn.Module) -> None:
+    """Give every trainable parameter of ``model`` that has none the gradient that a micro-batch's backward pass
+    leaves it under gradient accumulation: one of its own shape, placement and dtype (a sharded one under FSDP2)."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
 def step_peak(phases: dict[str, StepMemory]) -> StepMemory:
     """The step's peak from its phases' (:func:`traced_phases`): the columns of the phase with the highest peak (the
     first of equal ones), and the largest host memory of any phase."""
@@ -516,10 +545,12 @@ def step_peak(phases: dict[str, StepMemory]) -> StepMemory:
     return dataclasses.replace(top, host=max(memory.host for memory in phases.values()))
 
 
-def traced_step(module: ELRModule, optimizer: torch.optim.Optimizer, target: Target, setting: Setting) -> StepMemory:
+def traced_step(
+    module: ELRModule, optimizer: torch.optim.Optimizer, target: Target, setting: Setting, prior_grads: bool = False
+) -> StepMemory:
     """:func:`training_step` of ``module`` (fake or real tensors) under the tracker of ``target``; its peak
     (:func:`step_peak` of :func:`traced_phases`)."""
-    return step_peak(traced_phases(module, optimizer, target, setting))
+    return step_peak(traced_phases(module, optimizer, target, setting, prior_grads))
 
 
 def _fsdp_params(model: nn.Module) -> list[list[Any]]:
@@ -602,7 +633,7 @@ def fake_process_group(world_size: int) -> Iterator[DeviceMesh]:
 
 @contextlib.contextmanager
 def fake_training(
-    build: Callable[[], ELRModule], target: Target, phases: bool = False
+    build: Callable[[], ELRModule], target: Target, phases: bool = False, prior_grads: bool = False
 ) -> Iterator[Callable[[Setting], Any]]:
     """A model of ``build`` on fake tensors, placed as ``target``'s strategy places it; yields ``step(setting)``.
 
@@ -614,6 +645,9 @@ def fake_training(
     Args:
         build: Returns the :class:`ELRModule` to estimate, built on the meta device (called once).
         target: Strategy, ranks and precision of the run.
+        phases: ``step`` returns the peak of each phase (:func:`traced_phases`) instead of the step's.
+        prior_grads: Under gradient accumulation, trace one micro-batch after the gradients the first
+            leaves instead of two (:func:`traced_phases`).
 
     Raises:
         ValueError: ``build`` returned a module whose parameters are not on the meta device.
@@ -623,13 +657,18 @@ def fake_training(
     stand_in = FLA_STAND_IN.set(fla_stand_in if target.fla_kernels else None)
     try:
         with mesh_context as mesh, torch.random.fork_rng(devices=[]):
-            yield from _fake_steps(build, target, mesh, param_dtype, phases)
+            yield from _fake_steps(build, target, mesh, param_dtype, phases, prior_grads)
     finally:
         FLA_STAND_IN.reset(stand_in)
 
 
 def _fake_steps(
-    build: Callable[[], ELRModule], target: Target, mesh: Optional[DeviceMesh], param_dtype: torch.dtype, phases: bool
+    build: Callable[[], ELRModule],
+    target: Target,
+    mesh: Optional[DeviceMesh],
+    param_dtype: torch.dtype,
+    phases: bool,
+    prior_grads: bool,
 ) -> Iterator[Callable[[Setting], Any]]:
     module = build()
     model = module.model
@@ -647,7 +686,7 @@ def _fake_steps(
         model.train()
         optimizer = primed_optimizer(module, target.gradient_clip_val)
         trace = traced_phases if phases else traced_step
-        yield lambda setting: trace(module, optimizer, target, setting)
+        yield lambda setting: trace(module, optimizer, target, setting, prior_grads)
 
 
 def estimate_steps(build: Callable[[], ELRModule], target: Target, settings: Sequence[Setting]) -> list[StepMemory]:
@@ -742,6 +781,7 @@ __all__ = [
     "StepTracker",
     "Target",
     "TrainingStep",
+    "accumulated_grads",
     "ddp_bucket_bytes",
     "default_headroom",
     "estimate_steps",

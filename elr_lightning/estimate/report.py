@@ -14,10 +14,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Optional, TextIO, Union
 
 from elr_lightning.core import CHECKPOINTING
 from elr_lightning.estimate.budget import Budget, per_k_verdict, verdict
+from elr_lightning.estimate.cache import TraceCache
 from elr_lightning.estimate.hardware import detected_device_memory, detected_host_memory, parse_memory, positive_count
 from elr_lightning.estimate.memory import (
     CPU_HEADROOM,
@@ -86,6 +88,7 @@ def memory_report(
     host_memory: Optional[Union[str, int]] = None,
     exact: bool = False,
     workers: int = 1,
+    cache_dir: Optional[Union[str, Path]] = None,
 ) -> dict[str, Any]:
     """The estimate table of one or more merged config files, with the micro-batch search and the verdicts.
 
@@ -125,6 +128,8 @@ def memory_report(
             (:mod:`elr_lightning.estimate.steps`).
         workers: Processes tracing the table's steps at once (:mod:`elr_lightning.estimate.workers`); 1:
             this process alone.
+        cache_dir: Where traced steps are kept for later runs (:mod:`elr_lightning.estimate.cache`); a step
+            found there is not traced again. ``None``: no cache.
 
     Raises:
         ValueError: A bad flag or config value, naming it and the fix.
@@ -151,19 +156,29 @@ def memory_report(
     configured = Setting(k_max, run.own[0], run.own[1], run.batch, run.length)  # the run's worst step: every shard at K
     report = run.header(config, conditioning, gdp_kernels, accelerator)
     say = _progress(progress)
-    traced: dict[str, Callable[[Setting], dict[str, StepMemory]]] = {}
     moe = has_moe(run.arch)
+    cache = None if cache_dir is None else TraceCache(Path(cache_dir), config["model"], conditioning, run.target, not exact)
     steps = Steps(
-        lambda setting: traced["trace"](setting), exact, _trace_cost(run.arch, run.target), say,
-        lambda setting: extrapolates(run.target, setting, moe),
+        lambda setting: trace(setting), exact, _trace_cost(run.arch, run.target), say,
+        lambda setting: extrapolates(run.target, setting, moe), cache,
     )  # fmt: skip
-    steps.plan([*settings, configured])
+    # the micro-batch search's first probe past the configured step (twice its micro-batch, at K) is known in
+    # advance: the workers trace it beside the rows
+    steps.plan([*settings, configured], (dataclasses.replace(configured, micro_batch=2 * run.batch),) if search else ())
+    steps.load_cached()
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
+        traced: dict[str, Callable[[Setting], dict[str, StepMemory]]] = {}
+
+        def trace(setting: Setting) -> dict[str, StepMemory]:
+            if "trace" not in traced:  # the fake model is built the first time a step is not known already
+                builder = meta_builder(config, run.path, conditioning)
+                traced["trace"] = stack.enter_context(fake_training(builder, run.target, phases=True, prior_grads=not exact))
+            return traced["trace"](setting)
+
         try:
-            collect = stack.enter_context(traced_in_workers(steps, workers, config, run.path, conditioning, run.target))
-            traced["trace"] = stack.enter_context(
-                fake_training(meta_builder(config, run.path, conditioning), run.target, phases=True)
+            collect = stack.enter_context(
+                traced_in_workers(steps, workers, config, run.path, conditioning, run.target, prior_grads=not exact)
             )
             collect()
             for setting in settings:
@@ -181,6 +196,8 @@ def memory_report(
             report["rows"] = rows if len(rows) >= len(known) else [_row(s, steps(s)) for s in known]
             raise EstimateInterrupted(report) from None
     report["rows"] = rows
+    report["cached"] = sorted(f"k={s.loops} {s.label} micro-batch {s.micro_batch}" for s in steps.cached)
+    report["cache"] = None if cache is None else {"directory": str(cache.directory), "write_error": cache.write_error}
     report["extrapolated"] = sorted(f"k={s.loops} {s.label} micro-batch {s.micro_batch}" for s in steps.extrapolated)
     report["verdict"] = verdict(report, run.budget, search)
     report["per_k_verdict"] = per_k_verdict(report, run.budget)
@@ -402,6 +419,11 @@ def format_memory_report(report: dict[str, Any]) -> str:
         )
     if report.get("extrapolated"):
         lines.append(f"extrapolated in k from the traced k = 3 and 4 (--exact traces them): {', '.join(report['extrapolated'])}")
+    cache = report.get("cache")
+    if cache and report.get("cached"):
+        lines.append(f"{len(report['cached'])} step(s) read from the cache {cache['directory']} (--no_cache traces them)")
+    if cache and cache.get("write_error"):
+        lines.append(f"the cache could not be written ({cache['write_error']}); set --cache_dir to a writable folder")
     if "verdict" in report:
         lines.append(f"verdict: {report['verdict']}")
         lines.append(f"per k: {report['per_k_verdict']}")

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Optional
 
+from elr_lightning.estimate.cache import TraceCache
 from elr_lightning.estimate.memory import Setting, StepMemory, Target, step_peak
 
 _GIB = 2**30
@@ -61,6 +62,8 @@ class Steps:
         cost: The relative time of tracing a setting (for the expected time left).
         say: Where a line per traced step goes.
         extrapolable: Whether a setting may be extrapolated in k (:func:`extrapolates`); default: all.
+        cache: Steps traced by earlier runs (:mod:`elr_lightning.estimate.cache`), read before tracing and
+            given every step traced here.
     """
 
     def __init__(
@@ -70,12 +73,16 @@ class Steps:
         cost: Callable[[Setting], float],
         say: Callable[[str], None],
         extrapolable: Optional[Callable[[Setting], bool]] = None,
+        cache: Optional[TraceCache] = None,
     ) -> None:
         self._trace = trace
         self.exact = exact
         self._cost = cost
         self._say = say
         self._extrapolable = extrapolable or (lambda setting: True)
+        self._cache = cache
+        #: The settings read from the cache instead of traced.
+        self.cached: set[Setting] = set()
         self.phases: dict[Setting, dict[str, StepMemory]] = {}
         self.memory: dict[Setting, StepMemory] = {}
         self.extrapolated: set[Setting] = set()
@@ -89,12 +96,12 @@ class Steps:
             return [setting]
         return [dataclasses.replace(setting, loops=k) for k in (TRACED_LOOPS - 1, TRACED_LOOPS)]
 
-    def plan(self, settings: list[Setting]) -> None:
-        """Announce the settings about to be asked for, so the progress lines can say how long is left."""
-        for setting in settings:
-            for needed in self.to_trace(setting):
-                if needed not in self.phases and needed not in self._planned:
-                    self._planned.append(needed)
+    def plan(self, settings: list[Setting], traced: tuple[Setting, ...] = ()) -> None:
+        """Announce the settings about to be asked for (``traced``: to be traced at their own k, as the micro-batch
+        search's probes are), so that workers trace them and the progress lines can say how long is left."""
+        for needed in [*(n for setting in settings for n in self.to_trace(setting)), *traced]:
+            if needed not in self.phases and needed not in self._planned:
+                self._planned.append(needed)
 
     def left_seconds(self) -> Optional[float]:
         """Expected seconds to trace what is planned and not traced yet, from the time the traces so far took."""
@@ -103,8 +110,26 @@ class Steps:
         left = sum(self._cost(s) for s in self._planned if s not in self.phases)
         return left * self._seconds / self._spent_cost
 
+    def load_cached(self) -> None:
+        """Take every planned setting that the cache holds from it, with a line each."""
+        if self._cache is None:
+            return
+        for setting in self._planned:
+            if setting not in self.phases:
+                self._from_cache(setting)
+
+    def _from_cache(self, setting: Setting) -> bool:
+        phases = self._cache.get(setting) if self._cache is not None else None
+        if phases is None:
+            return False
+        self.phases[setting] = phases
+        self.cached.add(setting)
+        peak = step_peak(phases).peak / _GIB
+        self._say(f"k={setting.loops} {setting.label} micro-batch {setting.micro_batch}: {peak:.2f} GiB (cached)")
+        return True
+
     def _traced(self, setting: Setting) -> dict[str, StepMemory]:
-        if setting not in self.phases:
+        if setting not in self.phases and not self._from_cache(setting):
             start = time.perf_counter()
             phases = self._trace(setting)
             self.record(setting, phases, time.perf_counter() - start)
@@ -114,6 +139,8 @@ class Steps:
         """Keep a setting traced here or by a worker process (:mod:`elr_lightning.estimate.workers`) in
         ``seconds``, and print its line; ``parallel`` traces run at once (for the time left)."""
         self.phases[setting] = phases
+        if self._cache is not None:
+            self._cache.put(setting, phases)
         self._seconds += seconds / parallel
         self._spent_cost += self._cost(setting)
         memory = step_peak(phases)

@@ -36,12 +36,14 @@ def _exit_with(parent: int) -> None:
     os._exit(1)
 
 
-def _start(config: dict[str, Any], path: str, conditioning: bool, target: Target) -> None:
+def _start(config: dict[str, Any], path: str, conditioning: bool, target: Target, prior_grads: bool) -> None:
     """A worker's initializer: the config's model on fake tensors, kept for the worker's life."""
     global _STACK, _TRACE
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     _STACK = contextlib.ExitStack()
-    _TRACE = _STACK.enter_context(fake_training(meta_builder(config, path, conditioning), target, phases=True))
+    _TRACE = _STACK.enter_context(
+        fake_training(meta_builder(config, path, conditioning), target, phases=True, prior_grads=prior_grads)
+    )
 
 
 def _trace(setting: Setting) -> tuple[Setting, dict[str, StepMemory], float]:
@@ -54,10 +56,17 @@ def _trace(setting: Setting) -> tuple[Setting, dict[str, StepMemory], float]:
 
 @contextlib.contextmanager
 def traced_in_workers(
-    steps: Steps, workers: int, config: dict[str, Any], path: str, conditioning: bool, target: Target
+    steps: Steps,
+    workers: int,
+    config: dict[str, Any],
+    path: str,
+    conditioning: bool,
+    target: Target,
+    prior_grads: bool = False,
 ) -> Iterator[Callable[[], None]]:
     """Start ``workers`` processes tracing ``steps``' pending settings; yields ``collect()``, which waits for them
-    and records each in ``steps`` as it comes. With ``workers`` below 2 (or nothing pending) nothing is started
+    and records each in ``steps`` as it comes (``prior_grads``: see
+    :func:`~elr_lightning.estimate.memory.fake_training`). With ``workers`` below 2 (or nothing pending) nothing is started
     and ``collect`` does nothing. On exit (Ctrl-C included) unfinished work is cancelled and the workers stop."""
     pending = steps.pending()
     if workers < 2 or len(pending) < 2:
@@ -66,7 +75,7 @@ def traced_in_workers(
     workers = min(workers, len(pending))
     pool = ProcessPoolExecutor(
         max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
-        initargs=(config, path, conditioning, target),
+        initargs=(config, path, conditioning, target, prior_grads),
     )  # fmt: skip
     futures: list[Future] = [pool.submit(_trace, setting) for setting in pending]
 

@@ -332,7 +332,7 @@ def _synthetic_steps(monkeypatch, host_gib: float = 20.0) -> list[Setting]:
         return StepMemory(10 * 2**30, 0, 0, setting.micro_batch * per_sequence * 2**30, int(host_gib * 2**30))
 
     @contextlib.contextmanager
-    def fake(build, target, phases=False):  # noqa: ANN001, ARG001 - the signature of fake_training
+    def fake(build, target, phases=False, prior_grads=False):  # noqa: ANN001, ARG001 - the signature of fake_training
         yield (lambda setting: {"step": step(setting)}) if phases else step
 
     monkeypatch.setattr(estimate_report, "fake_training", fake)

@@ -96,7 +96,7 @@ def _synthetic(monkeypatch, interrupt_after: int = 0) -> list[Setting]:
         return {"step": StepMemory(10 * 2**30, 0, 0, setting.micro_batch * (2 + setting.loops) * 2**30)}
 
     @contextlib.contextmanager
-    def fake(build, target, phases=False):  # noqa: ANN001, ARG001 - the signature of fake_training
+    def fake(build, target, phases=False, prior_grads=False):  # noqa: ANN001, ARG001 - the signature of fake_training
         yield step
 
     monkeypatch.setattr(estimate_report, "fake_training", fake)
@@ -155,7 +155,7 @@ def test_a_step_that_fits_nowhere_names_the_smallest_node_count_and_what_else_fi
         return {"step": StepMemory(10 * gib, 0, 0, activations + setting.loops * gib, sharded=10 * gib)}
 
     @contextlib.contextmanager
-    def fake(build, target, phases=False):  # noqa: ANN001, ARG001
+    def fake(build, target, phases=False, prior_grads=False):  # noqa: ANN001, ARG001
         yield step
 
     monkeypatch.setattr(estimate_report, "fake_training", fake)
@@ -186,3 +186,28 @@ def test_the_old_estimate_module_names_still_read_with_a_warning() -> None:
         assert package.Setting is memory.Setting
     with pytest.raises(AttributeError):
         package.no_such_name  # noqa: B018
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["quickstart.yaml", "quickstart_hybrid.yaml", "quickstart_moe.yaml"])
+@pytest.mark.parametrize(
+    "target",
+    [
+        Target("single", 1, "32-true", accumulate_grad_batches=2),
+        Target("ddp", 2, "bf16-mixed", gradient_clip_val=1.0, accumulate_grad_batches=4),
+        Target("fsdp", 2, "bf16-mixed", gradient_clip_val=1.0, accumulate_grad_batches=2),
+        Target("fsdp", 2, "bf16-mixed", gradient_clip_val=1.0, accumulate_grad_batches=2, cpu_offload=True),
+    ],
+    ids=["single", "ddp", "fsdp", "fsdp-offload"],
+)
+def test_one_micro_batch_after_the_firsts_gradients_is_the_two_micro_batch_step(name: str, target: Target) -> None:
+    """Under gradient accumulation the fast path traces one micro-batch after the gradients the first leaves
+    (``prior_grads``); every phase's columns, host memory included, equal the trace of both micro-batches."""
+    config = _small(name, max_loops=3)
+    settings = [Setting(3, checkpointing, backprop, 2, 16) for checkpointing, backprop in MODES]
+    traced = {}
+    for prior_grads in (False, True):
+        with fake_training(lambda: build_module(config), target, phases=True, prior_grads=prior_grads) as trace:
+            traced[prior_grads] = [trace(setting) for setting in settings]
+    for setting, both, one in zip(settings, traced[False], traced[True]):
+        assert one == both, (name, target, setting)
