@@ -110,3 +110,25 @@ def test_a_cast_to_bfloat16_keeps_the_frequencies_and_a_cast_back_changes_nothin
     assert conditioner.mlp[0].weight.dtype == torch.bfloat16 and torch.equal(conditioner.freqs, exact)
     conditioner.to(torch.float64)  # a wider cast is nn.Module's own
     assert conditioner.freqs.dtype == torch.float64 and torch.equal(conditioner.freqs, exact.double())
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_rope_tables_stay_fp32_under_lightnings_true_half_precisions(precision):
+    """RoPE's tables are those of fp32 training, inference and export after Lightning casts the model, and a
+    half-precision attention layer rotates with them (its output equals the rotation by the fp32 tables)."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    from elr_lightning.mixers.attention import apply_rope
+
+    reference = LoopedLM(tiny_config())
+    model = HalfPrecision(precision).convert_module(LoopedLM(tiny_config()))
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float16
+    assert model.embed.weight.dtype == dtype
+    assert model.rotary.cos.dtype == model.rotary.sin.dtype == torch.float32
+    assert torch.equal(model.rotary.cos, reference.rotary.cos) and torch.equal(model.rotary.sin, reference.rotary.sin)
+    assert (model.rotary.cos.to(dtype).float() - reference.rotary.cos).abs().max() > 1e-4  # what a cast table lost
+    x = torch.randn(1, 2, 8, reference.rotary.cos.shape[1] * 2).to(dtype)
+    cos, sin = model.rotary(0, 8)
+    assert torch.equal(apply_rope(x, cos, sin), apply_rope(x.float(), *reference.rotary(0, 8)).to(dtype))
+    model.float()
+    assert torch.equal(model.rotary.cos, reference.rotary.cos)
