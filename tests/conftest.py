@@ -43,6 +43,15 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True)
+def private_estimate_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's ``elr estimate`` and ``elr fit`` (and their subprocesses) keep traced steps in a folder of their own.
+
+    Never the user's ``~/.cache``, and no test reads a step another test traced.
+    """
+    monkeypatch.setenv("ELR_ESTIMATE_CACHE", str(tmp_path_factory.mktemp("estimate-cache")))
+
+
 def load_bench(name: str) -> ModuleType:
     """``bench/<name>.py`` as a module (the benches are scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO_ROOT / "bench" / f"{name}.py")
