@@ -46,6 +46,7 @@ LONGEST_FIRST = (
     "vllm/test_vllm.py",
     "estimate/test_estimate.py",
     "estimate/test_fast.py",
+    "estimate/test_shipped_configs.py",
     "strategies/test_strategies.py",
     "checkpoints/test_resume.py",
 )
