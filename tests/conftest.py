@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator
@@ -28,6 +29,37 @@ settings.register_profile("elr", deadline=None, max_examples=25, derandomize=Tru
 settings.load_profile("elr")
 
 torch.set_flush_denormal(True)
+
+#: Under pytest-xdist (``.ci/run``: ``-n 2``), each worker's share of the cores: its own torch threads and those of
+#: the processes its tests start (``OMP_NUM_THREADS``), so that two workers never run more threads than there are
+#: cores (two tiny models each spinning two threads on two cores run several times slower than on one each).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // WORKERS)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+#: The files that take longest (minutes each on a 2-core machine), first in the order pytest-xdist hands out
+#: files (``--dist loadfile --no-loadscope-reorder``: a file's tests, and its module fixtures such as a vLLM server,
+#: stay on one worker): started last, one of them would leave the other worker idle for its whole length.
+LONGEST_FIRST = (
+    "test_readme_fresh.py",
+    "vllm/test_vllm.py",
+    "estimate/test_estimate.py",
+    "estimate/test_fast.py",
+    "estimate/test_shipped_configs.py",
+    "strategies/test_strategies.py",
+    "checkpoints/test_resume.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, moves the tests of :data:`LONGEST_FIRST` to the front, in that order (a stable sort)."""
+    missing = [name for name in LONGEST_FIRST if not (REPO_ROOT / "tests" / name).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py: LONGEST_FIRST names files that are not there: {missing}")
+    if WORKERS > 1:
+        rank = {REPO_ROOT / "tests" / name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path, len(rank)))
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 pytest.importorskip("tokenizers")
 
 from _elr_ckpt import SERVE_ARCH, write_checkpoint  # noqa: E402
+from _forked_cli import run_commands  # noqa: E402
 from elr_lightning.hf.export import import_hf  # noqa: E402
 from elr_lightning.inference.prompts import check_sampling  # noqa: E402
 from elr_lightning.serve.api import CompletionsSpec, RequestError  # noqa: E402
@@ -57,11 +57,11 @@ def test_a_panic_on_one_text_is_a_one_line_value_error_and_a_400() -> None:
     assert refused.value.status == 400 and refused.value.param == "prompt"
 
 
-def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def _cli(jobs: list[tuple[list[str], Path]]) -> list[subprocess.CompletedProcess]:
+    """Each ``(args, folder)``: the ``elr`` command in its own process (forked from one that imported the CLI once)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RUST_BACKTRACE": "1"}
     env.pop("ELR_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "elr_lightning.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return run_commands([{"args": args, "cwd": cwd, "env": {}} for args, cwd in jobs], env)
 
 
 @pytest.fixture(scope="module")
@@ -76,20 +76,29 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"good": good, "hostile": root / "hostile.ckpt"}
 
 
+HOSTILE_COMMANDS = [
+    ["generate", "--prompt", "ab"],
+    ["serve", "--port", "8917", "--accelerator", "cpu"],
+    ["export", "--out", "exported"],
+    ["eval", "--output_dir", "evaluated"],
+]
+
+
+@pytest.fixture(scope="module")
+def hostile_runs(
+    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> list[subprocess.CompletedProcess]:
+    """Each of :data:`HOSTILE_COMMANDS` on the hostile checkpoint, in its own process and folder."""
+    hostile = str(checkpoints["hostile"])
+    return _cli([([c[0], "--ckpt_path", hostile, *c[1:]], tmp_path_factory.mktemp(c[0])) for c in HOSTILE_COMMANDS])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "command",
-    [
-        ["generate", "--prompt", "ab"],
-        ["serve", "--port", "8917", "--accelerator", "cpu"],
-        ["export", "--out", "exported"],
-        ["eval", "--output_dir", "evaluated"],
-    ],
-)
+@pytest.mark.parametrize("index", range(len(HOSTILE_COMMANDS)), ids=[c[0] for c in HOSTILE_COMMANDS])
 def test_every_command_refuses_a_hostile_checkpoint_tokenizer_in_one_line(
-    checkpoints: dict[str, Path], command: list[str], tmp_path: Path
+    hostile_runs: list[subprocess.CompletedProcess], index: int
 ) -> None:
-    proc = _cli([command[0], "--ckpt_path", str(checkpoints["hostile"]), *command[1:]], tmp_path)
+    command, proc = HOSTILE_COMMANDS[index], hostile_runs[index]
     lines = [line for line in proc.stderr.splitlines() if line.strip() and "Warning" not in line]
     assert proc.returncode == 1, proc.stderr[-2000:]
     errors = [line for line in lines if line.startswith(f"elr {command[0]}: error:")]
@@ -103,9 +112,12 @@ def test_generate_takes_a_tiny_temperature_as_greedy_and_prints_depth_statistics
 ) -> None:
     common = ["generate", "--ckpt_path", str(checkpoints["good"]), "--prompt", "ab", "--max_new_tokens", "6",
               "--no_echo_prompt"]  # fmt: skip
-    tiny, greedy = _cli([*common, "--temperature", "1e-300"], tmp_path), _cli([*common, "--temperature", "0"], tmp_path)
+    tiny, greedy, auto = _cli([
+        ([*common, "--temperature", "1e-300"], tmp_path),
+        ([*common, "--temperature", "0"], tmp_path),
+        ([*common, "--loops", "auto", "--stats"], tmp_path),
+    ])
     assert tiny.returncode == 0 and tiny.stdout == greedy.stdout, tiny.stderr[-2000:]
-    auto = _cli([*common, "--loops", "auto", "--stats"], tmp_path)
     assert auto.returncode == 0, auto.stderr[-2000:]
     assert "loops auto (budget 3, kl threshold 0.001)" in auto.stderr and "loops k=" not in auto.stderr
     assert "loops per decoded token: mean" in auto.stderr

