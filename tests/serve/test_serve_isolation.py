@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 import urllib.request
@@ -127,6 +128,19 @@ def test_an_unknown_model_is_a_404_with_openais_error_shape(spec: CompletionsSpe
 # ---- the real server, over HTTP --------------------------------------------------------------------
 
 
+def _read_response(sock: socket.socket) -> str:
+    """One HTTP response, head and body: a loaded machine sends the body in a later segment than the head."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+        re.search(rb"(?im)^content-length: *(\d+)", data.split(b"\r\n\r\n", 1)[0])[1]
+    ):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode()
+
+
 @pytest.mark.slow
 def test_server_answers_a_poisoned_request_alone_and_bounds_hostile_bodies(
     checkpoint: Path, model, tmp_path: Path
@@ -163,7 +177,7 @@ def test_server_answers_a_poisoned_request_alone_and_bounds_hostile_bodies(
                              b"Content-Length: 1000\r\n\r\n{\"prompt\": \"ab")  # fmt: skip
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # a client that never finishes
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
-            head = sock.recv(4096).decode()
+            head = _read_response(sock)
         assert head.startswith("HTTP/1.1 408") and "body_timeout" in head
         status, answer = post(url, b'{"prompt": "def", "max_tokens": 3}')
         assert status == 200, "the server stopped serving"
