@@ -42,6 +42,7 @@ if WORKERS > 1:
 #: files (``--dist loadfile --no-loadscope-reorder``: a file's tests, and its module fixtures such as a vLLM server,
 #: stay on one worker): started last, one of them would leave the other worker idle for its whole length.
 LONGEST_FIRST = (
+    "estimate/test_shipped_gpu_configs.py",
     "test_readme_fresh.py",
     "vllm/test_vllm.py",
     "estimate/test_estimate.py",
