@@ -64,8 +64,9 @@ class TraceCache:
         model: The config's ``model`` section (``class_path`` and ``init_args``), as merged.
         conditioning: Eq. 4 conditioning on or off, as the estimate builds the model.
         target: Where the step runs.
-        prior_grads: The steps are traced after the gradients of a first micro-batch, not through it
-            (:func:`~elr_lightning.estimate.memory.traced_phases`): the fast path's, kept apart from ``--exact``'s.
+        prior_grads: The steps are the fast path's, traced after the gradients of a first micro-batch, not through it,
+            with the layers replayed (:func:`~elr_lightning.estimate.memory.fake_training`): kept apart from
+            ``--exact``'s.
     """
 
     def __init__(

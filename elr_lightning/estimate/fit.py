@@ -211,7 +211,7 @@ def log_fit_estimate(
                 phases = cache.get(s) if cache is not None else None
                 if phases is None:
                     if "trace" not in built:  # the fake model is built once, where the cache does not hold a step
-                        built["trace"] = stack.enter_context(fake_training(build, target, phases=True, prior_grads=True))
+                        built["trace"] = stack.enter_context(fake_training(build, target, phases=True, prior_grads=True, replay=True))
                     phases = built["trace"](s)
                     if cache is not None:
                         cache.put(s, phases)

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elr_lightning.core import CHECKPOINTING
 from elr_lightning.estimate.fla import fla_stand_in
+from elr_lightning.estimate.replay import LayerReplay
 from elr_lightning.mixers.delta_rule import FLA_STAND_IN, _fla_kernel
 from elr_lightning.module import ELRModule
 from elr_lightning.optim import adamw, param_groups
@@ -315,6 +316,7 @@ class _PeakOnly:
     host_peak: int = 0
     phase_peaks: dict[str, dict[torch.device, dict[Any, int]]]
     phase_host: dict[str, int]
+    _probing: Optional[list[int]] = None
 
     @property
     def phase(self) -> str:
@@ -338,7 +340,43 @@ class _PeakOnly:
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
 
+    def probe(self, fn: Callable[[], Any]) -> tuple[Any, int, int]:
+        """Run ``fn`` with the step's peak set aside (its allocations are tracked, its peak not kept); give its
+        result, the bytes alive on the device at its start, and the most alive during it (for
+        :mod:`elr_lightning.estimate.replay`)."""
+        outer = self._probing
+        start = self._device_total()
+        self._probing = [start]
+        # the module tracker's hooks stay out of ``fn``: they would take a backward pass run inside the step's
+        # forward pass for the step's, and the gradient hooks they put on a graph never run backward keep it alive
+        modules = self._mod_tracker
+        modules.__exit__()
+        try:
+            result = fn()
+        finally:
+            modules.__enter__()
+            top = max(self._probing[0], self._device_total())
+            self._probing = outer
+        if outer is not None:
+            outer[0] = max(outer[0], top)
+        return result, start, top
+
+    def _device_total(self) -> int:
+        """The bytes alive on the device now (the device's part under offload, as :meth:`_device_part` splits it)."""
+        total = 0
+        for snapshot in self._curr_mem_snap.values():
+            if not self.offloaded:
+                total += snapshot[_TOTAL_KEY]
+                continue
+            for kind, n in snapshot.items():
+                if isinstance(kind, _RefType) and ((kind in _DEVICE_RESIDENT) if self.updating else (kind not in _HOST)):
+                    total += n
+        return total
+
     def _update_peak_stats(self, peak_state: _State) -> None:
+        if self._probing is not None:
+            self._probing[0] = max(self._probing[0], self._device_total())
+            return
         phase = self.phase_peaks.setdefault(self.phase, {})
         for device, snapshot in self._curr_mem_snap.items():
             if self.offloaded:
@@ -474,7 +512,12 @@ def training_step(
 
 
 def traced_phases(
-    module: ELRModule, optimizer: torch.optim.Optimizer, target: Target, setting: Setting, prior_grads: bool = False
+    module: ELRModule,
+    optimizer: torch.optim.Optimizer,
+    target: Target,
+    setting: Setting,
+    prior_grads: bool = False,
+    replay: Optional[LayerReplay] = None,
 ) -> dict[str, StepMemory]:
     """:func:`training_step` of ``module`` (fake or real tensors) under the tracker of ``target``; the peak of each
     of its phases: ``step`` (forward and backward passes) and ``update`` (clipping, the optimizer step).
@@ -489,6 +532,9 @@ def traced_phases(
     one micro-batch is traced. That micro-batch is the step's second: what is alive at each of its
     moments is what was alive at the same moment of the first plus the gradients, so the step's peak
     is the same, at half the tracing.
+
+    With ``replay`` the layers' calls are replayed from one traced call of each kind
+    (:mod:`elr_lightning.estimate.replay`).
     """
     model = module.model
     batch = step_batch(module, setting)
@@ -511,7 +557,9 @@ def traced_phases(
         # torch's module tracker notes the modules it cannot see in the backward pass (a mixer called through
         # functional_call); the peak does not depend on them
         warnings.filterwarnings("ignore", message=r"Module is None\. Skipping")
-        training_step(module, optimizer, target, setting, batch, before_update=updating, micro_batches=micro_batches)
+        replaying = replay.installed(module.all_layers(), tracker.probe) if replay else contextlib.nullcontext()
+        with replaying:
+            training_step(module, optimizer, target, setting, batch, before_update=updating, micro_batches=micro_batches)
     phases = {}
     for phase, snapshots in tracker.phase_peaks.items():
         memory = _columns(snapshots.get(batch.device, {}))
@@ -546,11 +594,16 @@ def step_peak(phases: dict[str, StepMemory]) -> StepMemory:
 
 
 def traced_step(
-    module: ELRModule, optimizer: torch.optim.Optimizer, target: Target, setting: Setting, prior_grads: bool = False
+    module: ELRModule,
+    optimizer: torch.optim.Optimizer,
+    target: Target,
+    setting: Setting,
+    prior_grads: bool = False,
+    replay: Optional[LayerReplay] = None,
 ) -> StepMemory:
     """:func:`training_step` of ``module`` (fake or real tensors) under the tracker of ``target``; its peak
     (:func:`step_peak` of :func:`traced_phases`)."""
-    return step_peak(traced_phases(module, optimizer, target, setting, prior_grads))
+    return step_peak(traced_phases(module, optimizer, target, setting, prior_grads, replay))
 
 
 def _fsdp_params(model: nn.Module) -> list[list[Any]]:
@@ -633,13 +686,14 @@ def fake_process_group(world_size: int) -> Iterator[DeviceMesh]:
 
 @contextlib.contextmanager
 def fake_training(
-    build: Callable[[], ELRModule], target: Target, phases: bool = False, prior_grads: bool = False
+    build: Callable[[], ELRModule], target: Target, phases: bool = False, prior_grads: bool = False, replay: bool = False
 ) -> Iterator[Callable[[Setting], Any]]:
     """A model of ``build`` on fake tensors, placed as ``target``'s strategy places it; yields ``step(setting)``.
 
     ``step`` traces one training step (:func:`traced_step`) and returns its per-rank peak (with
     ``phases``, the peak of each phase, :func:`traced_phases`); call it for as many settings as
-    needed, all on the one fake model. Nothing is allocated but the fake
+    needed, all on the one fake model. ``step.layer_replay`` is the
+    :class:`~elr_lightning.estimate.replay.LayerReplay` of its steps (``None`` without ``replay``). Nothing is allocated but the fake
     tensors' metadata, and the global random state is left as it was.
 
     Args:
@@ -648,6 +702,8 @@ def fake_training(
         phases: ``step`` returns the peak of each phase (:func:`traced_phases`) instead of the step's.
         prior_grads: Under gradient accumulation, trace one micro-batch after the gradients the first
             leaves instead of two (:func:`traced_phases`).
+        replay: Replay the layers' calls from one traced call of each kind, measured once for all the steps
+            (:mod:`elr_lightning.estimate.replay`).
 
     Raises:
         ValueError: ``build`` returned a module whose parameters are not on the meta device.
@@ -657,7 +713,7 @@ def fake_training(
     stand_in = FLA_STAND_IN.set(fla_stand_in if target.fla_kernels else None)
     try:
         with mesh_context as mesh, torch.random.fork_rng(devices=[]):
-            yield from _fake_steps(build, target, mesh, param_dtype, phases, prior_grads)
+            yield from _fake_steps(build, target, mesh, param_dtype, phases, prior_grads, replay)
     finally:
         FLA_STAND_IN.reset(stand_in)
 
@@ -669,6 +725,7 @@ def _fake_steps(
     param_dtype: torch.dtype,
     phases: bool,
     prior_grads: bool,
+    replay: bool,
 ) -> Iterator[Callable[[Setting], Any]]:
     module = build()
     model = module.model
@@ -686,7 +743,13 @@ def _fake_steps(
         model.train()
         optimizer = primed_optimizer(module, target.gradient_clip_val)
         trace = traced_phases if phases else traced_step
-        yield lambda setting: trace(module, optimizer, target, setting, prior_grads)
+        layers = LayerReplay() if replay else None
+
+        def step(setting: Setting) -> Any:
+            return trace(module, optimizer, target, setting, prior_grads, layers)
+
+        step.layer_replay = layers  # type: ignore[attr-defined]  # what was replayed, for tests and the bench
+        yield step
 
 
 def estimate_steps(build: Callable[[], ELRModule], target: Target, settings: Sequence[Setting]) -> list[StepMemory]:

@@ -173,7 +173,9 @@ def memory_report(
         def trace(setting: Setting) -> dict[str, StepMemory]:
             if "trace" not in traced:  # the fake model is built the first time a step is not known already
                 builder = meta_builder(config, run.path, conditioning)
-                traced["trace"] = stack.enter_context(fake_training(builder, run.target, phases=True, prior_grads=not exact))
+                traced["trace"] = stack.enter_context(
+                    fake_training(builder, run.target, phases=True, prior_grads=not exact, replay=not exact)
+                )
             return traced["trace"](setting)
 
         try:

@@ -42,7 +42,9 @@ def _start(config: dict[str, Any], path: str, conditioning: bool, target: Target
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     _STACK = contextlib.ExitStack()
     _TRACE = _STACK.enter_context(
-        fake_training(meta_builder(config, path, conditioning), target, phases=True, prior_grads=prior_grads)
+        fake_training(
+            meta_builder(config, path, conditioning), target, phases=True, prior_grads=prior_grads, replay=prior_grads
+        )
     )
 
 
@@ -65,8 +67,8 @@ def traced_in_workers(
     prior_grads: bool = False,
 ) -> Iterator[Callable[[], None]]:
     """Start ``workers`` processes tracing ``steps``' pending settings; yields ``collect()``, which waits for them
-    and records each in ``steps`` as it comes (``prior_grads``: see
-    :func:`~elr_lightning.estimate.memory.fake_training`). With ``workers`` below 2 (or nothing pending) nothing is started
+    and records each in ``steps`` as it comes (``prior_grads``: the fast path, one micro-batch after the first's
+    gradients with the layers replayed, see :func:`~elr_lightning.estimate.memory.fake_training`). With ``workers`` below 2 (or nothing pending) nothing is started
     and ``collect`` does nothing. On exit (Ctrl-C included) unfinished work is cancelled and the workers stop."""
     pending = steps.pending()
     if workers < 2 or len(pending) < 2:

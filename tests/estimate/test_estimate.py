@@ -332,7 +332,7 @@ def _synthetic_steps(monkeypatch, host_gib: float = 20.0) -> list[Setting]:
         return StepMemory(10 * 2**30, 0, 0, setting.micro_batch * per_sequence * 2**30, int(host_gib * 2**30))
 
     @contextlib.contextmanager
-    def fake(build, target, phases=False, prior_grads=False):  # noqa: ANN001, ARG001 - the signature of fake_training
+    def fake(build, target, phases=False, prior_grads=False, replay=False):  # noqa: ANN001, ARG001 - the signature of fake_training
         yield (lambda setting: {"step": step(setting)}) if phases else step
 
     monkeypatch.setattr(estimate_report, "fake_training", fake)
@@ -451,7 +451,8 @@ def test_the_fit_estimate_is_the_runs_worst_step(capsys) -> None:
     data = SimpleNamespace(batch_size=2, seq_len=16)
     roomy = log_fit_estimate(trainer, module, data, total_memory=lambda device: 2**40)
     expected, = estimate_steps(lambda: build_module(config), Target("single", 1, "32-true", 1.0), [Setting(3, "loop", None, 2, 16)])
-    assert isinstance(roomy, StepMemory) and roomy == expected
+    # the check traces the fast path's step (layers replayed: tests/estimate/test_replay.py), the full trace within 3%
+    assert isinstance(roomy, StepMemory) and abs(roomy.peak - expected.peak) <= 0.03 * expected.peak, (roomy, expected)
     err = capsys.readouterr().err
     assert err.count("elr: estimated peak memory per rank") == 1 and "warning" not in err
     assert module.model.core.checkpointing == "loop" and all(not p.is_meta for p in module.parameters())

@@ -96,7 +96,7 @@ def _synthetic(monkeypatch, interrupt_after: int = 0) -> list[Setting]:
         return {"step": StepMemory(10 * 2**30, 0, 0, setting.micro_batch * (2 + setting.loops) * 2**30)}
 
     @contextlib.contextmanager
-    def fake(build, target, phases=False, prior_grads=False):  # noqa: ANN001, ARG001 - the signature of fake_training
+    def fake(build, target, phases=False, prior_grads=False, replay=False):  # noqa: ANN001, ARG001 - the signature of fake_training
         yield step
 
     monkeypatch.setattr(estimate_report, "fake_training", fake)
@@ -155,7 +155,7 @@ def test_a_step_that_fits_nowhere_names_the_smallest_node_count_and_what_else_fi
         return {"step": StepMemory(10 * gib, 0, 0, activations + setting.loops * gib, sharded=10 * gib)}
 
     @contextlib.contextmanager
-    def fake(build, target, phases=False, prior_grads=False):  # noqa: ANN001, ARG001
+    def fake(build, target, phases=False, prior_grads=False, replay=False):  # noqa: ANN001, ARG001
         yield step
 
     monkeypatch.setattr(estimate_report, "fake_training", fake)
