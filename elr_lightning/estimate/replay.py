@@ -134,15 +134,11 @@ class _Replayed(torch.autograd.Function):
         size = sum(math.prod(s[0]) * s[2].itemsize for s in shapes if s is not None)
         # the layer's peak, with its gradients alive at it where they fit under it; else its saved bytes are freed
         # first (the layer frees its saved activations as its backward pass runs, and the end state is under the peak)
-        if backward.peak >= size:
-            made = [None if s is None else torch.empty_strided(*s[:2], dtype=s[2], device=device) for s in shapes]
-            _touch(backward.peak - size, device)
-            del kept
-        else:
-            kept_bytes = _nbytes(kept)
-            del kept
-            made = [None if s is None else torch.empty_strided(*s[:2], dtype=s[2], device=device) for s in shapes]
-            _touch(backward.peak - size + kept_bytes, device)
+        kept_bytes = 0 if backward.peak >= size else _nbytes(kept)
+        if kept_bytes:
+            kept = None
+        made = [None if s is None else torch.empty_strided(*s[:2], dtype=s[2], device=device) for s in shapes]
+        _touch(backward.peak - size + kept_bytes, device)
         return (None, None, None, *made)
 
 
@@ -190,10 +186,8 @@ def _stores_written(stores: _Stores) -> bool:
 class LayerReplay:
     """The profiles of the layer calls met while tracing steps on one fake model, and the wrappers that replay them.
 
-    Args:
-        probe: Runs a function under the step's tracker with the peak set aside; gives the function's result,
-            the bytes alive at its start and the most alive during it
-            (:meth:`~elr_lightning.estimate.memory._PeakOnly.probe`). Set by :meth:`installed`.
+    :meth:`installed` puts the wrappers on a step's layers, with the tracker's ``probe``
+    (:meth:`~elr_lightning.estimate.memory._PeakOnly.probe`) to measure new kinds of call.
     """
 
     def __init__(self) -> None:
