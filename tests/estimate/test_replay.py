@@ -9,29 +9,15 @@ replayed peak was at most 2.1% from the full trace (FSDP2, ``loop`` and ``layer`
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from elr_lightning.estimate.memory import Setting, Target, fake_training, step_peak
-from elr_lightning.lightning_cli import build_module, merged_config
+from test_fast import MODES, _small
 
-ROOT = Path(__file__).resolve().parents[2]
+from elr_lightning.estimate.memory import Setting, Target, fake_training, step_peak
+from elr_lightning.lightning_cli import build_module
 
 #: The largest relative difference measured on these small configs, with some room (see the module docstring).
 TOLERANCE = 0.03
-
-MODES = [("none", None), ("loop", None), ("layer", None), ("none", 1)]
-
-
-def _small(name: str, max_loops: int = 3) -> dict:
-    config = merged_config(str(ROOT / "config" / name))
-    init = config["model"]["init_args"]
-    init["arch"]["d_model"] = 64
-    init["arch"]["max_loops"] = max_loops
-    init["virtual_ranks"] = 1
-    init["sampler"] = {"class_path": "elr_lightning.sampling.OneLoopOverride", "init_args": {"max_loops": max_loops}}
-    return config
 
 
 def _traced(config: dict, target: Target, replay: bool) -> tuple[dict, object]:
@@ -52,8 +38,8 @@ def _traced(config: dict, target: Target, replay: bool) -> tuple[dict, object]:
 )
 def test_replayed_layers_give_the_traced_peak_at_every_k_and_mode(name: str, target: Target) -> None:
     """Every k to 3 and mode: the replayed step's peak is within 3% of the full trace, and layers were replayed."""
-    exact, _ = _traced(_small(name), target, replay=False)
-    fast, layers = _traced(_small(name), target, replay=True)
+    exact, _ = _traced(_small(name, 3), target, replay=False)
+    fast, layers = _traced(_small(name, 3), target, replay=True)
     assert layers is not None and layers.replayed > 0 and layers.traced == 0
     assert all(profile is not None for profile in layers.profiles.values())
     for key, full in exact.items():
@@ -64,7 +50,7 @@ def test_replayed_layers_give_the_traced_peak_at_every_k_and_mode(name: str, tar
 @pytest.mark.slow
 def test_a_layer_that_writes_to_its_forward_passs_stores_is_traced_not_replayed() -> None:
     """A mixture of experts keeps loop 1's routes and adds a balance loss: its layers run for real, the rest replay."""
-    config = _small("quickstart_moe.yaml")
+    config = _small("quickstart_moe.yaml", 3)
     target = Target("fsdp", 2, "bf16-mixed", gradient_clip_val=1.0)
     exact, _ = _traced(config, target, replay=False)
     fast, layers = _traced(config, target, replay=True)
