@@ -1,14 +1,13 @@
-"""Replayed layers: each kind of layer traced once, then its memory replayed at every later call (the fast path).
+"""Replayed layers: each kind of layer call traced once, then its memory replayed at every call (the fast path).
 
 A traced step costs time in proportion to the operations it dispatches, and most of them are the
 layers' own: the same recurrent layers at every loop, and layers of one kind (one mixer, one shape)
 over and over in each block. Under :class:`LayerReplay` the first call of each *kind of call* runs
-the layer for real, twice, inside the step's tracker with its peak set aside (:meth:`StepTracker.probe
-<elr_lightning.estimate.memory._PeakOnly.probe>`): a forward and backward pass on detached copies of
-its inputs, measuring
+the layer for real, inside the step's tracker with its peak set aside (:meth:`StepTracker.probe
+<elr_lightning.estimate.memory._PeakOnly.probe>`), on detached copies of its inputs, measuring
 
 * the forward pass's peak above its start, what it keeps (output and saved activations) and which
-  of its inputs it keeps alive;
+  of its inputs its graph keeps alive (one more forward pass, on copies of its own);
 * the backward pass's peak above its start and which inputs and parameters get a gradient, once
   with the parameters' gradients absent (they are created) and once present (they are added to in
   place, as under gradient accumulation and at a shared layer's later loops).
@@ -18,15 +17,18 @@ autograd function that allocates, in the same order, what the layer allocated at
 what it keeps, returns an output of the layer's shape, and in the backward pass allocates the
 gradients the layer produces. The tracker, the sharding strategy's hooks, activation
 checkpointing and the autograd engine see the layer's memory at its moments, so the step's peak
-is the traced one; ``tests/estimate/test_replay.py`` compares every k and mode on dense and
-hybrid configs under DDP and FSDP2 with the full trace.
+is the traced one; ``tests/estimate/test_replay.py`` compares every k and mode on dense, hybrid and
+MoE configs under DDP and FSDP2 with the full trace.
 
-A kind of call is the layer's class, submodules and parameters (names, shapes, dtypes), the
-shapes, strides and dtypes of its input and of every tensor of its loop context, whether the
-context is checkpointed, grad mode and autocast. The loop index is not part of it: a layer's
-memory at one input shape must not depend on the loop it runs at except through its inputs. A
-layer that writes to its forward pass's stores (a mixture of experts keeps loop 1's routes and
-adds a balance loss) is never replayed: its calls are traced.
+A kind of call is the module's class, submodules and parameters (names, shapes, dtypes), the
+shapes, strides and dtypes of its input and of every tensor of its loop context and other
+arguments, whether the context is checkpointed, grad mode and autocast. The loop index and the
+layer number are not part of it: a layer's memory at one input shape must not depend on them
+except through its inputs. A call that writes to its forward pass's stores (a mixture of experts
+keeps loop 1's routes and adds a balance loss) is never replayed; a layer whose calls are not
+runs its own code, in which its mixers' calls (:class:`~elr_lightning.mixers.base._Mixer`'s
+``forward`` and ``modulated``) are replayed where theirs are: a mixture-of-experts layer replays
+its token mixer and traces its experts.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from elr_lightning.context import LoopContext, _Stores
+from elr_lightning.mixers.base import _Mixer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,42 +199,58 @@ class LayerReplay:
         #: Layer calls replayed and traced (non-replayable kinds) in the steps traced so far.
         self.replayed = 0
         self.traced = 0
+        self._measuring = False
 
     @contextlib.contextmanager
     def installed(
         self, layers: list[nn.Module], probe: Callable[[Callable[[], Any]], tuple[Any, int, int]]
     ) -> Iterator[None]:
-        """Replay ``layers``' calls while inside (their ``forward(x, ctx)``), measuring new kinds with ``probe``."""
+        """Replay the calls of ``layers`` (``forward(x, ctx)``) and of their mixers (``forward(x, ctx, layer)``,
+        ``modulated(x, ctx, layer, terms)``) while inside, measuring new kinds with ``probe``. A layer whose kind is
+        not replayable runs its own code, in which its mixers' calls are replayed where theirs are."""
         self._probe = probe
+        wrapped: list[tuple[nn.Module, str]] = []
         for layer in layers:
-            layer.forward = self._wrap(layer, type(layer).forward.__get__(layer))  # type: ignore[method-assign]
+            wrapped.append((layer, "forward"))
+            for module in layer.modules():
+                if isinstance(module, _Mixer):
+                    wrapped += [(module, "forward"), (module, "modulated")]
+        for module, name in wrapped:
+            setattr(module, name, self._wrap(module, name, getattr(type(module), name).__get__(module)))
         try:
             yield
         finally:
-            for layer in layers:
-                del layer.forward
+            for module, name in wrapped:
+                delattr(module, name)
             self._probe = None
 
-    def _wrap(self, layer: nn.Module, forward: Callable[[Tensor, LoopContext], Tensor]) -> Callable[..., Tensor]:
-        def replayed(x: Tensor, ctx: LoopContext) -> Tensor:
+    def _wrap(self, module: nn.Module, name: str, call: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def replayed(x: Tensor, ctx: LoopContext, *rest: Any) -> Tensor:
+            if self._measuring:  # a call inside a measured one runs as it is
+                return call(x, ctx, *rest)
             tensors = [x]
-            layout = _context_tensors(ctx, tensors)
-            params = [p for p in layer.parameters() if p.requires_grad]
+            layout = _context_tensors((ctx, rest), tensors)
+            params = [p for p in module.parameters() if p.requires_grad]
             key = (
-                type(layer),
-                tuple(type(m) for m in layer.modules()),
-                tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in layer.named_parameters()),
+                type(module),
+                name,
+                tuple(type(m) for m in module.modules()),
+                tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()),
                 _context_tensors(x, []),
                 layout,
                 torch.is_grad_enabled(),
                 torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type),
             )
             if key not in self.profiles:
-                self.profiles[key] = self._measure(forward, x, ctx, tensors, params)
+                self._measuring = True
+                try:
+                    self.profiles[key] = self._measure(call, x, ctx, rest, tensors, params)
+                finally:
+                    self._measuring = False
             profile = self.profiles[key]
             if profile is None:
                 self.traced += 1
-                return forward(x, ctx)
+                return call(x, ctx, *rest)
             self.replayed += 1
             return _Replayed.apply(profile, len(tensors), ctx.checkpointed, *tensors, *params)
 
@@ -239,13 +258,15 @@ class LayerReplay:
 
     def _measure(
         self,
-        forward: Callable[[Tensor, LoopContext], Tensor],
+        call: Callable[..., Tensor],
         x: Tensor,
         ctx: LoopContext,
+        rest: tuple[Any, ...],
         tensors: list[Tensor],
         params: list[Tensor],
     ) -> Optional[LayerProfile]:
-        """The profile of a call of ``forward`` on these inputs, or ``None`` where the layer writes to the stores."""
+        """The profile of ``call(x, ctx, *rest)`` (``tensors``: those of its arguments), or ``None`` where it writes to
+        its forward pass's stores."""
         assert self._probe is not None
         probe = self._probe
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
@@ -256,17 +277,19 @@ class LayerReplay:
             context = dataclasses.replace(_with_tensors(ctx, swap), _stores=stores)
             # hooks of this call's own, over a checkpoint's: what the layer saves is measured as it would be kept
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                return forward(inputs[0], context), stores
+                return call(inputs[0], context, *_with_tensors(rest, swap)), stores
 
         (out, stores), start, top = probe(lambda: run(leaves))
+        wrt = [t for t in [*leaves, *params] if t.requires_grad]
         if _stores_written(stores):
+            if out.requires_grad:  # run backward all the same: a graph never run backward may outlive its references
+                self._backward(out, wrt, leaves, params, accumulate=False)
             return None
         output = (out.shape, out.stride(), out.dtype)
         forward_peak = top - start
         kept = max(0, probe(lambda: None)[1] - start - _nbytes(out))
         fresh = accumulating = None
         if out.requires_grad:
-            wrt = [t for t in [*leaves, *params] if t.requires_grad]
             fresh = self._backward(out, wrt, leaves, params, accumulate=False)
             del out
             (out, _), _, _ = probe(lambda: run(leaves))

@@ -336,7 +336,8 @@ def _trace_cost(arch: dict[str, Any], target: Target) -> Callable[[Setting], flo
 def _largest(steps: Steps, setting: Setting, budget: Budget, minimum: int) -> Optional[int]:
     """The largest micro-batch at which ``setting`` fits. Each probe is traced at the setting's own k until two sizes
     are known; on the fast path later probes read the line through the traced sizes, and the size the search
-    settles on is traced; if it does not fit after all, the search runs again on traced steps alone."""
+    settles on and the next are traced; unless the first fits and the next does not, the search runs again on
+    traced steps alone."""
     traced = [setting.micro_batch]
 
     def probe(b: int) -> int:
@@ -346,9 +347,14 @@ def _largest(steps: Steps, setting: Setting, budget: Budget, minimum: int) -> Op
         return budget.score(_row(s, steps.predicted(s, traced)))
 
     found = largest_fitting(probe, budget.device, setting.micro_batch, minimum)
-    if steps.exact or found is None or found in traced:
+    if steps.exact or found is None:
         return found
-    if budget.fits(_row(setting, steps.traced(dataclasses.replace(setting, micro_batch=found)))):
+
+    def traced_fits(b: int) -> bool:
+        return budget.fits(_row(setting, steps.traced(dataclasses.replace(setting, micro_batch=b))))
+
+    # the line only placed the probes: the size found must fit and the next must not, both traced
+    if traced_fits(found) and (found >= 1 << 16 or not traced_fits(found + 1)):
         return found
     return largest_fitting(
         lambda b: budget.score(_row(setting, steps.traced(dataclasses.replace(setting, micro_batch=b)))),

@@ -12,8 +12,8 @@ are traced at every k (:func:`extrapolates`): FSDP2 with ``layer`` checkpointing
 grows unevenly: the line through k = 3 and 4 is 6-15% high at k = 5 and 6) and a mixture of experts' (the
 line through k = 2 and 3 was 1-2% low on the MoE quickstart); ``--exact`` traces every step. The
 micro-batch search traces its first probe at the row's own k, probes the line through the two traced sizes
-(each phase on its own line) and traces the size it settles on: the micro-batch it reports and the rows at
-that size are traced, never extrapolated.
+(each phase on its own line) and traces the size it settles on and the next: the micro-batch it reports and the
+rows at that size are traced, never extrapolated.
 """
 
 from __future__ import annotations
