@@ -163,8 +163,10 @@ def memory_report(
         lambda setting: extrapolates(run.target, setting, moe), cache,
     )  # fmt: skip
     # the micro-batch search's first probe past the configured step (twice its micro-batch, at K) is known in
-    # advance: the workers trace it beside the rows
-    steps.plan([*settings, configured], (dataclasses.replace(configured, micro_batch=2 * run.batch),) if search else ())
+    # advance, and so is the size after the configured one, which the search traces when it settles on the
+    # configured size (a config made to fit): the workers trace both beside the rows
+    probes = [dataclasses.replace(configured, micro_batch=b) for b in (2 * run.batch, run.batch + 1)]
+    steps.plan([*settings, configured], tuple(probes) if search else ())
     steps.load_cached()
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
