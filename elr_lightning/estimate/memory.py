@@ -732,13 +732,15 @@ def _fake_steps(
     if any(not p.is_meta for p in model.parameters()):
         raise ValueError("the memory estimate needs a module built on the meta device (under torch.device('meta'))")
     model.to(param_dtype)
+    if target.strategy == "fsdp":
+        # on the meta device, before the fake mode: FSDP2 cuts every parameter into one chunk per rank, which meta
+        # tensors do in C++ and fake tensors one Python object per chunk (most of the setup's time at 128 ranks)
+        policy = mixed_precision_policy(target.precision)
+        shard_looped_lm(
+            model, mesh, reshard_after_forward=target.reshard_after_forward, mp_policy=policy,
+            recurrent_units=target.recurrent_units, cpu_offload=target.cpu_offload,
+        )
     with fake_mode():
-        if target.strategy == "fsdp":
-            policy = mixed_precision_policy(target.precision)
-            shard_looped_lm(
-                model, mesh, reshard_after_forward=target.reshard_after_forward, mp_policy=policy,
-                recurrent_units=target.recurrent_units, cpu_offload=target.cpu_offload,
-            )
         model.to_empty(device="cpu")
         model.train()
         optimizer = primed_optimizer(module, target.gradient_clip_val)
