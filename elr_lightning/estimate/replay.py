@@ -215,6 +215,7 @@ class LayerReplay:
             for module in layer.modules():
                 if isinstance(module, _Mixer):
                     wrapped += [(module, "forward"), (module, "modulated")]
+        wrapped = list({(id(module), name): (module, name) for module, name in wrapped}.values())  # a shared module once
         for module, name in wrapped:
             setattr(module, name, self._wrap(module, name, getattr(type(module), name).__get__(module)))
         try:
