@@ -226,6 +226,9 @@ class LayerReplay:
             self._probe = None
 
     def _wrap(self, module: nn.Module, name: str, call: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        # the parameters are read at each call: a sharding strategy swaps them for gathered ones inside the call
+        structure = (type(module), name, tuple(type(m) for m in module.modules()))
+
         def replayed(x: Tensor, ctx: LoopContext, *rest: Any) -> Tensor:
             if self._measuring:  # a call inside a measured one runs as it is
                 return call(x, ctx, *rest)
@@ -233,9 +236,7 @@ class LayerReplay:
             layout = _context_tensors((ctx, rest), tensors)
             params = [p for p in module.parameters() if p.requires_grad]
             key = (
-                type(module),
-                name,
-                tuple(type(m) for m in module.modules()),
+                structure,
                 tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()),
                 _context_tensors(x, []),
                 layout,
