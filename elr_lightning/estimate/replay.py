@@ -4,7 +4,7 @@ A traced step costs time in proportion to the operations it dispatches, and most
 layers' own: the same recurrent layers at every loop, and layers of one kind (one mixer, one shape)
 over and over in each block. Under :class:`LayerReplay` the first call of each *kind of call* runs
 the layer for real, inside the step's tracker with its peak set aside (:meth:`StepTracker.probe
-<elr_lightning.estimate.memory._PeakOnly.probe>`), on detached copies of its inputs, measuring
+<elr_lightning.estimate.trackers._PeakOnly.probe>`), on detached copies of its inputs, measuring
 
 * the forward pass's peak above its start, what it keeps (output and saved activations) and which
   of its inputs its graph keeps alive (one more forward pass, on copies of its own);
@@ -190,7 +190,7 @@ class LayerReplay:
     """The profiles of the layer calls met while tracing steps on one fake model, and the wrappers that replay them.
 
     :meth:`installed` puts the wrappers on a step's layers, with the tracker's ``probe``
-    (:meth:`~elr_lightning.estimate.memory._PeakOnly.probe`) to measure new kinds of call.
+    (:meth:`~elr_lightning.estimate.trackers._PeakOnly.probe`) to measure new kinds of call.
     """
 
     def __init__(self) -> None:
