@@ -27,7 +27,6 @@ from elr_lightning.estimate import target as estimate_target
 from elr_lightning.cli import main
 from elr_lightning.core import CHECKPOINTING
 from elr_lightning.estimate.memory import (
-    FSDPStepTracker,
     Setting,
     StepMemory,
     Target,
@@ -44,6 +43,7 @@ from elr_lightning.estimate.memory import (
 from elr_lightning.estimate.fit import log_fit_estimate
 from elr_lightning.estimate.hardware import DEFAULT_DEVICE_MEMORY, detected_device_memory, parse_memory
 from elr_lightning.estimate.report import memory_report
+from elr_lightning.estimate.trackers import FSDPStepTracker
 from elr_lightning.lightning_cli import build_module, merged_config
 from elr_lightning.module import ELRModule
 from elr_lightning.strategies import shard_looped_lm
