@@ -163,9 +163,10 @@ def memory_report(
         lambda setting: extrapolates(run.target, setting, moe), cache,
     )  # fmt: skip
     # the micro-batch search's first probe past the configured step (twice its micro-batch, at K) is known in
-    # advance, and so is the size after the configured one, which the search traces when it settles on the
-    # configured size (a config made to fit): the workers trace both beside the rows
-    probes = [dataclasses.replace(configured, micro_batch=b) for b in (2 * run.batch, run.batch + 1)]
+    # advance, and so are the sizes after the configured one and after that probe, which the search traces when it
+    # settles on either (a config made to fit settles on the configured size or on its double): the workers trace
+    # them beside the rows
+    probes = [dataclasses.replace(configured, micro_batch=b) for b in (2 * run.batch, run.batch + 1, 2 * run.batch + 1)]
     steps.plan([*settings, configured], tuple(probes) if search else ())
     steps.load_cached()
     rows: list[dict[str, Any]] = []
@@ -173,6 +174,9 @@ def memory_report(
         traced: dict[str, Callable[[Setting], dict[str, StepMemory]]] = {}
 
         def trace(setting: Setting) -> dict[str, StepMemory]:
+            remote = pool.trace(setting)
+            if remote is not None:
+                return remote
             if "trace" not in traced:  # the fake model is built the first time a step is not known already
                 builder = meta_builder(config, run.path, conditioning)
                 traced["trace"] = stack.enter_context(
@@ -181,10 +185,11 @@ def memory_report(
             return traced["trace"](setting)
 
         try:
-            collect = stack.enter_context(
+            pool = stack.enter_context(
                 traced_in_workers(steps, workers, config, run.path, conditioning, run.target, prior_grads=not exact)
             )
-            collect()
+            steps.ahead = pool.submit
+            pool.collect()
             for setting in settings:
                 rows.append(_row(setting, steps(setting)))
             report["configured"] = _row(configured, steps(configured))
@@ -355,7 +360,9 @@ def _largest(steps: Steps, setting: Setting, budget: Budget, minimum: int) -> Op
     def traced_fits(b: int) -> bool:
         return budget.fits(_row(setting, steps.traced(dataclasses.replace(setting, micro_batch=b))))
 
-    # the line only placed the probes: the size found must fit and the next must not, both traced
+    # the line only placed the probes: the size found must fit and the next must not, both traced (at once,
+    # where workers run)
+    steps.trace_ahead([dataclasses.replace(setting, micro_batch=b) for b in (found, found + 1) if b <= 1 << 16])
     if traced_fits(found) and (found >= 1 << 16 or not traced_fits(found + 1)):
         return found
     return largest_fitting(

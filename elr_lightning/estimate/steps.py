@@ -87,6 +87,9 @@ class Steps:
         self.memory: dict[Setting, StepMemory] = {}
         self.extrapolated: set[Setting] = set()
         self._planned: list[Setting] = []
+        #: Starts tracing the settings it is given elsewhere, ahead of their use (the table's worker processes,
+        #: :class:`~elr_lightning.estimate.workers.WorkerPool`); by default nothing.
+        self.ahead: Callable[[list[Setting]], None] = lambda settings: None
         self._seconds = 0.0
         self._spent_cost = 0.0
 
@@ -109,6 +112,10 @@ class Steps:
             return None
         left = sum(self._cost(s) for s in self._planned if s not in self.phases)
         return left * self._seconds / self._spent_cost
+
+    def trace_ahead(self, settings: list[Setting]) -> None:
+        """Hand those of ``settings`` that are neither known nor in the cache to :attr:`ahead`, to trace at once."""
+        self.ahead([s for s in settings if s not in self.phases and not self._from_cache(s)])
 
     def load_cached(self) -> None:
         """Take every planned setting that the cache holds from it, with a line each."""

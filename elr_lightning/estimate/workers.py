@@ -4,9 +4,9 @@ A traced step is single-threaded Python (fake tensors and torch's memory tracker
 faster with a process per core: each worker builds the config's model on fake tensors once
 (:func:`~elr_lightning.estimate.memory.fake_training`, with its own fake process group under FSDP2) and
 traces the settings it is handed, the costliest first; the parent keeps the results in its
-:class:`~elr_lightning.estimate.steps.Steps` as they come, and traces what the table asks for later
-(the micro-batch search) itself. Workers are started with ``spawn``: a forked copy of a process that has
-run torch's thread pools may hang.
+:class:`~elr_lightning.estimate.steps.Steps` as they come and hands the workers what the table asks for later
+(the micro-batch search) too, so that the parent never builds a model of its own. Workers are started with
+``spawn``: a forked copy of a process that has run torch's thread pools may hang.
 """
 
 from __future__ import annotations
@@ -56,6 +56,58 @@ def _trace(setting: Setting) -> tuple[Setting, dict[str, StepMemory], float]:
     return setting, phases, time.perf_counter() - start
 
 
+class WorkerPool:
+    """The worker processes of one table: they trace the planned settings, then whatever the micro-batch search asks.
+
+    Args:
+        steps: Where the planned settings' results are recorded (:meth:`collect`).
+        pool: The started processes; ``None`` where none were started (every trace then runs in the parent).
+        workers: How many processes ``pool`` runs.
+    """
+
+    def __init__(self, steps: Steps, pool: Optional[ProcessPoolExecutor], workers: int) -> None:
+        self._steps = steps
+        self._pool = pool
+        self._workers = workers
+        self._futures: dict[Setting, Future] = {}
+
+    def submit(self, settings: list[Setting]) -> None:
+        """Start tracing each of ``settings`` not known yet nor submitted before (nothing without workers)."""
+        for setting in settings:
+            if self._pool is not None and setting not in self._futures and setting not in self._steps.phases:
+                try:
+                    self._futures[setting] = self._pool.submit(_trace, setting)
+                except (BrokenProcessPool, RuntimeError):  # a worker died: the parent traces what is left
+                    self._pool = None
+
+    def collect(self) -> None:
+        """Wait for the settings submitted so far and record each in ``steps`` as it comes."""
+        left = set(self._futures.values())
+        while left:
+            done, left = wait(left, return_when=FIRST_COMPLETED)
+            for future in done:
+                result = self._result(future)
+                if result is None:
+                    return
+                setting, phases, seconds = result
+                if setting not in self._steps.phases:
+                    self._steps.record(setting, phases, seconds, parallel=self._workers)
+
+    def trace(self, setting: Setting) -> Optional[dict[str, StepMemory]]:
+        """``setting``'s phases traced by a worker (submitted now unless it was before), or ``None`` without workers."""
+        self.submit([setting])
+        future = self._futures.get(setting)
+        result = None if future is None else self._result(future)
+        return None if result is None else result[1]
+
+    def _result(self, future: Future) -> Optional[tuple[Setting, dict[str, StepMemory], float]]:
+        try:
+            return future.result()
+        except BrokenProcessPool:  # a worker died (or could not build the model): the parent traces what is left
+            self._pool = None
+            return None
+
+
 @contextlib.contextmanager
 def traced_in_workers(
     steps: Steps,
@@ -65,35 +117,27 @@ def traced_in_workers(
     conditioning: bool,
     target: Target,
     prior_grads: bool = False,
-) -> Iterator[Callable[[], None]]:
-    """Start ``workers`` processes tracing ``steps``' pending settings; yields ``collect()``, which waits for them
-    and records each in ``steps`` as it comes (``prior_grads``: the fast path, one micro-batch after the first's
-    gradients with the layers replayed, see :func:`~elr_lightning.estimate.memory.fake_training`). With ``workers`` below 2 (or nothing pending) nothing is started
-    and ``collect`` does nothing. On exit (Ctrl-C included) unfinished work is cancelled and the workers stop."""
+) -> Iterator[WorkerPool]:
+    """Start ``workers`` processes tracing ``steps``' pending settings, the costliest first; yields their
+    :class:`WorkerPool`, whose ``collect()`` waits for them and records each in ``steps`` as it comes, and which
+    traces later settings (the micro-batch search's) in the workers too (``prior_grads``: the fast path, one
+    micro-batch after the first's gradients with the layers replayed, see
+    :func:`~elr_lightning.estimate.memory.fake_training`). With ``workers`` below 2 (or fewer than two settings
+    pending) nothing is started and the pool traces nothing. On exit (Ctrl-C included) unfinished work is
+    cancelled and the workers stop."""
     pending = steps.pending()
     if workers < 2 or len(pending) < 2:
-        yield lambda: None
+        yield WorkerPool(steps, None, 1)
         return
     workers = min(workers, len(pending))
     pool = ProcessPoolExecutor(
         max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
         initargs=(config, path, conditioning, target, prior_grads),
     )  # fmt: skip
-    futures: list[Future] = [pool.submit(_trace, setting) for setting in pending]
-
-    def collect() -> None:
-        left = set(futures)
-        while left:
-            done, left = wait(left, return_when=FIRST_COMPLETED)
-            for future in done:
-                try:
-                    setting, phases, seconds = future.result()
-                except BrokenProcessPool:
-                    return  # a worker died (or could not build the model): this process traces what is left
-                steps.record(setting, phases, seconds, parallel=workers)
-
+    handle = WorkerPool(steps, pool, workers)
+    handle.submit(pending)
     try:
-        yield collect
+        yield handle
     finally:
         processes = list((getattr(pool, "_processes", None) or {}).values())  # the executor has no public handle
         pool.shutdown(wait=False, cancel_futures=True)
@@ -103,4 +147,4 @@ def traced_in_workers(
             process.join()
 
 
-__all__ = ["traced_in_workers"]
+__all__ = ["WorkerPool", "traced_in_workers"]

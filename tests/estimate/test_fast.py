@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -176,6 +177,23 @@ def test_worker_processes_trace_the_same_table(tmp_path: Path) -> None:
     shared = memory_report(_quickstart(tmp_path), workers=2, **common)
     assert [row["peak"] for row in shared["rows"]] == [row["peak"] for row in alone["rows"]]
     assert shared["verdict"] == alone["verdict"]
+
+
+@pytest.mark.slow
+def test_the_micro_batch_search_is_traced_by_the_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With worker processes the search's steps are traced there too (the parent builds no model of its own), and
+    it settles where this process settles alone."""
+    common = dict(devices=1, device_memory="300MB", micro_batch=2, seq_len=16, loops=[1, 2], modes=["none"])
+    alone = memory_report(_quickstart(tmp_path), workers=1, **common)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the parent process built a fake model of its own")
+
+    monkeypatch.setattr(estimate_report, "fake_training", refuse)
+    shared = memory_report(_quickstart(tmp_path), workers=2, **common)
+    assert alone["largest_micro_batch"] > 2 * common["micro_batch"] + 1  # past the probes planned in advance
+    assert shared["largest_micro_batch"] == alone["largest_micro_batch"]
+    assert [row["peak"] for row in shared["rows"]] == [row["peak"] for row in alone["rows"]]
 
 
 def test_the_old_estimate_module_names_still_read_with_a_warning() -> None:
