@@ -45,10 +45,11 @@ def _small(name: str, max_loops: int = 6) -> dict:
 @pytest.mark.parametrize("strategy,world_size", [("ddp", 2), ("fsdp", 2)])
 def test_the_fast_path_matches_the_full_trace_at_every_k(name: str, strategy: str, world_size: int) -> None:
     """At every k to 6 and every mode, the extrapolated peak is within 1% of the traced one, column sums agree,
-    and k <= 4 are the traced steps themselves."""
+    and k <= 4 are the traced steps themselves. The steps are traced as the fast path traces them, their layers
+    replayed (``test_replay.py`` holds replayed steps to the full trace)."""
     config = _small(name)
     target = Target(strategy, world_size, "32-true", gradient_clip_val=1.0)
-    with fake_training(lambda: build_module(config), target, phases=True) as trace:
+    with fake_training(lambda: build_module(config), target, phases=True, replay=True) as trace:
         for checkpointing, backprop in MODES:
             traced = {k: trace(Setting(k, checkpointing, backprop, 2, 16)) for k in range(1, 7)}
             steps = Steps(lambda s: traced[s.loops], exact=False, cost=lambda s: 1.0, say=lambda line: None,
@@ -183,7 +184,7 @@ def test_worker_processes_trace_the_same_table(tmp_path: Path) -> None:
 def test_the_micro_batch_search_is_traced_by_the_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With worker processes the search's steps are traced there too (the parent builds no model of its own), and
     it settles where this process settles alone."""
-    common = dict(devices=1, device_memory="300MB", micro_batch=2, seq_len=16, loops=[1, 2], modes=["none"])
+    common = dict(devices=1, device_memory="300MB", micro_batch=2, seq_len=16, loops=[1], modes=["none"])
     alone = memory_report(_quickstart(tmp_path), workers=1, **common)
 
     def refuse(*args: Any, **kwargs: Any) -> None:
