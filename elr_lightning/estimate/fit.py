@@ -108,7 +108,7 @@ def smallest_change(
         num_nodes: Nodes of the run (``target.world_size`` is nodes x devices).
     """
     from elr_lightning.estimate.budget import at_world_size
-    from elr_lightning.estimate.memory import largest_fitting
+    from elr_lightning.estimate.search import largest_fitting
 
     start = _LIGHTER.index(setting.checkpointing) if setting.checkpointing in _LIGHTER else len(_LIGHTER)
     for mode in _LIGHTER[start + 1 :]:

@@ -626,59 +626,6 @@ def fake_mode() -> contextlib.AbstractContextManager:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def largest_fitting(peak: Callable[[int], int], budget: int, start: int, minimum: int = 1, limit: int = 1 << 16) -> Optional[int]:
-    """The largest integer ``b`` in ``[minimum, limit]`` with ``peak(b) <= budget``, or ``None`` if none fits.
-
-    ``peak`` must grow with ``b`` (a step's memory grows with its micro-batch). The search is
-    logarithmic: a probe is placed where the straight line through the nearest known peaks crosses
-    the budget (just past it while no size is known not to fit, to close the range at once: a step's
-    memory is close to affine in its micro-batch, so the search usually takes three probes), except
-    after two such probes in a row that moved the same end of the range, when it doubles the largest
-    fitting size (no size is known not to fit yet) or takes the geometric middle of the range. So a
-    peak that is far from a line (where the line alone would creep towards the answer a few sizes
-    at a time) still needs at most about ``3 log2(limit)`` probes.
-    """
-    known: dict[int, int] = {}
-
-    def fits(b: int) -> bool:
-        if b not in known:
-            known[b] = peak(b)
-        return known[b] <= budget
-
-    b = max(minimum, min(start, limit))
-    if not fits(b):
-        if b == minimum or not fits(minimum):
-            return None
-        lo, hi = minimum, b
-    else:
-        lo, hi = b, None
-    last_moved, in_a_row = "", 0  # the end the line's probes moved, and how many times in a row
-    while hi is None or hi - lo > 1:
-        if hi is None and lo == limit:
-            return lo
-        geometric = in_a_row >= 2
-        if hi is None:
-            nxt = min(limit, 2 * lo)
-            below = [x for x in known if x < lo]
-            slope = (known[lo] - known[max(below)]) / (lo - max(below)) if below else 0.0
-            if slope > 0 and not geometric:  # just past where the line through the last two fitting probes crosses
-                nxt = min(limit, max(lo + 1, int(lo + (budget - known[lo]) / slope) + 1))
-            else:
-                geometric = True
-        else:
-            slope = (known[hi] - known[lo]) / (hi - lo)
-            if slope > 0 and not geometric:
-                nxt = int(lo + (budget - known[lo]) / slope)
-            else:
-                nxt, geometric = round(math.sqrt(lo * hi)), True
-            nxt = min(hi - 1, max(lo + 1, nxt))
-        moved = "lo" if fits(nxt) else "hi"
-        lo, hi = (nxt, hi) if moved == "lo" else (lo, nxt)
-        in_a_row = 0 if geometric else (in_a_row + 1 if moved == last_moved else 1)
-        last_moved = "" if geometric else moved
-    return lo
-
-
 def measured_steps(module: ELRModule, target: Target, settings: Sequence[Setting]) -> list[StepMemory]:
     """The same steps as :func:`estimate_steps` on a real module of this process (CPU, one rank), each traced by
     ``MemTracker`` on real tensors: what the estimate is checked against.
@@ -712,7 +659,6 @@ __all__ = [
     "gdp_path",
     "half_precision",
     "has_gdp_layers",
-    "largest_fitting",
     "lightning_precision",
     "measured_steps",
     "offload_copy_bytes",

@@ -28,8 +28,8 @@ from elr_lightning.estimate.memory import (
     Target,
     default_headroom,
     fake_training,
-    largest_fitting,
 )
+from elr_lightning.estimate.search import fitting_at, largest_micro_batch, table_row
 from elr_lightning.estimate.steps import Steps, extrapolates
 from elr_lightning.estimate.workers import traced_in_workers
 from elr_lightning.estimate.target import (
@@ -48,18 +48,6 @@ from elr_lightning.lightning_cli import merged_config
 MODES: dict[str, tuple[str, Optional[int]]] = {"none": ("none", None), "loop": ("loop", None), "layer": ("layer", None), "bp1": ("none", 1)}
 
 _GIB = 2**30
-
-
-def _row(setting: Setting, memory: StepMemory) -> dict[str, Any]:
-    return {
-        "loops": setting.loops,
-        "mode": setting.label,
-        "activation_checkpointing": setting.checkpointing,
-        "backprop_loops": setting.backprop_loops,
-        "micro_batch": setting.micro_batch,
-        "seq_len": setting.seq_len,
-        **memory.as_dict(),
-    }
 
 
 def _progress(stream: Optional[TextIO]) -> Callable[[str], None]:
@@ -191,18 +179,18 @@ def memory_report(
             steps.ahead = pool.submit
             pool.collect()
             for setting in settings:
-                rows.append(_row(setting, steps(setting)))
-            report["configured"] = _row(configured, steps(configured))
+                rows.append(table_row(setting, steps(setting)))
+            report["configured"] = table_row(configured, steps(configured))
             report["largest_micro_batch"] = (
-                _largest(steps, configured, run.budget, run.virtual_ranks) if search else None
+                largest_micro_batch(steps, configured, run.budget, run.virtual_ranks) if search else None
             )
             report["per_k"] = [
-                _fitting_at(k, [row for row, s in zip(rows, settings) if s.loops == k], settings, run.budget, steps,
+                fitting_at(k, [row for row, s in zip(rows, settings) if s.loops == k], settings, run.budget, steps,
                             search, run.virtual_ranks) for k in loops
             ]  # fmt: skip
         except KeyboardInterrupt:
             known = [s for s in settings if all(t in steps.phases for t in steps.to_trace(s))]
-            report["rows"] = rows if len(rows) >= len(known) else [_row(s, steps(s)) for s in known]
+            report["rows"] = rows if len(rows) >= len(known) else [table_row(s, steps(s)) for s in known]
             raise EstimateInterrupted(report) from None
     report["rows"] = rows
     report["cached"] = sorted(f"k={s.loops} {s.label} micro-batch {s.micro_batch}" for s in steps.cached)
@@ -338,61 +326,6 @@ def _trace_cost(arch: dict[str, Any], target: Target) -> Callable[[Setting], flo
         return passes * recompute * (2 + n_in + n_out + setting.loops * n_rec)
 
     return cost
-
-
-def _largest(steps: Steps, setting: Setting, budget: Budget, minimum: int) -> Optional[int]:
-    """The largest micro-batch at which ``setting`` fits. Each probe is traced at the setting's own k until two sizes
-    are known; on the fast path later probes read the line through the traced sizes, and the size the search
-    settles on and the next are traced; unless the first fits and the next does not, the search runs again on
-    traced steps alone."""
-    traced = [setting.micro_batch]
-
-    def probe(b: int) -> int:
-        s = dataclasses.replace(setting, micro_batch=b)
-        if len(traced) < 2 and b not in traced:
-            traced.append(b)
-        return budget.score(_row(s, steps.predicted(s, traced)))
-
-    found = largest_fitting(probe, budget.device, setting.micro_batch, minimum)
-    if steps.exact or found is None:
-        return found
-
-    def traced_fits(b: int) -> bool:
-        return budget.fits(_row(setting, steps.traced(dataclasses.replace(setting, micro_batch=b))))
-
-    # the line only placed the probes: the size found must fit and the next must not, both traced (at once,
-    # where workers run)
-    steps.trace_ahead([dataclasses.replace(setting, micro_batch=b) for b in (found, found + 1) if b <= 1 << 16])
-    if traced_fits(found) and (found >= 1 << 16 or not traced_fits(found + 1)):
-        return found
-    return largest_fitting(
-        lambda b: budget.score(_row(setting, steps.traced(dataclasses.replace(setting, micro_batch=b)))),
-        budget.device, found, minimum,
-    )  # fmt: skip
-
-
-def _fitting_at(
-    k: int,
-    rows: list[dict[str, Any]],
-    settings: list[Setting],
-    budget: Budget,
-    steps: Steps,
-    search: bool,
-    minimum: int,
-) -> dict[str, Any]:
-    """The first of ``rows`` (one k, in the order of the modes) that fits, else the largest micro-batch that fits
-    under the row with the smallest footprint; ``micro_batch`` ``None`` where nothing fits."""
-    for row in rows:
-        if budget.fits(row):
-            return row
-    lightest = min(rows, key=budget.score)
-    if search:
-        setting = next(s for s in settings if s.loops == k and s.label == lightest["mode"])
-        found = _largest(steps, setting, budget, minimum)
-        if found is not None:
-            chosen = dataclasses.replace(setting, micro_batch=found)
-            return _row(chosen, steps.traced(chosen))
-    return {**lightest, "micro_batch": None}
 
 
 def format_memory_report(report: dict[str, Any]) -> str:

@@ -35,7 +35,6 @@ from elr_lightning.estimate.memory import (
     fake_mode,
     fake_process_group,
     fake_training,
-    largest_fitting,
     measured_steps,
     offload_copy_bytes,
     primed_optimizer,
@@ -43,6 +42,7 @@ from elr_lightning.estimate.memory import (
 from elr_lightning.estimate.fit import log_fit_estimate
 from elr_lightning.estimate.hardware import DEFAULT_DEVICE_MEMORY, detected_device_memory, parse_memory
 from elr_lightning.estimate.report import memory_report
+from elr_lightning.estimate.search import largest_fitting
 from elr_lightning.estimate.trackers import FSDPStepTracker
 from elr_lightning.lightning_cli import build_module, merged_config
 from elr_lightning.module import ELRModule
